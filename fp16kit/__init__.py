@@ -1,0 +1,26 @@
+"""fp16kit: mixed-precision training for PyTorch on Triton kernels, installed with pip alone.
+
+``from fp16kit import amp`` gives apex-style ``amp.initialize`` / ``amp.scale_loss`` and torch-style
+``autocast`` / ``GradScaler``; ``fp16kit.optim`` has ``FusedLAMB`` and ``FusedAdam``;
+``fp16kit.kernels`` the fused multi-tensor kernels; ``fp16kit.numerics`` the float64 references,
+format facts, Hypothesis strategies and ulp assertions used to test them.
+Importing fp16kit needs neither a GPU nor Triton nor Hypothesis.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_SUBMODULES = ("amp", "kernels", "numerics", "optim")
+
+__all__ = ["__version__", *_SUBMODULES]
+
+
+def __getattr__(name: str) -> Any:
+    # Submodules load on first use, so `import fp16kit` stays cheap.
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'fp16kit' has no attribute {name!r}")

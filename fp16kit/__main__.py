@@ -1,0 +1,28 @@
+"""Command line: ``python -m fp16kit [info|demo]`` (``info`` is the default)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fp16kit", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("info", help="versions, devices, and which kernel backend runs on each device, and why")
+    demo = sub.add_parser("demo", help="train a small model at opt levels O0-O3 and bf16; table and plot",
+                          add_help=False)
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(list(args.demo_args) + rest)
+    from ._info import report
+
+    print(report())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Torch implementations of the multi-tensor kernels, for where Triton cannot run.
+
+Same contracts as the Triton kernels (see ``fp16kit.kernels``), built from ``torch._foreach_*`` ops so
+that a list still costs a handful of launches, and with no host sync: flags and norms stay tensors.
+They also serve tensors the Triton kernels do not take (non-contiguous, float64), so they accept any
+strided layout; float64 tensors are computed in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["copy_", "nonfinite_flag", "scaled", "sumsq_per_tensor", "unscale"]
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def nonfinite_flag(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """0-dim bool tensor: does any element of ``tensors`` hold inf or NaN?
+
+    The max of per-tensor inf-norms is non-finite exactly when some element is (NaN propagates
+    through ``max``); unlike a sum it cannot overflow from finite values.
+    """
+    norms = torch._foreach_norm(list(tensors), float("inf"))
+    return ~torch.isfinite(torch.stack([n.float() for n in norms]).max())
+
+
+def scaled(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> list[torch.Tensor]:
+    """``math(x) * scale`` for each tensor (fp32 math, fp64 for fp64 tensors), as new tensors."""
+    math = _math_dtype(tensors[0].dtype)
+    return torch._foreach_mul([x.to(math) for x in tensors], scale.to(math).reshape(()))
+
+
+def unscale(
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    sq_norm: torch.Tensor | None,
+) -> None:
+    """``outputs[i] = round(math(inputs[i]) * inv_scale)``; flag and sum of squares as the kernel does."""
+    if not inputs:
+        return
+    ys = scaled(inputs, inv_scale)
+    for out, y in zip(outputs, ys):
+        out.copy_(y)
+    torch.maximum(found_inf, nonfinite_flag(outputs).float(), out=found_inf)
+    if sq_norm is not None:
+        sq_norm.add_(sumsq_per_tensor(ys).sum().float().reshape(sq_norm.shape))
+
+
+def sumsq_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """fp32 (fp64 for fp64 input) sum of squares of each tensor, accumulated in fp32 or wider."""
+    if not tensors:
+        return torch.zeros(0)
+    math = _math_dtype(tensors[0].dtype)
+    norms = torch._foreach_norm(list(tensors), 2, dtype=math)
+    return torch.stack(norms).square()
+
+
+def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for the whole list."""
+    if dst:
+        torch._foreach_copy_(list(dst), list(src))

@@ -1,0 +1,98 @@
+"""Triton kernel and launcher: multi-tensor sum of squares, one fp32 partial per chunk.
+
+Math: for chunk ``c`` of tensor ``t``, ``partials[c] = sum((fp32(x) * pre_scale)^2)`` over the chunk,
+reduced as a tree inside the block in fp32 (fp16 inputs are widened first, so squares of values
+above 256 do not overflow). The caller sums the partials (deterministically, in a fixed order) into
+the global and per-tensor norms. With ``found_inf`` given, a non-finite input raises it to 1.
+
+A second, tiny kernel sums each tensor's chunk partials in order (deterministic, no atomics, no host
+sync), giving per-tensor sums of squares; LAMB's trust ratios reuse it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._table import ChunkTable, chunk_table, num_programs, triton_dtype
+
+
+@triton.jit
+def _sumsq_kernel(
+    ptrs,
+    numels,
+    chunk_tensor,
+    chunk_start,
+    num_chunks,
+    pre_scale_ptr,
+    found_inf_ptr,
+    partials_ptr,
+    IN_DTYPE: tl.constexpr,
+    CHECK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pre_scale = tl.load(pre_scale_ptr).to(tl.float32)
+    bad = tl.zeros((BLOCK,), dtype=tl.int32)
+    for c in range(pid, num_chunks, tl.num_programs(0)):
+        t = tl.load(chunk_tensor + c)
+        offs = tl.load(chunk_start + c) + tl.arange(0, BLOCK)
+        mask = offs < tl.load(numels + t)
+        src = tl.load(ptrs + t).to(tl.pointer_type(IN_DTYPE))
+        x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32) * pre_scale
+        tl.store(partials_ptr + c, tl.sum(x * x, axis=0))
+        if CHECK:
+            bad = tl.maximum(bad, (mask & ~(tl.abs(x) < float("inf"))).to(tl.int32))
+    if CHECK:
+        tl.atomic_max(found_inf_ptr, tl.max(bad, axis=0).to(tl.float32))
+
+
+@triton.jit
+def _segment_sum_kernel(partials_ptr, counts_ptr, first_ptr, out_ptr, num_tensors, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    for t in range(pid, num_tensors, tl.num_programs(0)):
+        first = tl.load(first_ptr + t)
+        count = tl.load(counts_ptr + t)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(0, count, BLOCK):
+            offs = s + tl.arange(0, BLOCK)
+            acc += tl.load(partials_ptr + first + offs, mask=offs < count, other=0.0)
+        tl.store(out_ptr + t, tl.sum(acc, axis=0))
+
+
+def segment_sums(partials: torch.Tensor, table: ChunkTable) -> torch.Tensor:
+    """Per-tensor totals of per-chunk values (chunks of a tensor are adjacent in the table)."""
+    out = torch.empty(table.num_tensors, dtype=torch.float32, device=partials.device)
+    grid = (num_programs(partials.device, table.num_tensors),)
+    _segment_sum_kernel[grid](partials, table.chunk_counts, table.first_chunk, out, table.num_tensors, BLOCK=1024)
+    return out
+
+
+def launch_sumsq(
+    tensors: Sequence[torch.Tensor],
+    pre_scale: torch.Tensor,
+    found_inf: torch.Tensor | None,
+) -> tuple[torch.Tensor, ChunkTable]:
+    """One launch over contiguous, non-empty ``tensors`` of one dtype: per-chunk sums of squares."""
+    table = chunk_table([tensors])
+    device = tensors[0].device
+    partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
+    grid = (num_programs(device, table.num_chunks),)
+    _sumsq_kernel[grid](
+        table.ptrs,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_start,
+        table.num_chunks,
+        pre_scale,
+        found_inf if found_inf is not None else partials,
+        partials,
+        IN_DTYPE=triton_dtype(tensors[0].dtype),
+        CHECK=found_inf is not None,
+        BLOCK=table.block,
+        num_warps=8,
+    )
+    return partials, table

@@ -1,0 +1,202 @@
+"""Public multi-tensor operations: validate, pick a backend, launch once per dtype group.
+
+Each function takes whole lists of tensors. Contiguous fp16/bf16/fp32 tensors go to the Triton kernels
+(one launch per dtype combination, via a cached address table) when the backend is Triton or the Triton
+interpreter; non-contiguous or float64 tensors, and every tensor when the backend is the torch
+fallback, go to ``fp16kit.kernels.fallback``. No function syncs with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import fallback
+from ._checks import (
+    KERNEL_DTYPES,
+    check_flag,
+    check_pairs,
+    check_scalar_tensor,
+    check_tensor_list,
+    common_device,
+)
+from ._table import group_by
+from .backend import Backend, select_backend
+
+__all__ = ["copy_", "l2norm", "unscale_and_check"]
+
+
+def _device_scalar(fn: str, name: str, value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A Python float becomes a one-element fp32 tensor on ``device`` (a fill, not a host sync)."""
+    if isinstance(value, torch.Tensor):
+        check_scalar_tensor(fn, name, value, device)
+        return value.reshape(1)
+    return torch.full((1,), float(value), dtype=torch.float32, device=device)
+
+
+def _partition(device: torch.device, rows: Sequence[tuple[torch.Tensor, ...]]) -> tuple[list[int], list[int]]:
+    """Indices of rows the Triton kernels take (backend allows it; contiguous fp16/bf16/fp32, non-empty)
+    and of the rest, which the torch fallback handles (any strides, float64, or a torch backend)."""
+    if select_backend(device).backend is Backend.TORCH:
+        return [], list(range(len(rows)))
+    kernel, rest = [], []
+    for i, row in enumerate(rows):
+        ok = row[0].numel() > 0 and all(t.dtype in KERNEL_DTYPES and t.is_contiguous() for t in row)
+        (kernel if ok else rest).append(i)
+    return kernel, rest
+
+
+def _dtype_groups(indices: list[int], rows: Sequence[tuple[torch.Tensor, ...]]) -> list[list[int]]:
+    """``indices`` split by the dtypes of their row (one launch each), order kept."""
+    groups = group_by([tuple(t.dtype for t in rows[i]) for i in indices])
+    return [[indices[j] for j in idx] for idx in groups.values()]
+
+
+def _scatter(dst: torch.Tensor, chosen: list[int], values: torch.Tensor) -> None:
+    """``dst[chosen] = values``; the common all-in-order case needs no index tensor."""
+    if len(chosen) == dst.numel() and chosen == list(range(len(chosen))):
+        dst.copy_(values)
+    else:
+        dst[torch.tensor(chosen, device=dst.device)] = values
+
+
+def unscale_and_check(
+    tensors: Sequence[torch.Tensor],
+    inv_scale: float | torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    out: Sequence[torch.Tensor] | None = None,
+    sq_norm: torch.Tensor | None = None,
+) -> None:
+    """Unscale a list of tensors and flag inf/NaN, in one fused pass per dtype group.
+
+    For every element ``x`` of ``tensors[i]``::
+
+        y = fp32(x) * inv_scale                 # float64 math for float64 tensors
+        w = round_to_nearest_even(y, dtype of the destination)
+        destination[i] = w                       # ``out[i]`` if given, else ``tensors[i]`` in place
+        found_inf = 1 if any w is inf or NaN      # never cleared: zero it before the first call
+        sq_norm += sum(y * y)                      # only when ``sq_norm`` is given
+
+    Args:
+        tensors: floating tensors (fp16, bf16, fp32, fp64; dtypes may be mixed), all on one device.
+        inv_scale: ``1 / loss_scale`` as a Python float or a one-element tensor on that device; a
+            tensor is read by the kernel, so a scale that lives on the GPU costs no host sync.
+        found_inf: one-element float32 tensor on that device; raised to 1, never lowered.
+        out: optional destinations of any float dtype, paired with ``tensors`` by position (e.g. fp16
+            model grads unscaled into fp32 master grads). ``out=None`` writes in place.
+        sq_norm: optional one-element float32 tensor that accumulates the squared L2 norm of the
+            unscaled values ``y`` (before rounding to the destination dtype), so gradient clipping and
+            LAMB's global norm cost no second read of the gradients.
+
+    Checking the *written* value catches inputs that are already inf/NaN as well as finite values
+    that overflow only after scaling (``inv_scale > 1``) or after the cast (fp32 -> fp16 ``out``).
+    """
+    fn = "unscale_and_check"
+    inputs = check_tensor_list(fn, "tensors", tensors)
+    outputs = inputs if out is None else check_tensor_list(fn, "out", out)
+    if out is not None:
+        check_pairs(fn, "tensors", inputs, "out", outputs)
+    device = common_device(fn, inputs, outputs)
+    check_flag(fn, found_inf, device)
+    if sq_norm is not None:
+        check_flag(fn, sq_norm, device, name="sq_norm")
+    if device is None:
+        return
+    scale = _device_scalar(fn, "inv_scale", inv_scale, device)
+    flag = found_inf.reshape(1)
+
+    rows = list(zip(inputs, outputs))
+    kernel_idx, rest_idx = _partition(device, rows)
+    partials = []
+    if kernel_idx:
+        from .unscale_kernel import launch_unscale
+
+        for chosen in _dtype_groups(kernel_idx, rows):
+            p = launch_unscale(
+                [inputs[i] for i in chosen], [outputs[i] for i in chosen], scale, flag, sq_norm is not None
+            )
+            if p is not None:
+                partials.append(p)
+    for chosen in _dtype_groups(rest_idx, rows):
+        fallback.unscale([inputs[i] for i in chosen], [outputs[i] for i in chosen], scale, flag, sq_norm)
+    if sq_norm is not None and partials:
+        sq_norm.add_(torch.cat(partials).sum().reshape(sq_norm.shape))
+
+
+def l2norm(
+    tensors: Sequence[torch.Tensor],
+    *,
+    per_tensor: bool = False,
+    pre_scale: float | torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """fp32 L2 norm of a whole list of tensors, optionally with each tensor's own norm.
+
+    Math: ``norm = sqrt(sum_i sum_j (fp32(x_ij) * pre_scale)^2)``. Squares are accumulated in fp32
+    (fp16 inputs are widened first, so fp16 values above 256 do not overflow), per block of 4096
+    elements as a tree, then over blocks in a fixed order: results are deterministic run to run.
+
+    Args:
+        tensors: floating tensors on one device (dtypes may be mixed).
+        per_tensor: also return the 1-D fp32 tensor of per-tensor norms, as ``(global, per_tensor)``.
+        pre_scale: multiply every element by this first (e.g. ``inv_scale`` to get the norm of
+            unscaled gradients); Python float or one-element device tensor.
+        found_inf: optional one-element float32 flag raised to 1 if any scaled element is inf/NaN.
+
+    Returns:
+        A 0-dim fp32 tensor on the tensors' device (``(global, per_tensor)`` with ``per_tensor``).
+        An empty list gives 0 (on the CPU).
+    """
+    fn = "l2norm"
+    items = check_tensor_list(fn, "tensors", tensors)
+    device = common_device(fn, items)
+    if found_inf is not None:
+        check_flag(fn, found_inf, device)
+    if device is None:
+        zero = torch.zeros((), dtype=torch.float32)
+        return (zero, torch.zeros(0, dtype=torch.float32)) if per_tensor else zero
+    scale = _device_scalar(fn, "pre_scale", 1.0 if pre_scale is None else pre_scale, device)
+    flag = None if found_inf is None else found_inf.reshape(1)
+
+    sumsq = torch.zeros(len(items), dtype=torch.float32, device=device)
+    rows = [(t,) for t in items]
+    kernel_idx, rest_idx = _partition(device, rows)
+    if kernel_idx:
+        from .l2norm_kernel import launch_sumsq, segment_sums
+
+        for chosen in _dtype_groups(kernel_idx, rows):
+            partials, table = launch_sumsq([items[i] for i in chosen], scale, flag)
+            _scatter(sumsq, chosen, segment_sums(partials, table))
+    for chosen in _dtype_groups(rest_idx, rows):
+        ys = fallback.scaled([items[i] for i in chosen], scale)
+        _scatter(sumsq, chosen, fallback.sumsq_per_tensor(ys).float())
+        if flag is not None:
+            torch.maximum(flag, fallback.nonfinite_flag(ys).float(), out=flag)
+    total = sumsq.sum().sqrt()
+    return (total, sumsq.sqrt()) if per_tensor else total
+
+
+def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for whole lists: one launch per (source, destination) dtype pair.
+
+    Casts round to nearest even, bit-identical to ``Tensor.copy_`` (e.g. fp32 master weights into
+    fp16/bf16 model params). ``dst[i]`` and ``src[i]`` must have the same shape.
+    """
+    fn = "copy_"
+    dsts = check_tensor_list(fn, "dst", dst)
+    srcs = check_tensor_list(fn, "src", src)
+    check_pairs(fn, "dst", dsts, "src", srcs)
+    device = common_device(fn, dsts, srcs)
+    if device is None:
+        return
+    rows = list(zip(srcs, dsts))
+    kernel_idx, rest_idx = _partition(device, rows)
+    if kernel_idx:
+        from .copy_kernel import launch_copy
+
+        for chosen in _dtype_groups(kernel_idx, rows):
+            launch_copy([dsts[i] for i in chosen], [srcs[i] for i in chosen])
+    for chosen in _dtype_groups(rest_idx, rows):
+        fallback.copy_([dsts[i] for i in chosen], [srcs[i] for i in chosen])

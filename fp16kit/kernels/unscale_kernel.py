@@ -1,0 +1,89 @@
+"""Triton kernel and launcher: fused unscale + inf/NaN check (+ optional squared norm) over many tensors.
+
+Math, per element ``x`` of every tensor:  ``y = fp32(x) * inv_scale``; ``out = round_to(y, out.dtype)``.
+``found_inf`` is raised to 1 when any written ``out`` is inf/NaN. Checking the written value covers
+every case: a non-finite input stays non-finite after scaling, and a finite input that overflows
+after scaling (``inv_scale > 1``) or after the cast (fp32 -> fp16) is caught too.
+With ``WITH_NORM`` each chunk also writes ``sum(y * y)`` (fp32, tree-reduced) into ``partials[c]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._rounding import round_to
+from ._table import chunk_table, num_programs, triton_dtype
+
+
+@triton.jit
+def _unscale_kernel(
+    ptrs,  # int64 [2 * T]: row 0 inputs, row 1 outputs (the same addresses when in place)
+    num_tensors,
+    numels,
+    chunk_tensor,
+    chunk_start,
+    num_chunks,
+    inv_scale_ptr,
+    found_inf_ptr,
+    partials_ptr,
+    IN_DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    WITH_NORM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    inv_scale = tl.load(inv_scale_ptr).to(tl.float32)
+    # Per-program flag, published with one atomic at the end instead of one per chunk.
+    bad = tl.zeros((BLOCK,), dtype=tl.int32)
+    for c in range(pid, num_chunks, tl.num_programs(0)):
+        t = tl.load(chunk_tensor + c)
+        offs = tl.load(chunk_start + c) + tl.arange(0, BLOCK)
+        mask = offs < tl.load(numels + t)
+        src = tl.load(ptrs + t).to(tl.pointer_type(IN_DTYPE))
+        dst = tl.load(ptrs + num_tensors + t).to(tl.pointer_type(OUT_DTYPE))
+        y = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32) * inv_scale
+        written = round_to(y, OUT_DTYPE)
+        tl.store(dst + offs, written, mask=mask)
+        # `abs(v) < inf` is false for +-inf and for NaN (an ordered comparison).
+        bad = tl.maximum(bad, (mask & ~(tl.abs(written.to(tl.float32)) < float("inf"))).to(tl.int32))
+        if WITH_NORM:
+            tl.store(partials_ptr + c, tl.sum(tl.where(mask, y * y, 0.0), axis=0))
+    tl.atomic_max(found_inf_ptr, tl.max(bad, axis=0).to(tl.float32))
+
+
+def launch_unscale(
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    with_norm: bool,
+) -> torch.Tensor | None:
+    """One launch for contiguous, non-empty ``inputs`` of one dtype and ``outputs`` of one dtype.
+
+    Returns the per-chunk partial sums of squares (fp32, one per chunk) when ``with_norm``.
+    """
+    table = chunk_table([inputs, outputs])
+    device = inputs[0].device
+    partials = torch.empty(table.num_chunks if with_norm else 1, dtype=torch.float32, device=device)
+    grid = (num_programs(device, table.num_chunks),)
+    _unscale_kernel[grid](
+        table.ptrs,
+        table.num_tensors,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_start,
+        table.num_chunks,
+        inv_scale,
+        found_inf,
+        partials,
+        IN_DTYPE=triton_dtype(inputs[0].dtype),
+        OUT_DTYPE=triton_dtype(outputs[0].dtype),
+        WITH_NORM=with_norm,
+        BLOCK=table.block,
+        num_warps=8,
+    )
+    return partials if with_norm else None

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv with a CPU build of torch, triton and fp16kit with its extras.
+# Safe to run twice: it installs only what is missing. Never pulls a CUDA build of torch:
+# torch is pinned to the CPU wheel and installed before anything that depends on it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${FP16KIT_VENV:-.venv}
+TORCH_VERSION=${FP16KIT_TORCH:-2.13.0}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+pip_q() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored" || true; }
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  echo "[setup] installing torch==$TORCH_VERSION (CPU wheel)"
+  pip_q "torch==$TORCH_VERSION"
+fi
+extras=${1:-testing,demo}
+stamp="$VENV/.fp16kit-installed-$extras-$(cat pyproject.toml | cksum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ]; then
+  echo "[setup] installing fp16kit[$extras] (editable) with triton"
+  pip_q -e ".[$extras]"
+  "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" \
+    || { echo "[setup] torch was changed by a dependency; refusing a non-CPU build" >&2; exit 1; }
+  touch "$stamp"
+fi
