@@ -9,10 +9,10 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from fp16kit.kernels.backend import interpreter_active, triton_available, use_backend  # noqa: E402
+from fp16kit.kernels.backend import interpreter_active, triton_available, use_backend
 
 HAS_CUDA = torch.cuda.is_available()
 
