@@ -1,0 +1,71 @@
+"""fp16kit.amp: mixed precision, apex-style and torch-style, on one engine.
+
+apex style::
+
+    from fp16kit import amp
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+
+torch style::
+
+    scaler = amp.GradScaler()
+    with amp.autocast(dtype=torch.float16):
+        loss = model(x)
+    scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()
+
+Names resolve lazily to the module that defines them (one job per module), so importing
+``fp16kit.amp`` is cheap and each part can be used alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> defining module (relative to this package)
+_EXPORTS = {
+    # cast policy table and registration (cast-policy.md)
+    "Rule": ".policy",
+    "register_half_function": ".policy",
+    "register_float_function": ".policy",
+    "register_promote_function": ".policy",
+    "policy_override": ".policy",
+    "policy_table": ".policy",
+    "print_policy": ".policy",
+    # autocast (torch style) and cast control
+    "autocast": ".autocast",
+    "disable_casts": ".autocast",
+    "is_autocast_enabled": ".autocast",
+    # decorators for user functions and custom autograd functions
+    "half_function": ".functions",
+    "float_function": ".functions",
+    "promote_function": ".functions",
+    "custom_fwd": ".functions",
+    "custom_bwd": ".functions",
+    # loss scaling
+    "LossScaler": ".loss_scaler",
+    "GradScaler": ".grad_scaler",
+    # apex-style frontend (apex-amp.md)
+    "initialize": ".frontend",
+    "scale_loss": ".frontend",
+    "master_params": ".frontend",
+    "state_dict": ".frontend",
+    "load_state_dict": ".frontend",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fp16kit.amp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
