@@ -1,0 +1,37 @@
+"""fp16kit.numerics: format facts, float64 references, ulp assertions and Hypothesis strategies.
+
+Public, so users can test their own numeric code the way fp16kit tests its kernels:
+
+- :mod:`~fp16kit.numerics.formats`: ``FloatFormat`` facts for fp16/bf16/fp32/fp64, ``ulp``, ``ulp_distance``.
+- :mod:`~fp16kit.numerics.reference`: float64 reference implementations of every kernel.
+- :mod:`~fp16kit.numerics.assertions`: ``assert_ulp_close``, ``assert_bitwise_equal``, ``assert_nonfinite_agree``.
+- :mod:`~fp16kit.numerics.strategies`: Hypothesis strategies (needs ``fp16kit[testing]``; imported on use).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .assertions import assert_bitwise_equal, assert_nonfinite_agree, assert_ulp_close
+from .formats import FORMATS, FloatFormat, format_of, ulp, ulp_distance
+
+__all__ = [
+    "FORMATS",
+    "FloatFormat",
+    "assert_bitwise_equal",
+    "assert_nonfinite_agree",
+    "assert_ulp_close",
+    "format_of",
+    "reference",
+    "strategies",
+    "ulp",
+    "ulp_distance",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # `strategies` needs hypothesis, an optional dependency: import it only when asked for.
+    if name in ("strategies", "reference"):
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'fp16kit.numerics' has no attribute {name!r}")

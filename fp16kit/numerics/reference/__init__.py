@@ -1,0 +1,9 @@
+"""float64 reference implementations of every fp16kit kernel (the spec, readable and slow).
+
+``kernels``: unscale-and-check, L2 norm, cast copy, and the exact rounding they use.
+``optim``: LAMB (apex's FusedLAMB math) and Adam/AdamW.
+"""
+
+from .kernels import UnscaleResult, copy, l2norm, round_to_format, unscale_and_check
+
+__all__ = ["UnscaleResult", "copy", "l2norm", "round_to_format", "unscale_and_check"]
