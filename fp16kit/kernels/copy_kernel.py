@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._rounding import round_to
+from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
 
@@ -39,7 +39,7 @@ def _copy_kernel(
         if SRC_DTYPE == DST_DTYPE:
             tl.store(dst + offs, x, mask=mask)
         else:
-            tl.store(dst + offs, round_to(x.to(tl.float32), DST_DTYPE), mask=mask)
+            tl.store(dst + offs, round_to(to_fp32(x), DST_DTYPE), mask=mask)
 
 
 def launch_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._rounding import to_fp32
 from ._table import ChunkTable, chunk_table, num_programs, triton_dtype
 
 
@@ -42,7 +43,7 @@ def _sumsq_kernel(
         offs = tl.load(chunk_start + c) + tl.arange(0, BLOCK)
         mask = offs < tl.load(numels + t)
         src = tl.load(ptrs + t).to(tl.pointer_type(IN_DTYPE))
-        x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32) * pre_scale
+        x = to_fp32(tl.load(src + offs, mask=mask, other=0.0)) * pre_scale
         tl.store(partials_ptr + c, tl.sum(x * x, axis=0))
         if CHECK:
             bad = tl.maximum(bad, (mask & ~(tl.abs(x) < float("inf"))).to(tl.int32))

@@ -36,13 +36,15 @@ def _device_scalar(fn: str, name: str, value: float | torch.Tensor, device: torc
 
 
 def _partition(device: torch.device, rows: Sequence[tuple[torch.Tensor, ...]]) -> tuple[list[int], list[int]]:
-    """Indices of rows the Triton kernels take (backend allows it; contiguous fp16/bf16/fp32, non-empty)
-    and of the rest, which the torch fallback handles (any strides, float64, or a torch backend)."""
+    """Indices of rows the Triton kernels take (backend allows it; contiguous fp16/bf16/fp32) and of the
+    rest, which the torch fallback handles (any strides, float64, or a torch backend). Empty rows are
+    in neither: there is nothing to do for them."""
+    nonempty = [i for i, row in enumerate(rows) if row[0].numel() > 0]
     if select_backend(device).backend is Backend.TORCH:
-        return [], list(range(len(rows)))
+        return [], nonempty
     kernel, rest = [], []
-    for i, row in enumerate(rows):
-        ok = row[0].numel() > 0 and all(t.dtype in KERNEL_DTYPES and t.is_contiguous() for t in row)
+    for i in nonempty:
+        ok = all(t.dtype in KERNEL_DTYPES and t.is_contiguous() for t in rows[i])
         (kernel if ok else rest).append(i)
     return kernel, rest
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._rounding import round_to
+from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
 
@@ -45,7 +45,7 @@ def _unscale_kernel(
         mask = offs < tl.load(numels + t)
         src = tl.load(ptrs + t).to(tl.pointer_type(IN_DTYPE))
         dst = tl.load(ptrs + num_tensors + t).to(tl.pointer_type(OUT_DTYPE))
-        y = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32) * inv_scale
+        y = to_fp32(tl.load(src + offs, mask=mask, other=0.0)) * inv_scale
         written = round_to(y, OUT_DTYPE)
         tl.store(dst + offs, written, mask=mask)
         # `abs(v) < inf` is false for +-inf and for NaN (an ordered comparison).

@@ -14,7 +14,7 @@ import importlib
 from typing import Any
 
 from .assertions import assert_bitwise_equal, assert_nonfinite_agree, assert_ulp_close
-from .formats import FORMATS, FloatFormat, format_of, ulp, ulp_distance
+from .formats import FORMATS, FloatFormat, format_of, gamma, ulp, ulp_distance, unit_roundoff
 
 __all__ = [
     "FORMATS",
@@ -23,10 +23,12 @@ __all__ = [
     "assert_nonfinite_agree",
     "assert_ulp_close",
     "format_of",
+    "gamma",
     "reference",
     "strategies",
     "ulp",
     "ulp_distance",
+    "unit_roundoff",
 ]
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORMATS", "FloatFormat", "format_of", "ulp", "ulp_distance"]
+__all__ = ["FORMATS", "FloatFormat", "format_of", "gamma", "ulp", "ulp_distance", "unit_roundoff"]
 
 
 @dataclass(frozen=True)
@@ -124,3 +124,21 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a, b = torch.broadcast_tensors(a, b)
     dist = (_ordered_ints(a) - _ordered_ints(b)).abs()
     return torch.where(torch.isnan(a) | torch.isnan(b), torch.full_like(dist, -1), dist)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """``u = eps / 2``: the largest relative error of one round-to-nearest operation in ``dtype``."""
+    return format_of(dtype).eps / 2
+
+
+def gamma(n: int, dtype: torch.dtype) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)``: relative error bound of ``n`` chained roundings.
+
+    Summing ``n`` non-negative terms in any order (serial, tree or blocked) has relative error at
+    most ``gamma_(n-1)``; a tree of depth ``d`` has at most ``gamma_d``. Use it to derive tolerances
+    for reductions such as norms.
+    """
+    nu = n * unit_roundoff(dtype)
+    if nu >= 1:
+        raise ValueError(f"gamma({n}) is unbounded in {dtype}: n * u >= 1")
+    return nu / (1 - nu)
