@@ -1,0 +1,557 @@
+"""``fp16kit.amp.GradScaler``: ``torch.amp.GradScaler``'s API and semantics on fp16kit's fused kernels.
+
+Usage is torch's::
+
+    scaler = GradScaler()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)            # optional, e.g. before clip_grad_norm_
+    scaler.step(optimizer)                # skipped when the grads hold inf/NaN
+    scaler.update()                       # once per iteration, after every optimizer stepped
+
+What is the same as torch: the methods, keywords, errors (messages included), the per-optimizer stages
+(ready / unscaled / stepped), the ``_step_supports_amp_scaling`` hand-over of ``grad_scale`` and
+``found_inf`` to fused optimizers (torch's fused Adam/AdamW/SGD included), ``state_dict`` keys, and
+with default options the exact scale trajectory (the update is torch's own op; see ``LossScaler``).
+
+What fp16kit adds:
+
+* The scale lives in a :class:`~fp16kit.amp.loss_scaler.LossScaler` (device-side, no host sync in
+  ``update``), which brings ``hysteresis``, ``min_scale``/``max_scale`` and a warning when every step
+  is being skipped (``warn_after_skips``).
+* Gradients are unscaled and checked by ``fp16kit.kernels.unscale_and_check``: one fused pass per
+  device for all dtypes (Triton on CUDA), checking the *unscaled* values.
+* fp16 gradients are accepted (torch raises "Attempting to unscale FP16 gradients."): each value is
+  unscaled in fp32 arithmetic and rounded once; a one-time warning says that values below fp16's
+  smallest subnormal (2**-24) flush to zero when written back to fp16.
+* fp16kit's own fused optimizers (``_fp16kit_checks_inf = True``) check for inf/NaN in their own first
+  pass, so ``step`` hands them a zeroed flag and runs no check pass of its own (see ``step``).
+
+Differences: ``device`` defaults to ``None`` (the device of the first tensor given to ``scale``)
+instead of ``"cuda"``; ``max_scale`` defaults to ``2**24`` (torch has no cap; pass ``max_scale=None``
+for torch's trajectory beyond 2**24); sparse gradients are always coalesced before the check (torch
+coalesces only fp16 ones), since coalescing adds values and can itself overflow.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections import abc, defaultdict
+from enum import Enum
+from typing import Any, overload
+
+import torch
+
+from ..kernels import unscale_and_check
+from .loss_scaler import LossScaler
+
+__all__ = ["GradScaler", "OptState"]
+
+
+class OptState(Enum):
+    """Where an optimizer is in the current iteration (torch's ``torch.amp.grad_scaler.OptState``)."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _refresh_per_optimizer_state() -> dict[str, Any]:
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+class _PerDevice:
+    """Copies of one device tensor on other devices, made once (non-blocking) and cached."""
+
+    def __init__(self, master: torch.Tensor) -> None:
+        self.master = master
+        self._copies: dict[torch.device, torch.Tensor] = {master.device: master}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        t = self._copies.get(device)
+        if t is None:
+            t = self._copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
+        return t
+
+
+_FP16_GRAD_WARNING = (
+    "fp16kit GradScaler: unscaling float16 gradients in place. The unscale runs in fp32 arithmetic and the "
+    "inf/NaN check sees the true values, but unscaled values below 2**-24 (fp16's smallest subnormal) flush to "
+    "zero when written back to fp16. Keep fp32 master gradients (fp16kit.amp.initialize(..., opt_level='O2')) "
+    "where that matters."
+)
+
+
+class GradScaler:
+    """Dynamic loss scaling for mixed-precision training, with ``torch.amp.GradScaler``'s interface.
+
+    Args:
+        device: device type (``"cuda"``, ``"cpu"``, ...) or ``None`` (default) to follow the first tensor
+            passed to :meth:`scale`. ``"cuda"`` without CUDA warns and disables the scaler, as torch does.
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in torch.
+        hysteresis: consecutive overflows tolerated before backing off (1 = torch's behaviour).
+        min_scale: floor for the scale on backoff (``None``: none).
+        max_scale: cap for the scale on growth (``None``: torch's "only while finite").
+        warn_after_skips: warn when this many steps in a row were skipped (``None``: never); checked on the
+            host once every that many updates, never with a per-step sync (see ``LossScaler``).
+
+    The scale trajectory is the state machine of ``LossScaler``: per update,
+    ``S <- max(S * backoff_factor, min_scale)`` after ``hysteresis`` consecutive overflows, and
+    ``S <- min(S * growth_factor, max_scale)`` (if finite) after ``growth_interval`` clean steps.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = 2.0**24,
+        warn_after_skips: int | None = 50,
+    ) -> None:
+        self._device = None if device is None else torch.device(device).type
+        self._enabled = bool(enabled)
+        if self._device == "cuda" and self._enabled and not torch.cuda.is_available():
+            warnings.warn("GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
+            self._enabled = False
+        self._warned_fp16 = False
+        self._scaler: LossScaler | None = None
+        self._scale0: torch.Tensor | None = None  # 0-dim view of the scale, for scale() and torch optimizers
+        if not self._enabled:
+            return
+        if growth_factor <= 1.0:
+            raise AssertionError("The growth factor must be > 1.0.")
+        if backoff_factor >= 1.0:
+            raise AssertionError("The backoff factor must be < 1.0.")
+        self._options = dict(
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            warn_after_skips=warn_after_skips,
+        )
+        # Validate every option now (a LossScaler on the CPU), not at the first scale() call.
+        self._pending_state = LossScaler(**self._options, device="cpu").state_dict()
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+
+    # ------------------------------------------------------------------ the scale tensor
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The device-side :class:`LossScaler` (``None`` until the first :meth:`scale` call)."""
+        return self._scaler
+
+    def _lazy_init(self, device: torch.device) -> None:
+        scaler = LossScaler(**self._options, device=device)
+        scaler.load_state_dict(self._pending_state)
+        self._scaler = scaler
+
+    def _check_scale_growth_tracker(self, funcname: str) -> LossScaler:
+        if self._scaler is None:
+            raise AssertionError(
+                f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
+                f"scaler.scale(loss or outputs) earlier in the iteration."
+            )
+        return self._scaler
+
+    def _scale_tensor(self, device: torch.device) -> torch.Tensor:
+        """The current scale as a 0-dim tensor (a view: later updates show through), lazily created."""
+        if self._scaler is None:
+            self._lazy_init(device)
+        scale = self._scaler.scale  # type: ignore[union-attr]
+        if self._scale0 is None or self._scale0._base is not scale:
+            self._scale0 = scale.view(())
+        return self._scale0
+
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: abc.Iterable[torch.Tensor]) -> abc.Iterable[torch.Tensor]: ...
+
+    def scale(self, outputs: torch.Tensor | abc.Iterable[torch.Tensor]) -> torch.Tensor | abc.Iterable[torch.Tensor]:
+        """``outputs * scale`` for a tensor or (nested) lists/tuples/iterables of tensors; identity when disabled.
+
+        The scale is a 0-dim fp32 tensor, so the usual type promotion applies (as in torch): an fp16 loss
+        tensor with dimensions stays fp16, a 0-dim fp16 loss becomes fp32.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            scale = self._scale_tensor(outputs.device)
+            return outputs * scale.to(device=outputs.device, non_blocking=True)
+
+        stash: list[_PerDevice] = []
+
+        def apply_scale(val: Any) -> Any:
+            if isinstance(val, torch.Tensor):
+                if not stash:
+                    stash.append(_PerDevice(self._scale_tensor(val.device)))
+                return val * stash[0].get(val.device)
+            if isinstance(val, abc.Iterable):
+                iterable = map(apply_scale, val)
+                if isinstance(val, (list, tuple)):
+                    return type(val)(iterable)
+                return iterable
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply_scale(outputs)
+
+    # ------------------------------------------------------------------ unscaling
+    def _grads_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, list[torch.Tensor]]:
+        """The optimizer's gradients (dense ones, and the values of coalesced sparse ones) by device."""
+        per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if not isinstance(param, torch.Tensor):
+                    raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    # Duplicate indices are summed by coalesce(); the sum of scaled values can overflow,
+                    # so the check must see the coalesced values.
+                    if not grad.is_coalesced():
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                per_device[grad.device].append(grad)
+        return per_device
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | float, *, warn_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """Unscale (``g = fp32(g) * inv_scale``, rounded to g's dtype) and check; one fused pass per device.
+
+        Returns a fresh overflow flag (fp32 ``[1]``) per device, 1 where a written value is inf/NaN.
+        """
+        scaler = self._check_scale_growth_tracker("unscale_")
+        inv = _PerDevice(inv_scale) if isinstance(inv_scale, torch.Tensor) else None
+        found: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for device, grads in self._grads_per_device(optimizer).items():
+                if warn_fp16 and not self._warned_fp16 and any(g.dtype == torch.float16 for g in grads):
+                    self._warned_fp16 = True
+                    warnings.warn(_FP16_GRAD_WARNING, UserWarning, stacklevel=4)
+                flag = scaler.new_found_inf() if device == scaler.device else torch.zeros(1, device=device)
+                unscale_and_check(grads, inv.get(device) if inv is not None else inv_scale, flag)
+                found[device] = flag
+        return found
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale in place (one fused pass per device); optional.
+
+        Call it once per optimizer per iteration, after all gradients were accumulated, when the true
+        gradients are needed before :meth:`step` (e.g. ``clip_grad_norm_``). No host sync. Sparse gradients
+        are coalesced first, replacing ``param.grad``.
+        """
+        if not self._enabled:
+            return
+        scaler = self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, scaler.inv_scale(), warn_fp16=True)
+        state["stage"] = OptState.UNSCALED
+
+    # ------------------------------------------------------------------ stepping
+    @staticmethod
+    def _combined(flags: abc.Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """One 0/1 flag on ``device`` from several (max, not sum: fused kernels test ``found_inf == 1``)."""
+        flags = [f.to(device, non_blocking=True) for f in flags]
+        out = flags[0]
+        for f in flags[1:]:
+            out = torch.maximum(out, f)
+        return out
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless :meth:`unscale_` ran) and call ``optimizer.step(*args, **kwargs)`` if no inf/NaN.
+
+        * Plain optimizers: the overflow flag is read on the host (one sync, as in torch) to decide
+          whether to call ``optimizer.step()``; its return value is returned (``None`` when skipped).
+        * ``_step_supports_amp_scaling`` optimizers (torch's fused Adam/AdamW/SGD and the like): no sync.
+          As torch does, the grads are checked (not unscaled) first unless ``unscale_`` ran, then the
+          optimizer receives ``optimizer.grad_scale`` (the scale, ``None`` after ``unscale_``) and
+          ``optimizer.found_inf`` (0-dim tensors), unscales and skips inside its own step.
+        * Optimizers that also set ``_fp16kit_checks_inf = True`` (fp16kit's FusedLAMB/FusedAdam) check
+          for inf/NaN in their own first pass, so no check pass runs here: they receive the scale tensor
+          (fp32 ``[1]``) and a zeroed fp32 ``[1]`` flag on the grads' device, which they raise themselves;
+          after ``step`` returns that flag is recorded for :meth:`update`. After ``unscale_`` they receive
+          ``grad_scale = None`` and the flag from ``unscale_``.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        scaler = self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._fused_step(optimizer, scaler, state, args, kwargs)
+
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        found = state["found_inf_per_device"]
+        if len(found) == 0:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        retval = None
+        # The one host sync of the non-fused path: Python must know whether to call step().
+        if not self._combined(found.values(), scaler.device).item():
+            retval = optimizer.step(*args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        return retval
+
+    def _fused_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scaler: LossScaler,
+        state: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            # torch's deprecated contract: pass the scaler itself.
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            state["stage"] = OptState.STEPPED
+            return retval
+
+        ready = state["stage"] is OptState.READY
+        if getattr(optimizer, "_fp16kit_checks_inf", False):
+            if ready:
+                device = next(
+                    (p.grad.device for g in optimizer.param_groups for p in g["params"] if p.grad is not None),
+                    scaler.device,
+                )
+                optimizer.grad_scale = scaler.scale if device == scaler.device else scaler.scale.to(device)
+                optimizer.found_inf = (
+                    scaler.new_found_inf() if device == scaler.device else torch.zeros(1, device=device)
+                )
+            else:
+                optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
+                optimizer.found_inf = self._combined(state["found_inf_per_device"].values(), scaler.device)
+            try:
+                retval = optimizer.step(*args, **kwargs)
+                if ready:
+                    flag = optimizer.found_inf
+                    state["found_inf_per_device"] = {flag.device: flag}
+            finally:
+                del optimizer.grad_scale
+                del optimizer.found_inf
+            state["stage"] = OptState.STEPPED
+            return retval
+
+        # torch's contract: check (inv_scale 1: the grads stay scaled) unless unscale_ ran, then hand over
+        # 0-dim tensors, which torch's fused kernels and their step-counter rollback expect.
+        if ready:
+            state["found_inf_per_device"] = self._unscale_grads_(optimizer, 1.0, warn_fp16=False)
+        scale = self._scale_tensor(scaler.device)
+        optimizer.grad_scale = (
+            scale * getattr(optimizer, "grad_scale", 1) if ready else getattr(optimizer, "grad_scale", None)
+        )
+        optimizer.found_inf = self._combined(state["found_inf_per_device"].values(), scaler.device).view(())
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+        state["stage"] = OptState.STEPPED
+        return retval
+
+    # ------------------------------------------------------------------ the update
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Advance the scale once per iteration from every optimizer's overflow flags (no host sync).
+
+        Any overflow this iteration counts as one overflow of the state machine (see the class docstring).
+        ``new_scale`` sets the scale instead (a float, or a one-element tensor copied without a sync).
+        """
+        if not self._enabled:
+            return
+        scaler = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            if isinstance(new_scale, torch.Tensor):
+                reason = (
+                    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                    "torch.FloatTensor with requires_grad=False."
+                )
+                if new_scale.device.type != (self._device or scaler.device.type):
+                    raise AssertionError(reason)
+                if new_scale.numel() != 1:
+                    raise AssertionError(reason)
+                if new_scale.requires_grad is True:
+                    raise AssertionError(reason)
+            scaler.set_scale(new_scale)
+        else:
+            found_infs = [f for s in self._per_optimizer_states.values() for f in s["found_inf_per_device"].values()]
+            if len(found_infs) == 0:
+                raise AssertionError("No inf checks were recorded prior to update.")
+            scaler.update(self._combined(found_infs, scaler.device))
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    # ------------------------------------------------------------------ getters / setters
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a host sync); ``init_scale`` before the first ``scale``,
+        1.0 when disabled."""
+        if not self._enabled:
+            return 1.0
+        if self._scaler is None:
+            return float(self._pending_state["scale"])
+        return self._scaler.get_scale()
+
+    def _option(self, name: str) -> Any:
+        return getattr(self._scaler, name) if self._scaler is not None else self._pending_state[name]
+
+    def _set_option(self, name: str, value: Any) -> None:
+        self._options[name] = value
+        if self._scaler is not None:
+            state = self._scaler.state_dict()
+            state[name] = value
+            self._scaler.load_state_dict(state)  # validates
+        else:
+            probe = LossScaler(**self._options, device="cpu")
+            probe.load_state_dict({**self._pending_state, name: value})
+            self._pending_state = probe.state_dict()
+
+    def get_growth_factor(self) -> float:
+        return self._option("growth_factor")
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._set_option("growth_factor", new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._option("backoff_factor")
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._set_option("backoff_factor", new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._option("growth_interval")
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._set_option("growth_interval", new_interval)
+
+    def get_hysteresis(self) -> int:
+        return self._option("hysteresis")
+
+    def set_hysteresis(self, hysteresis: int) -> None:
+        self._set_option("hysteresis", hysteresis)
+
+    def get_min_scale(self) -> float | None:
+        return self._option("min_scale")
+
+    def set_min_scale(self, min_scale: float | None) -> None:
+        self._set_option("min_scale", min_scale)
+
+    def get_max_scale(self) -> float | None:
+        return self._option("max_scale")
+
+    def set_max_scale(self, max_scale: float | None) -> None:
+        self._set_option("max_scale", max_scale)
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        if self._scaler is None:
+            return int(self._pending_state["growth_tracker"])
+        return int(self._scaler.growth_tracker.item())
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five entries (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker``) plus fp16kit's (``hysteresis``, ``_hysteresis_tracker``, ``_consecutive_skips``,
+        ``min_scale``, ``max_scale``); ``{}`` when disabled. A host sync: call it after ``update()``."""
+        if not self._enabled:
+            return {}
+        s = self._scaler.state_dict() if self._scaler is not None else dict(self._pending_state)
+        return {
+            "scale": s["scale"],
+            "growth_factor": s["growth_factor"],
+            "backoff_factor": s["backoff_factor"],
+            "growth_interval": s["growth_interval"],
+            "_growth_tracker": s["growth_tracker"],
+            "hysteresis": s["hysteresis"],
+            "_hysteresis_tracker": s["hysteresis_tracker"],
+            "_consecutive_skips": s["consecutive_skips"],
+            "min_scale": s["min_scale"],
+            "max_scale": s["max_scale"],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s output, or a ``torch.amp.GradScaler`` state dict (fp16kit's extras then
+        keep this scaler's options, with fresh hysteresis/skip trackers). No-op when disabled."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
+            )
+        mapped = {
+            "scale": state_dict["scale"],
+            "growth_factor": state_dict["growth_factor"],
+            "backoff_factor": state_dict["backoff_factor"],
+            "growth_interval": state_dict["growth_interval"],
+            "growth_tracker": state_dict["_growth_tracker"],
+        }
+        for ours, key in (
+            ("hysteresis", "hysteresis"),
+            ("hysteresis_tracker", "_hysteresis_tracker"),
+            ("consecutive_skips", "_consecutive_skips"),
+            ("min_scale", "min_scale"),
+            ("max_scale", "max_scale"),
+        ):
+            if key in state_dict:
+                mapped[ours] = state_dict[key]
+        if "consecutive_skips" not in mapped and "hysteresis_tracker" not in mapped:
+            mapped["consecutive_skips"] = 0
+        for name in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale"):
+            if name in mapped:
+                self._options[name] = mapped[name]
+        if self._scaler is not None:
+            self._scaler.load_state_dict(mapped)
+        else:
+            probe = LossScaler(**self._options, device="cpu")
+            probe.load_state_dict({**self._pending_state, **mapped})
+            self._pending_state = probe.state_dict()
+        self._options["init_scale"] = float(mapped["scale"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise AssertionError(
+                    "A GradScaler instance may only be pickled at the beginning "
+                    "of an iteration, or at the end after scaler.update()."
+                )
+            # The device tensors are not pickled: the unpickled scaler re-creates them at its first scale().
+            state["_pending_state"] = self._scaler.state_dict() if self._scaler is not None else self._pending_state
+            state["_scaler"] = None
+            state["_scale0"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)

@@ -1,0 +1,416 @@
+"""The dynamic loss scaler: a device-side state machine with no per-step host sync.
+
+State (all tensors on the scaler's device, shape ``[1]``):
+
+* ``scale`` (fp32): the current loss scale ``S``, kept within ``[min_scale, max_scale]``.
+* ``growth_tracker`` (int32): consecutive clean updates since the last growth or overflow.
+* ``consecutive_skips`` (int32): consecutive updates that saw inf/NaN (0 after a clean one).
+* ``hysteresis_tracker`` = ``max(hysteresis - consecutive_skips, 0)``: overflows still tolerated
+  before backing off. A clean step resets it to ``hysteresis`` and each overflow in a row takes one
+  off, which is exactly that formula, so it is derived from the skip counter instead of stored.
+
+``update(found_inf)`` after each step (loss-scaler.md), with ``inf = found_inf != 0`` (NaN counts)::
+
+    inf:    growth_tracker = 0;  hysteresis_tracker -= 1 (not below 0)
+            if hysteresis_tracker == 0:  S = max(S * backoff_factor, min_scale)    # no floor if None
+    clean:  growth_tracker += 1;  hysteresis_tracker = hysteresis
+            if growth_tracker == growth_interval:
+                growth_tracker = 0
+                G = S * growth_factor
+                if G is finite: S = min(G, max_scale)                              # never grows to inf
+
+Implementation: the growth/backoff core *is* torch's ``_amp_update_scale_`` (the op behind
+``torch.amp.GradScaler.update``), called with the flag "back off now", followed by a clamp into
+``[min_scale, max_scale]``. Since the scale always lies in that range, the clamp only ever acts on
+the value just grown or backed off, which is the min/max above. So with ``hysteresis=1`` and no
+floor/cap the trajectory is *bit-identical* to torch's GradScaler on every device (same op, same
+rounding: products in double rounded once to fp32 on CPU). Hysteresis: an overflow that is still
+tolerated sets ``growth_tracker = -1`` before the op, which then sees a clean step, moves it back to
+0 and cannot grow (``growth_interval >= 1``), leaving ``S`` unchanged: the state machine above.
+
+Everything is tensor arithmetic on the device (about six tiny in-place ops), so ``update`` never waits
+for the GPU; ``get_scale()`` is the only host sync and only happens when asked for.
+
+Skip warning without a per-step sync
+------------------------------------
+NaN loss from step 0 makes every step overflow and, without a floor, halves the scale forever
+(apex's "loss scale 1e-205" reports). Detecting that needs the host, so it is done in batches:
+
+* On the device, ``update`` keeps ``consecutive_skips`` and ``window_max`` (the longest streak seen
+  since the last host check), two in-place ops and no sync.
+* Every ``warn_after_skips = K`` updates the host takes a snapshot of both counters and the scale.
+  On CUDA the copy goes to pinned host memory with ``non_blocking=True`` plus a CUDA event, and the
+  host reads it at a later ``update`` once the event has completed (``event.query()`` never blocks);
+  on the CPU there is nothing to wait for, so it is read at once. ``window_max`` is then reset.
+* A warning is issued when ``window_max >= K``: no streak of K skips can slip between two checks, and
+  the warning arrives at most ~K updates late (on CUDA, plus the time the copy takes). A streak that
+  keeps going is reported once, not at every check. ``get_scale()`` (a sync anyway) also checks.
+* ``warn_after_skips=None`` turns the warning off; the scaler then never reads anything back.
+
+A static scaler (``dynamic=False``, apex's ``loss_scale=128.0``) never changes its scale and never
+asks for a skip; its skip counter still runs, and the same check warns that a static scale has been
+producing inf/NaN gradients K steps in a row (those steps were *applied*, not skipped).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["LossScaler"]
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _check_positive_finite(name: str, value: float) -> float:
+    value = float(value)
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"LossScaler: {name} must be a positive finite number, got {value!r}.")
+    return value
+
+
+def _check_factor(name: str, value: float, *, above_one: bool) -> float:
+    value = _check_positive_finite(name, value)
+    if above_one and value <= 1.0:
+        raise ValueError(f"LossScaler: {name} must be > 1.0 (the scale must grow), got {value!r}.")
+    if not above_one and value >= 1.0:
+        raise ValueError(f"LossScaler: {name} must be < 1.0 (the scale must shrink on overflow), got {value!r}.")
+    return value
+
+
+def _check_count(name: str, value: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or int(value) != value or value < minimum:
+        raise ValueError(f"LossScaler: {name} must be an integer >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def _bound(name: str, value: float | None) -> float | None:
+    """``None`` (or +inf) means "no bound"; otherwise a positive number fp32 can hold."""
+    if value is None or value == math.inf:
+        return None
+    value = _check_positive_finite(name, value)
+    if value > _FP32_MAX:
+        raise ValueError(f"LossScaler: {name}={value!r} exceeds the fp32 range; use None for no bound.")
+    return value
+
+
+class LossScaler:
+    """Dynamic (or static) loss scale kept on the device; see the module docstring for the math.
+
+    Args:
+        init_scale: the first scale ``S`` (must lie within ``[min_scale, max_scale]``).
+        growth_factor: ``S *= growth_factor`` after ``growth_interval`` clean updates in a row (> 1).
+        backoff_factor: ``S *= backoff_factor`` on an overflow that exhausts the hysteresis (< 1).
+        growth_interval: clean updates needed before growing.
+        hysteresis: consecutive overflows tolerated before backing off (1 = back off at the first,
+            as torch does; 2 = Megatron's default).
+        min_scale: floor for backoff (``None``: none). A floor keeps a NaN-from-step-0 run from driving
+            ``S`` to zero; the skip warning says why steps are skipped.
+        max_scale: cap for growth (``None`` or ``inf``: only "never grow to inf").
+        dynamic: ``False`` gives a static scale: ``update`` never changes it and it never asks for a skip.
+        device: where the state lives (default: ``torch.get_default_device()``); ``to()`` moves it.
+        warn_after_skips: K for the skip warning (``None`` disables it); see the module docstring.
+
+    The update is device-side; ``get_scale()``, ``state_dict()`` and the periodic K-update check are
+    the only reads back to the host.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        *,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = 2.0**24,
+        dynamic: bool = True,
+        device: torch.device | str | None = None,
+        warn_after_skips: int | None = 50,
+    ) -> None:
+        init_scale = _check_positive_finite("init_scale", init_scale)
+        self.growth_factor = _check_factor("growth_factor", growth_factor, above_one=True)
+        self.backoff_factor = _check_factor("backoff_factor", backoff_factor, above_one=False)
+        self.growth_interval = _check_count("growth_interval", growth_interval)
+        self.hysteresis = _check_count("hysteresis", hysteresis)
+        self.min_scale = _bound("min_scale", min_scale)
+        self.max_scale = _bound("max_scale", max_scale)
+        if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
+            raise ValueError(f"LossScaler: min_scale={self.min_scale} is larger than max_scale={self.max_scale}.")
+        if dynamic and (
+            (self.min_scale is not None and init_scale < self.min_scale)
+            or (self.max_scale is not None and init_scale > self.max_scale)
+        ):
+            raise ValueError(
+                f"LossScaler: init_scale={init_scale} lies outside [min_scale, max_scale] = "
+                f"[{self.min_scale}, {self.max_scale}]; raise max_scale (None for no cap) or lower init_scale."
+            )
+        self.dynamic = bool(dynamic)
+        self.warn_after_skips = None if warn_after_skips is None else _check_count("warn_after_skips", warn_after_skips)
+
+        dev = torch.device(device) if device is not None else torch.get_default_device()
+        self.scale = torch.full((1,), init_scale, dtype=torch.float32, device=dev)
+        # [growth_tracker, consecutive_skips, window_max] in one tensor: one allocation, and the public
+        # trackers are views into it. torch's update op takes the growth tracker view directly.
+        self._counters = torch.zeros(3, dtype=torch.int32, device=dev)
+        self._inv: tuple[int, int, torch.Tensor] | None = None  # (id(scale), scale._version, 1/scale)
+        # host side of the skip check
+        self._updates_in_window = 0
+        # (host counters, host scale, CUDA event or None, window length)
+        self._pending: tuple[torch.Tensor, torch.Tensor, Any, int] | None = None
+        self._warned_ongoing = False
+
+    # ---------------------------------------------------------------- state access
+    @property
+    def device(self) -> torch.device:
+        return self.scale.device
+
+    @property
+    def growth_tracker(self) -> torch.Tensor:
+        """int32 ``[1]`` device tensor: consecutive clean updates (a view; do not keep it across ``to``)."""
+        return self._counters[0:1]
+
+    @property
+    def hysteresis_tracker(self) -> torch.Tensor:
+        """int32 ``[1]`` device tensor ``max(hysteresis - consecutive_skips, 0)`` (computed, no sync)."""
+        return torch.clamp(self.hysteresis - self._counters[1:2], min=0)
+
+    @property
+    def consecutive_skips(self) -> torch.Tensor:
+        """int32 ``[1]`` device tensor: updates in a row that saw inf/NaN (0 after a clean one)."""
+        return self._counters[1:2]
+
+    def to(self, device: torch.device | str) -> LossScaler:
+        """Move the state to ``device`` (in place; returns ``self``)."""
+        device = torch.device(device)
+        if device != self.scale.device:
+            self._harvest(block=True)
+            self.scale = self.scale.to(device)
+            self._counters = self._counters.to(device)
+            self._inv = None
+        return self
+
+    def inv_scale(self) -> torch.Tensor:
+        """fp32 ``[1]`` tensor ``1 / scale`` on the device, no host sync.
+
+        The reciprocal is taken in float64 and rounded once to fp32, as torch's GradScaler does (exact for
+        power-of-two scales). Cached until the scale tensor changes (tracked by its version counter).
+        """
+        scale = self.scale
+        key = (id(scale), scale._version)
+        if self._inv is None or self._inv[:2] != key:
+            self._inv = (*key, scale.double().reciprocal().float())
+        return self._inv[2]
+
+    def new_found_inf(self) -> torch.Tensor:
+        """A zeroed fp32 ``[1]`` overflow flag on the scaler's device, for ``unscale_and_check``."""
+        return torch.zeros(1, dtype=torch.float32, device=self.scale.device)
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float: a host sync, only when asked for. Also runs the skip check."""
+        self._harvest(block=True)
+        if self.warn_after_skips is not None and self._updates_in_window:
+            self._snapshot()
+            self._harvest(block=True)
+        return float(self.scale.item())
+
+    def set_scale(self, value: float | torch.Tensor) -> None:
+        """Overwrite the scale: a float, or a one-element tensor (copied on the device, no sync).
+
+        A dynamic scaler keeps the scale within ``[min_scale, max_scale]``: a float outside is an error,
+        a tensor is clamped on the device (its value cannot be checked without a sync).
+        """
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"LossScaler.set_scale: expected a one-element tensor, got {value.numel()} elements.")
+            self.scale.copy_(value.detach().reshape(1))
+            if self.dynamic and (self.min_scale is not None or self.max_scale is not None):
+                self.scale.clamp_(min=self.min_scale, max=self.max_scale)
+            return
+        value = _check_positive_finite("scale", value)
+        if self.dynamic:
+            self._check_in_range("scale", value)
+        self.scale.fill_(value)
+
+    def _check_in_range(self, name: str, value: float) -> None:
+        if (self.min_scale is not None and value < self.min_scale) or (
+            self.max_scale is not None and value > self.max_scale
+        ):
+            raise ValueError(
+                f"LossScaler: {name}={value} lies outside [min_scale, max_scale] = [{self.min_scale}, "
+                f"{self.max_scale}]; widen the bounds (None for no bound) or choose a scale inside them."
+            )
+
+    # ---------------------------------------------------------------- the state machine
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Advance the state machine by one step given this step's overflow flag (device-side, no sync).
+
+        ``found_inf``: a one-element float tensor, non-zero (or NaN) when the step's gradients held inf/NaN,
+        e.g. the sum of several per-optimizer flags. On another device it is copied over without blocking.
+        """
+        if not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1 or not found_inf.is_floating_point():
+            raise TypeError(
+                "LossScaler.update: found_inf must be a one-element float tensor (e.g. from new_found_inf())."
+            )
+        flag = found_inf.reshape(1)
+        if flag.device != self.scale.device:
+            flag = flag.to(self.scale.device, non_blocking=True)
+        inf = flag != 0  # NaN != 0 too
+        counters = self._counters
+        growth, skips, window_max = counters[0:1], counters[1:2], counters[2:3]
+        # consecutive_skips = inf ? consecutive_skips + 1 : 0 ;  window_max = max(window_max, consecutive_skips)
+        skips.mul_(inf).add_(inf)
+        torch.maximum(window_max, skips, out=window_max)
+        if self.dynamic:
+            if self.hysteresis == 1:
+                backoff = flag  # every overflow backs off: torch's semantics, its flag as is
+            else:
+                # back off once the overflow streak has used up the hysteresis; a tolerated overflow
+                # parks the growth tracker at -1 so that the op below returns it to 0 without growing.
+                backoff = (skips >= self.hysteresis).float()
+                growth.masked_fill_(inf, -1)
+            torch._amp_update_scale_(
+                self.scale, growth, backoff, self.growth_factor, self.backoff_factor, self.growth_interval
+            )
+            if self.min_scale is not None or self.max_scale is not None:
+                self.scale.clamp_(min=self.min_scale, max=self.max_scale)
+        self._updates_in_window += 1
+        if self.warn_after_skips is not None:
+            self._harvest(block=False)
+            if self._updates_in_window >= self.warn_after_skips and self._pending is None:
+                self._snapshot()
+                if self.scale.device.type == "cpu":
+                    self._harvest(block=True)
+
+    # ---------------------------------------------------------------- skip warning (host side)
+    def _snapshot(self) -> None:
+        """Copy (streak, window_max) to the host without blocking and reset window_max on the device."""
+        src = self._counters[1:3]
+        if src.device.type == "cuda":
+            host = torch.empty(2, dtype=torch.int32, pin_memory=True)
+            host_scale = torch.empty(1, dtype=torch.float32, pin_memory=True)
+            host.copy_(src, non_blocking=True)
+            host_scale.copy_(self.scale, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, host_scale, event = src.clone(), self.scale.clone(), None
+        self._counters[2:3].zero_()
+        self._pending = (host, host_scale, event, self._updates_in_window)
+        self._updates_in_window = 0
+
+    def _harvest(self, *, block: bool) -> None:
+        """Read a pending snapshot if it has arrived (always, when ``block``) and warn if warranted."""
+        if self._pending is None:
+            return
+        host, host_scale, event, window = self._pending
+        if event is not None and not event.query():
+            if not block:
+                return
+            event.synchronize()
+        self._pending = None
+        streak, window_max = (int(v) for v in host.tolist())
+        k = self.warn_after_skips
+        if k is None:
+            return
+        # A streak that was already reported and spans this whole window is the same streak: stay quiet.
+        same_streak = self._warned_ongoing and streak > window
+        if window_max >= k and not same_streak:
+            self._warn(streak if streak >= k else window_max, float(host_scale[0]))
+        self._warned_ongoing = streak >= k
+
+    def _warn(self, count: int, scale: float) -> None:
+        if self.dynamic:
+            floor = (
+                f"the min_scale floor ({self.min_scale}) keeps it from vanishing"
+                if self.min_scale is not None
+                else "set min_scale to keep it from vanishing"
+            )
+            msg = (
+                f"fp16kit LossScaler: {count} optimizer steps in a row were skipped because the gradients held "
+                f"inf/NaN, and the loss scale keeps backing off (now {scale:g}). If the loss itself is "
+                f"inf/NaN (bad data, too high a learning rate, a bf16-pretrained model in fp16), no loss scale can "
+                f"help: check the loss; {floor}."
+            )
+        else:
+            msg = (
+                f"fp16kit LossScaler: the static loss scale {scale:g} produced inf/NaN gradients in "
+                f"{count} steps in a row, and static scaling does not skip them. Use a smaller scale or dynamic "
+                f"loss scaling."
+            )
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-identically (a host sync): scale, trackers, options."""
+        self._harvest(block=True)
+        growth, streak, _ = (int(v) for v in self._counters.tolist())
+        return {
+            "scale": float(self.scale.item()),
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "hysteresis": self.hysteresis,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+            "dynamic": self.dynamic,
+            "growth_tracker": growth,
+            "hysteresis_tracker": max(self.hysteresis - streak, 0),
+            "consecutive_skips": streak,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output exactly; missing entries keep this scaler's options / reset trackers."""
+        if "scale" not in state_dict:
+            raise KeyError(
+                f"LossScaler.load_state_dict: no 'scale' entry (keys: {sorted(state_dict)}); expected the output "
+                f"of LossScaler.state_dict()."
+            )
+        self.growth_factor = _check_factor(
+            "growth_factor", state_dict.get("growth_factor", self.growth_factor), above_one=True
+        )
+        self.backoff_factor = _check_factor(
+            "backoff_factor", state_dict.get("backoff_factor", self.backoff_factor), above_one=False
+        )
+        self.growth_interval = _check_count("growth_interval", state_dict.get("growth_interval", self.growth_interval))
+        self.hysteresis = _check_count("hysteresis", state_dict.get("hysteresis", self.hysteresis))
+        self.min_scale = _bound("min_scale", state_dict.get("min_scale", self.min_scale))
+        self.max_scale = _bound("max_scale", state_dict.get("max_scale", self.max_scale))
+        self.dynamic = bool(state_dict.get("dynamic", self.dynamic))
+        self._pending = None
+        self._updates_in_window = 0
+        self._warned_ongoing = False
+        scale = _check_positive_finite("scale", state_dict["scale"])
+        if self.dynamic:
+            lo = self.min_scale if self.min_scale is not None else 0.0
+            hi = self.max_scale if self.max_scale is not None else math.inf
+            if not lo <= scale <= hi:
+                clamped = min(max(scale, lo), hi)
+                warnings.warn(
+                    f"LossScaler.load_state_dict: the saved scale {scale} lies outside [min_scale, max_scale] = "
+                    f"[{self.min_scale}, {self.max_scale}]; continuing from {clamped}.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                scale = clamped
+        self.scale.fill_(scale)
+        if "consecutive_skips" in state_dict:
+            skips = int(state_dict["consecutive_skips"])
+        else:  # e.g. a checkpoint that stores only the hysteresis tracker
+            skips = self.hysteresis - int(state_dict.get("hysteresis_tracker", self.hysteresis))
+        if skips < 0:
+            raise ValueError(f"LossScaler.load_state_dict: inconsistent trackers (consecutive skips {skips} < 0).")
+        values = [int(state_dict.get("growth_tracker", 0)), skips, 0]
+        self._counters.copy_(torch.tensor(values, dtype=torch.int32))
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.dynamic else "static"
+        return (
+            f"LossScaler({kind}, device={self.scale.device}, growth_factor={self.growth_factor}, "
+            f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
+            f"hysteresis={self.hysteresis}, min_scale={self.min_scale}, max_scale={self.max_scale})"
+        )
