@@ -183,6 +183,7 @@ def tensor_lists(
     edges: Sequence[str] = _ALWAYS,
     scale: float | None = None,
     cast_to: torch.dtype | None = None,
+    exponent_range: tuple[int, int] = (-12, 12),
 ) -> list[torch.Tensor]:
     """A list of tensors, each of a dtype drawn from ``dtypes`` (mixed lists included)."""
     size = draw(st.integers(min_size, max_size))
@@ -195,6 +196,7 @@ def tensor_lists(
                 scale=scale,
                 cast_to=cast_to,
                 max_numel=max_numel,
+                exponent_range=exponent_range,
             )
         )
         for _ in range(size)
