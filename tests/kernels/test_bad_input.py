@@ -16,7 +16,7 @@ def backend(request):
 
 
 def test_mixed_devices(backend):
-    with pytest.raises(ValueError, match="mixed devices.*call once per device"):
+    with pytest.raises(ValueError, match=r"mixed devices.*call once per device"):
         unscale_and_check([torch.ones(2), torch.ones(2, device="meta")], 1.0, torch.zeros(1))
     with pytest.raises(ValueError, match="found_inf is on"):
         unscale_and_check([torch.ones(2)], 1.0, torch.zeros(1, device="meta"))

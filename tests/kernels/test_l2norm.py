@@ -77,5 +77,5 @@ def test_deterministic(backend):
 
 def test_empty_list():
     assert float(l2norm([])) == 0.0
-    total, per = l2norm([], per_tensor=True)
+    _, per = l2norm([], per_tensor=True)
     assert per.numel() == 0
