@@ -1,0 +1,6 @@
+"""Internals of the apex-style frontend (:mod:`fp16kit.amp.frontend`), one job per module:
+
+``options`` opt levels, override rules, printed text; ``casting`` model casting and forward hooks;
+``masters`` fp32 master weights and gradient plumbing; ``stepping`` ``scale_loss`` and the patched
+``step``/``zero_grad``; ``state`` sessions and the amp state dict.
+"""

@@ -1,0 +1,205 @@
+"""``scale_loss`` and the patched ``optimizer.step`` / ``zero_grad``: when to unscale, when to skip.
+
+Skip decision, per optimizer, after a ``scale_loss`` exit found an overflow (dynamic scaler only; a
+static scale never skips, as in apex):
+
+* fp16kit's fused optimizers (and torch's fused ones) declare ``_step_supports_amp_scaling``. For them
+  nothing is read back: each ``scale_loss`` ORs its device flag into the optimizer's ``found_inf``, and
+  ``step()`` hands it over as ``optimizer.found_inf`` (with ``optimizer.grad_scale = None``: the grads
+  are unscaled already); the optimizer skips on the device. The overflow message, which needs the
+  host, is printed once the flag has reached the host (pinned copy + CUDA event, polled without
+  blocking at the next ``scale_loss`` / ``step`` / ``amp.state_dict``; at once on the CPU).
+* Plain optimizers: the flag is read at ``scale_loss`` exit (a host sync, as apex did after every
+  backward); on overflow the next ``step()`` is skipped and prints apex's message (once per overflow,
+  however many optimizers skip).
+
+``step(closure)`` on a step that is to be skipped raises: the closure would recompute a loss whose
+gradients are thrown away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .masters import OptimizerStash
+from .state import Session
+
+__all__ = ["ReportQueue", "install_step", "run_scale_loss"]
+
+_CLOSURE_ON_SKIP = (
+    "optimizer.step(closure) was called for a step that amp must skip (the gradients overflowed). A closure "
+    "cannot be used for a skipped step: call optimizer.step() without a closure under amp."
+)
+
+
+class _Overflow:
+    """One overflow of loss scaler ``loss_id``; prints apex's message at most once."""
+
+    def __init__(self, session: Session, loss_id: int, scale: float) -> None:
+        self.session, self.loss_id, self.scale, self.printed = session, loss_id, scale, False
+
+    def report(self) -> None:
+        if not self.printed:
+            self.printed = True
+            self.session.say(
+                f"Gradient overflow.  Skipping step, loss scaler {self.loss_id} reducing loss scale to {self.scale}"
+            )
+
+
+class ReportQueue:
+    """Overflow flags on their way to the host for the device-side skip path (never blocks unless asked)."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Session, int, torch.Tensor, torch.Tensor, Any]] = []
+
+    def push(self, session: Session, loss_id: int, found_inf: torch.Tensor, scale: torch.Tensor) -> None:
+        if session.verbosity <= 0:
+            return
+        if found_inf.device.type == "cuda":
+            host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+            host[0:1].copy_(found_inf, non_blocking=True)
+            host[1:2].copy_(scale, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append((session, loss_id, host, host, event))
+        else:
+            self._pending.append((session, loss_id, found_inf.clone(), scale.clone(), None))
+
+    def poll(self, block: bool = False) -> None:
+        keep = []
+        for item in self._pending:
+            session, loss_id, flag, scale, event = item
+            if event is not None and not event.query():
+                if not block:
+                    keep.append(item)
+                    continue
+                event.synchronize()
+            if event is not None:
+                found, value = float(flag[0]), float(flag[1])
+            else:
+                found, value = float(flag), float(scale)
+            if found:
+                _Overflow(session, loss_id, value).report()
+        self._pending = keep
+
+
+REPORTS = ReportQueue()
+
+
+@contextlib.contextmanager
+def run_scale_loss(
+    session: Session,
+    loss: torch.Tensor,
+    stashes: list[OptimizerStash],
+    loss_id: int,
+    delay_unscale: bool,
+    delay_overflow_check: bool,
+) -> Iterator[torch.Tensor]:
+    """The body of ``amp.scale_loss`` for an enabled session (see the module and frontend docstrings)."""
+    if not 0 <= loss_id < len(session.scalers):
+        raise ValueError(
+            f"scale_loss: loss_id={loss_id} but amp.initialize created {len(session.scalers)} loss scaler(s) "
+            "(num_losses); pass num_losses=<number of losses> to amp.initialize."
+        )
+    REPORTS.poll()
+    scaler = session.scalers[loss_id]
+    if loss.device != scaler.device and loss.device.type != "cpu":
+        scaler.to(loss.device)
+    if session.passthrough:  # static scale 1.0, no master weights: nothing to scale or unscale
+        yield loss.float()
+        return
+
+    if not delay_unscale:
+        for stash in stashes:
+            if not stash.params_have_scaled_gradients:
+                stash.prepare()
+
+    yield loss.float() * scaler.scale.reshape(())
+
+    if delay_unscale:
+        for stash in stashes:
+            stash.params_have_scaled_gradients = True
+        return
+    found_inf = scaler.new_found_inf()
+    inv_scale = scaler.inv_scale()
+    for stash in stashes:
+        stash.unscale(inv_scale, found_inf)
+        stash.params_have_scaled_gradients = False
+    if delay_overflow_check or not scaler.dynamic:
+        return
+    scaler.update(found_inf)
+    session.skipped[loss_id].add_((found_inf != 0).to(torch.int64))
+    if all(stash.fused for stash in stashes):
+        for stash in stashes:
+            stash.found_inf = found_inf if stash.found_inf is None else torch.maximum(stash.found_inf, found_inf)
+        REPORTS.push(session, loss_id, found_inf, scaler.scale)
+    elif float(found_inf[0]) != 0.0:  # host read: apex's behaviour for optimizers that cannot skip on the device
+        overflow = _Overflow(session, loss_id, scaler.get_scale())
+        for stash in stashes:
+            if stash.skip is None:
+                stash.skip = overflow
+
+
+def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disable_casts: bool) -> None:
+    """Replace ``optimizer.step`` (skip / device flag / casts off / masters -> model) and, with master
+    weights, ``optimizer.zero_grad`` (model grads and master grads)."""
+    original_step = optimizer.step
+
+    def step(closure: Any = None, *args: Any, **kwargs: Any) -> Any:
+        REPORTS.poll()
+        if stash.skip is not None:
+            if closure is not None:
+                raise RuntimeError(_CLOSURE_ON_SKIP)
+            overflow, stash.skip = stash.skip, None
+            overflow.report()
+            stash.found_inf = None
+            stash.drop_master_grads()
+            return None
+        flag, stash.found_inf = stash.found_inf, None
+        if flag is not None and closure is not None and float(flag[0]) != 0.0:
+            raise RuntimeError(_CLOSURE_ON_SKIP)
+        if flag is not None:
+            optimizer.grad_scale = None  # grads were unscaled at scale_loss exit
+            optimizer.found_inf = flag
+        try:
+            if disable_casts:
+                from ..autocast import disable_casts as no_casts
+
+                with no_casts():
+                    result = _call(original_step, closure, args, kwargs)
+            else:
+                result = _call(original_step, closure, args, kwargs)
+        finally:
+            if flag is not None:
+                del optimizer.grad_scale
+                del optimizer.found_inf
+        stash.write_masters_to_model()
+        stash.drop_master_grads()
+        REPORTS.poll()
+        return result
+
+    optimizer.step = step  # type: ignore[method-assign]
+
+    if stash.masters:
+        original_zero_grad = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            original_zero_grad(set_to_none)
+            for p in stash.model:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_()
+                        p.grad.zero_()
+            stash.drop_master_grads()
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+def _call(step: Any, closure: Any, args: tuple, kwargs: dict) -> Any:
+    return step(*args, **kwargs) if closure is None else step(closure, *args, **kwargs)

@@ -1,0 +1,271 @@
+"""apex.amp's frontend: ``initialize``, ``scale_loss``, ``master_params``, ``state_dict``, ``load_state_dict``.
+
+A script written for apex runs unchanged once ``from apex import amp`` becomes ``from fp16kit import amp``
+(apex-amp.md is the contract; docs/migrating-from-apex.md lists every call). The work is split over
+``fp16kit.amp._frontend``: ``options`` (opt levels, override rules, printed text), ``casting`` (model
+casting and forward hooks), ``masters`` (fp32 master weights, gradient plumbing, master checkpoints),
+``stepping`` (``scale_loss``, the patched ``step``/``zero_grad``), ``state`` (sessions, amp state dict).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._frontend import casting, masters, options, state, stepping
+from .loss_scaler import LossScaler
+
+__all__ = ["initialize", "load_state_dict", "master_params", "scale_loss", "state_dict"]
+
+Models = nn.Module | list[nn.Module]
+Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer] | None
+
+
+def _as_list(value: Any, kind: type, what: str) -> tuple[list[Any], bool]:
+    if isinstance(value, kind):
+        return [value], False
+    if isinstance(value, list) and all(isinstance(v, kind) for v in value):
+        return list(value), True
+    raise TypeError(f"{what} must be either a single {kind.__name__} or a list of them, got {type(value)}.")
+
+
+def _mirror(models: list[nn.Module], models_was_list: bool, optimizers: list[torch.optim.Optimizer] | None,
+            optimizers_was_list: bool) -> Any:
+    model_out = models if models_was_list else models[0]
+    if optimizers is None:
+        return model_out
+    return model_out, (optimizers if optimizers_was_list else optimizers[0])
+
+
+def _device_of(models: list[nn.Module]) -> torch.device:
+    for model in models:
+        for p in model.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def initialize(
+    models: Models,
+    optimizers: Optimizers = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: torch.dtype | None = None,
+    patch_torch_functions: bool | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | None = None,
+    loss_scale: float | str | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+    *,
+    low_precision_dtype: torch.dtype | None = None,
+    scale_window: int = 2000,
+    hysteresis: int = 1,
+) -> Any:
+    """Prepare models and optimizers for mixed precision at ``opt_level`` ("O0"-"O3"); apex's signature.
+
+    Returns the models and optimizers in the shape they came in: ``model, optimizer``, ``[m1, m2], opt``,
+    ``model, [o1, o2]``, or just the model(s) when ``optimizers`` is None. Prints the chosen options at
+    ``verbosity=1`` (rank 0 only), nothing at 0.
+
+    What happens: O2/O3 (``cast_model_type``) cast the model, keep affine batchnorm fp32 with
+    ``keep_batchnorm_fp32``, cast floating inputs of ``forward`` to the model type and outputs to fp32 (or
+    ``cast_model_outputs``), and make ``model.state_dict()`` return fp32. O1 runs ``forward`` inside the cast
+    policy (low-precision outputs come back as fp32, so a loss computed outside the model runs in fp32 as
+    apex's patched loss functions did) and ``optimizer.step`` with casts disabled. ``master_weights``: the
+    optimizer's param groups hold fp32 masters (started from the exact fp32 initial weights), written into
+    the model after each step. ``num_losses`` dynamic (``loss_scale="dynamic"``: start at
+    ``min(2**16, max_loss_scale)``, halve on overflow down to ``min_loss_scale``, double after ``scale_window``
+    clean steps up to ``max_loss_scale``) or static loss scalers.
+
+    fp16kit extensions (keyword-only): ``low_precision_dtype=torch.bfloat16`` uses bf16 instead of fp16 for
+    O1-O3; ``scale_window`` (apex's hard-wired 2000) and ``hysteresis`` (overflows tolerated before backing
+    off; 1 = apex) tune the dynamic scaler.
+
+    Errors: unknown ``opt_level`` (with the letter-O hint), contradicting overrides, a model already wrapped
+    in (Distributed)DataParallel or already initialized, fp16 parameters, the same optimizer twice.
+    """
+    if not enabled:
+        state.set_current_session(state.Session(None, verbosity, [], torch.float16))
+        return models if optimizers is None else (models, optimizers)
+    level = options.select_opt_level(opt_level)
+    if low_precision_dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"low_precision_dtype must be torch.float16 or torch.bfloat16 (or None for float16), got "
+            f"{low_precision_dtype}."
+        )
+    low = low_precision_dtype or torch.float16
+    if int(num_losses) != num_losses or num_losses < 1:
+        raise ValueError(f"num_losses must be a positive integer, got {num_losses!r}.")
+
+    model_list, models_was_list = _as_list(models, nn.Module, "models")
+    if optimizers is None:
+        opt_list, optimizers_was_list = None, False
+    else:
+        opt_list, optimizers_was_list = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+        for i, opt in enumerate(opt_list):
+            if hasattr(opt, "_amp_stash") or any(opt is o for o in opt_list[:i]):
+                raise RuntimeError(
+                    "A given optimizer should only be passed through amp.initialize once: this optimizer was "
+                    "already processed. Build a new optimizer for new models (or keep the one amp returned)."
+                )
+    casting.check_models(model_list)
+
+    overrides = {
+        "cast_model_type": cast_model_type, "patch_torch_functions": patch_torch_functions,
+        "keep_batchnorm_fp32": keep_batchnorm_fp32, "master_weights": master_weights, "loss_scale": loss_scale,
+    }
+    if low_precision_dtype is not None and cast_model_type is None and level in ("O2", "O3"):
+        overrides["cast_model_type"] = low
+    extra = {"low_precision_dtype": low} if low_precision_dtype is not None else None
+    opts = options.process_options(level, overrides, verbosity, extra)
+
+    # fp32 values before any cast: the masters start from them
+    model_type = opts["cast_model_type"] or None
+    fp32_values: dict[int, torch.Tensor] = {}
+    if opts["master_weights"] and model_type is not None and model_type != torch.float32:
+        for opt in opt_list or []:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.dtype == torch.float32:
+                        fp32_values[id(p)] = p.detach().clone()
+
+    policy_dtype = low if opts["patch_torch_functions"] else None
+    for model in model_list:
+        if model_type is not None:
+            casting.cast_model(model, model_type, bool(opts["keep_batchnorm_fp32"]))
+            out = cast_model_outputs or torch.float32
+            casting.install_forward_hooks(model, input_dtype=model_type, output_dtype=out, output_only=None,
+                                          policy_dtype=policy_dtype)
+            if model_type != torch.float32:
+                casting.install_fp32_state_dict(model, model_type)
+        elif policy_dtype is not None:  # O1: low-precision outputs back to fp32 (or cast_model_outputs)
+            casting.install_forward_hooks(model, input_dtype=None, output_dtype=cast_model_outputs or torch.float32,
+                                          output_only=None if cast_model_outputs else casting.LOW_DTYPES,
+                                          policy_dtype=policy_dtype)
+        else:
+            casting.install_forward_hooks(model, input_dtype=None, output_dtype=cast_model_outputs, output_only=None,
+                                          policy_dtype=None)
+
+    device = _device_of(model_list)
+    dynamic = opts["loss_scale"] == "dynamic"
+    scalers = [
+        LossScaler(
+            init_scale=min(2.0**16, max_loss_scale) if dynamic else opts["loss_scale"],
+            growth_interval=scale_window, hysteresis=hysteresis, min_scale=min_loss_scale,
+            max_scale=max_loss_scale, dynamic=dynamic, device=device,
+        )
+        for _ in range(int(num_losses))
+    ]
+    session = state.Session(opts, verbosity, scalers, low)
+    for opt in opt_list or []:
+        had_state = len(opt.state) > 0
+        stash = masters.make_stash(opt, session, bool(opts["master_weights"]), fp32_values)
+        if had_state and model_type is not None:  # recast pre-existing per-param state (apex's trick)
+            opt.load_state_dict(opt.state_dict())
+        stepping.install_step(opt, stash, disable_casts=bool(opts["patch_torch_functions"]))
+        if stash.masters:
+            _resync_on_model_load(model_list, stash)
+    state.set_current_session(session)
+    return _mirror(model_list, models_was_list, opt_list, optimizers_was_list)
+
+
+def _resync_on_model_load(models: list[nn.Module], stash: masters.OptimizerStash) -> None:
+    """Loading a model ``state_dict`` re-derives the masters that no longer round to the loaded params."""
+    mastered = {id(p) for p in stash.model}
+
+    def hook(module: nn.Module, incompatible_keys: Any) -> None:
+        stash.resync_from_model(only_where_different=True)
+
+    for model in models:
+        if any(id(p) in mastered for p in model.parameters()):
+            model.register_load_state_dict_post_hook(hook)
+
+
+def _session_of(optimizers: list[torch.optim.Optimizer]) -> state.Session | None:
+    sessions = []
+    for opt in optimizers:
+        stash = getattr(opt, "_amp_stash", None)
+        if stash is None:
+            current = state.current_session()
+            if current is not None and not current.enabled:
+                return current
+            raise RuntimeError(
+                "amp.scale_loss got an optimizer that was not passed through amp.initialize: "
+                "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must come first."
+            )
+        if all(s is not stash.session for s in sessions):
+            sessions.append(stash.session)
+    if len(sessions) > 1:
+        raise RuntimeError("amp.scale_loss: the optimizers come from different amp.initialize calls; "
+                           "use one scale_loss per initialize call.")
+    return sessions[0] if sessions else state.current_session()
+
+
+@contextlib.contextmanager
+def scale_loss(
+    loss: torch.Tensor,
+    optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer],
+    loss_id: int = 0,
+    model: nn.Module | None = None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
+) -> Iterator[torch.Tensor]:
+    """Yield ``loss.float() * S`` for the backward; on exit unscale the grads and check them (apex semantics).
+
+    ``S`` is loss scaler ``loss_id``'s current scale (exact for the power-of-two scales dynamic scaling
+    uses). On exit, unless ``delay_unscale``: every new gradient is multiplied by ``1/S`` in one fused pass
+    (under master weights straight from the fp16 model grads into the fp32 master grads; grads that existed
+    before the backward are kept and added); inf/NaN raises the overflow flag; the scaler updates (not with
+    ``delay_overflow_check``); on overflow the next ``optimizer.step()`` is skipped and
+    ``Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0`` is printed.
+    ``delay_unscale=True`` leaves the grads scaled so that several backward passes accumulate; the next
+    ``scale_loss`` without it unscales the sum. Static scale 1.0 without master weights (O0, O3): yields
+    ``loss.float()`` and does nothing else. ``model`` is accepted for apex compatibility and unused.
+    """
+    opt_list = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    session = _session_of(opt_list)
+    if session is None:
+        raise RuntimeError(
+            "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
+            "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called "
+            "before `with amp.scale_loss`."
+        )
+    if not session.enabled:
+        yield loss
+        return
+    stashes = [opt._amp_stash for opt in opt_list]
+    with stepping.run_scale_loss(session, loss, stashes, loss_id, delay_unscale, delay_overflow_check) as scaled:
+        yield scaled
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The params ``optimizer`` updates: the fp32 masters under master weights (use them to clip grads)."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def state_dict(destination: OrderedDict | None = None) -> OrderedDict:
+    """``OrderedDict({'loss_scaler0': {'loss_scale': float, 'unskipped': int, 'fp16kit': {...}}, ...})``.
+
+    apex's two keys per loss scaler plus fp16kit's full scaler state (growth and hysteresis trackers,
+    options, skipped-step count) under ``"fp16kit"``, for a bit-identical resume. A host sync.
+    """
+    stepping.REPORTS.poll(block=True)
+    return state.save_amp_state(destination)
+
+
+def load_state_dict(state_dict: dict[str, Any]) -> None:
+    """Restore ``amp.state_dict()`` (apex's or fp16kit's) into the loss scalers of the latest ``initialize``.
+
+    A count mismatch prints a warning and loads what fits; a key without ``loss_scaler`` raises
+    ``RuntimeError`` naming it.
+    """
+    state.load_amp_state(state_dict)
