@@ -42,15 +42,31 @@ def unscale(
     found_inf: torch.Tensor,
     sq_norm: torch.Tensor | None,
 ) -> None:
-    """``outputs[i] = round(math(inputs[i]) * inv_scale)``; flag and sum of squares as the kernel does."""
+    """``outputs[i] = round(math(inputs[i]) * inv_scale)``; flag and sum of squares as the kernel does.
+
+    One dtype pair per call. Fewest passes that keep the contract's single fp32 multiply:
+    in place, ``_foreach_mul_`` computes in fp32 (opmath) and rounds once; into a destination at
+    least as wide as fp32, an exact widening copy then an in-place multiply; otherwise (narrowing,
+    or when the unrounded squares are needed) the fp32 products are formed, then copied out.
+    """
     if not inputs:
         return
-    ys = scaled(inputs, inv_scale)
-    for out, y in zip(outputs, ys):
-        out.copy_(y)
+    in_place = inputs[0] is outputs[0] or inputs[0].data_ptr() == outputs[0].data_ptr()
+    widening = outputs[0].dtype in (torch.float32, torch.float64) and outputs[0].dtype == _math_dtype(inputs[0].dtype)
+    scalar = inv_scale.to(_math_dtype(outputs[0].dtype)).reshape(())
+    if sq_norm is None and in_place:
+        torch._foreach_mul_(list(outputs), scalar)
+    elif widening:
+        torch._foreach_copy_(list(outputs), list(inputs))
+        torch._foreach_mul_(list(outputs), scalar)
+        if sq_norm is not None:
+            sq_norm.add_(sumsq_per_tensor(outputs).sum().float().reshape(sq_norm.shape))
+    else:
+        ys = scaled(inputs, inv_scale)
+        torch._foreach_copy_(list(outputs), ys)
+        if sq_norm is not None:
+            sq_norm.add_(sumsq_per_tensor(ys).sum().float().reshape(sq_norm.shape))
     torch.maximum(found_inf, nonfinite_flag(outputs).float(), out=found_inf)
-    if sq_norm is not None:
-        sq_norm.add_(sumsq_per_tensor(ys).sum().float().reshape(sq_norm.shape))
 
 
 def sumsq_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
