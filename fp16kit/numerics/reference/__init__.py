@@ -5,5 +5,6 @@
 """
 
 from .kernels import UnscaleResult, copy, l2norm, round_to_format, unscale_and_check
+from .optim import adam_step, global_grad_norm, lamb_step  # noqa: F401  (re-exported)
 
 __all__ = ["UnscaleResult", "copy", "l2norm", "round_to_format", "unscale_and_check"]

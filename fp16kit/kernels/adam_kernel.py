@@ -1,0 +1,128 @@
+"""Triton kernel and launcher: one Adam/AdamW pass over many tensors, in ``torch.optim.Adam``'s order of ops.
+
+Address-table rows: ``0`` params (the fp32 master in master-weights mode), ``1`` grads, ``2`` exp_avg
+(fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (row 0 again when there is none; never written then).
+
+Hyper-parameters come from ``hp``, a float32 device tensor (built by ``fp16kit.optim.functional``; the
+derived values are computed in float64 and rounded once, as torch does with its Python-float scalars)::
+
+    hp = [lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, -lr / bc1, sqrt(bc2), inv_scale,
+          1 - lr * weight_decay]
+
+Per element (fp32 math, each tensor read once and written once)::
+
+    g = g * inv_scale
+    if L2_MODE:   g = g + wd * p                          # Adam: L2 penalty
+    m = lerp(m, g, 1 - beta1)                             # torch's lerp formula
+    v = v * beta2 + (1 - beta2) * g * g
+    if DECOUPLED: p = p * (1 - lr * wd)                   # AdamW
+    p = p + (-lr / bc1) * (m / (sqrt(v) / sqrt(bc2) + eps))
+
+``found_inf`` non-zero: zero loop iterations, nothing written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._rounding import round_to
+from ._table import chunk_table, num_programs, triton_dtype
+
+
+@triton.jit
+def _adam_kernel(
+    ptrs,
+    num_tensors,
+    numels,
+    chunk_tensor,
+    chunk_start,
+    num_chunks,
+    hp_ptr,
+    found_inf_ptr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    MODEL_DTYPE: tl.constexpr,
+    HAS_MODEL: tl.constexpr,
+    L2_MODE: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    beta2 = tl.load(hp_ptr + 2).to(tl.float32)
+    one_minus_beta1 = tl.load(hp_ptr + 3).to(tl.float32)
+    one_minus_beta2 = tl.load(hp_ptr + 4).to(tl.float32)
+    eps = tl.load(hp_ptr + 5).to(tl.float32)
+    wd = tl.load(hp_ptr + 6).to(tl.float32)
+    neg_step_size = tl.load(hp_ptr + 7).to(tl.float32)
+    bc2_sqrt = tl.load(hp_ptr + 8).to(tl.float32)
+    inv_scale = tl.load(hp_ptr + 9).to(tl.float32)
+    decay = tl.load(hp_ptr + 10).to(tl.float32)
+    stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
+    for c in range(pid, stop, tl.num_programs(0)):
+        t = tl.load(chunk_tensor + c)
+        offs = tl.load(chunk_start + c) + tl.arange(0, BLOCK)
+        mask = offs < tl.load(numels + t)
+        p_ptr = tl.load(ptrs + t).to(tl.pointer_type(P_DTYPE))
+        g_ptr = tl.load(ptrs + num_tensors + t).to(tl.pointer_type(G_DTYPE))
+        m_ptr = tl.load(ptrs + 2 * num_tensors + t).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(ptrs + 3 * num_tensors + t).to(tl.pointer_type(tl.float32))
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv_scale
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        if L2_MODE:
+            g = g + wd * p
+        # torch.lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w).
+        diff = g - m
+        m = tl.where(one_minus_beta1 < 0.5, m + one_minus_beta1 * diff, g - diff * (1.0 - one_minus_beta1))
+        v = v * beta2 + one_minus_beta2 * g * g
+        if DECOUPLED:
+            p = p * decay
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p + neg_step_size * tl.div_rn(m, denom)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        tl.store(p_ptr + offs, round_to(p, P_DTYPE), mask=mask)
+        if HAS_MODEL:
+            model_ptr = tl.load(ptrs + 4 * num_tensors + t).to(tl.pointer_type(MODEL_DTYPE))
+            tl.store(model_ptr + offs, round_to(p, MODEL_DTYPE), mask=mask)
+
+
+def launch_adam(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor] | None,
+    hp: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+) -> None:
+    """One Adam launch for contiguous, non-empty tensors of one dtype combination (fp32 m, v)."""
+    table = chunk_table([params, grads, exp_avgs, exp_avg_sqs, params if models is None else models])
+    device = params[0].device
+    p_dtype = triton_dtype(params[0].dtype)
+    _adam_kernel[(num_programs(device, table.num_chunks),)](
+        table.ptrs,
+        table.num_tensors,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_start,
+        table.num_chunks,
+        hp,
+        found_inf,
+        P_DTYPE=p_dtype,
+        G_DTYPE=triton_dtype(grads[0].dtype),
+        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
+        HAS_MODEL=models is not None,
+        L2_MODE=l2_mode,
+        DECOUPLED=decoupled,
+        BLOCK=table.block,
+        num_warps=8,
+    )

@@ -1,0 +1,206 @@
+"""Triton kernels and launchers: the two LAMB passes over many tensors (apex ``FusedLAMB`` math).
+
+One address table per dtype combination with five rows: ``0`` params (the fp32 master in master-weights
+mode), ``1`` grads, ``2`` exp_avg (fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (the low-precision
+model param in master-weights mode; row 0 again otherwise, and never written then).
+
+Hyper-parameters are read from ``hp``, a float32 device tensor (built by ``fp16kit.optim.functional``)::
+
+    hp = [lr, beta1, beta2, beta3, 1 - beta2, eps, weight_decay, bc1, bc2, inv_scale, clip]
+
+Stage 1, per element (fp32 math; all reads once, m and v written once)::
+
+    g = (g * inv_scale) / clip
+    if L2_MODE:     g = g + wd * p                 # weight decay enters the moments
+    m = m * beta1 + beta3 * g
+    v = v * beta2 + (1 - beta2) * g * g
+    u = (m / bc1) / (sqrt(v / bc2) + eps)
+    if DECOUPLED:   u = u + wd * p                 # AdamW-style decay
+    partials_u[c] = sum(u * u); partials_p[c] = sum(p * p)    # per chunk, reduced per tensor after
+
+Stage 2 recomputes ``u`` from the new m, v and the old p (so ``p.grad`` is never overwritten, unlike apex,
+and no update buffer is needed), then ``p = p - ratio * u`` with the per-tensor trust ratio
+``ratio = lr * |p| / |u|`` when ``TRUST`` and both norms are non-zero, else ``lr``; it writes p and, in
+master-weights mode, ``round_to_nearest_even(p)`` into the model copy.
+
+Both stages read ``found_inf`` first: when it is non-zero they run zero loop iterations and write nothing.
+Divisions and square roots are the IEEE-rounded ``div_rn``/``sqrt_rn`` (plain ``/`` and ``sqrt`` are
+approximate on NVIDIA GPUs), as apex's CUDA code is with nvcc's default flags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._rounding import round_to
+from ._table import chunk_table, num_programs, triton_dtype
+from .l2norm_kernel import segment_sums
+
+
+@triton.jit
+def _lamb_update(m, v, p, mask, hp_ptr, DECOUPLED: tl.constexpr):
+    """``u`` from the new moments (identical arithmetic in both stages)."""
+    eps = tl.load(hp_ptr + 5).to(tl.float32)
+    wd = tl.load(hp_ptr + 6).to(tl.float32)
+    bc1 = tl.load(hp_ptr + 7).to(tl.float32)
+    bc2 = tl.load(hp_ptr + 8).to(tl.float32)
+    u = tl.div_rn(tl.div_rn(m, bc1), tl.sqrt_rn(tl.div_rn(v, bc2)) + eps)
+    if DECOUPLED:
+        u = u + wd * p
+    # Masked lanes hold m = v = 0: 0 / (0 + eps) is 0, but 0/0 when eps == 0.
+    return tl.where(mask, u, 0.0)
+
+
+@triton.jit
+def _lamb_stage1_kernel(
+    ptrs,
+    num_tensors,
+    numels,
+    chunk_tensor,
+    chunk_start,
+    num_chunks,
+    hp_ptr,
+    found_inf_ptr,
+    u_partials,
+    p_partials,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    L2_MODE: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    beta1 = tl.load(hp_ptr + 1).to(tl.float32)
+    beta2 = tl.load(hp_ptr + 2).to(tl.float32)
+    beta3 = tl.load(hp_ptr + 3).to(tl.float32)
+    one_minus_beta2 = tl.load(hp_ptr + 4).to(tl.float32)
+    wd = tl.load(hp_ptr + 6).to(tl.float32)
+    inv_scale = tl.load(hp_ptr + 9).to(tl.float32)
+    clip = tl.load(hp_ptr + 10).to(tl.float32)
+    # found_inf set: zero iterations, nothing read or written.
+    stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
+    for c in range(pid, stop, tl.num_programs(0)):
+        t = tl.load(chunk_tensor + c)
+        offs = tl.load(chunk_start + c) + tl.arange(0, BLOCK)
+        mask = offs < tl.load(numels + t)
+        p_ptr = tl.load(ptrs + t).to(tl.pointer_type(P_DTYPE))
+        g_ptr = tl.load(ptrs + num_tensors + t).to(tl.pointer_type(G_DTYPE))
+        m_ptr = tl.load(ptrs + 2 * num_tensors + t).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(ptrs + 3 * num_tensors + t).to(tl.pointer_type(tl.float32))
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        g = tl.div_rn(g * inv_scale, clip)
+        if L2_MODE:
+            g = g + wd * p
+        m = m * beta1 + beta3 * g
+        v = v * beta2 + one_minus_beta2 * g * g
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        u = _lamb_update(m, v, p, mask, hp_ptr, DECOUPLED)
+        tl.store(u_partials + c, tl.sum(u * u, axis=0))
+        tl.store(p_partials + c, tl.sum(p * p, axis=0))
+
+
+@triton.jit
+def _lamb_stage2_kernel(
+    ptrs,
+    num_tensors,
+    numels,
+    chunk_tensor,
+    chunk_start,
+    num_chunks,
+    hp_ptr,
+    found_inf_ptr,
+    u_sumsq,
+    p_sumsq,
+    P_DTYPE: tl.constexpr,
+    MODEL_DTYPE: tl.constexpr,
+    HAS_MODEL: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    TRUST: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    lr = tl.load(hp_ptr).to(tl.float32)
+    stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
+    for c in range(pid, stop, tl.num_programs(0)):
+        t = tl.load(chunk_tensor + c)
+        offs = tl.load(chunk_start + c) + tl.arange(0, BLOCK)
+        mask = offs < tl.load(numels + t)
+        p_ptr = tl.load(ptrs + t).to(tl.pointer_type(P_DTYPE))
+        m_ptr = tl.load(ptrs + 2 * num_tensors + t).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(ptrs + 3 * num_tensors + t).to(tl.pointer_type(tl.float32))
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        u = _lamb_update(m, v, p, mask, hp_ptr, DECOUPLED)
+        ratio = lr
+        if TRUST:
+            pn = tl.sqrt_rn(tl.load(p_sumsq + t))
+            un = tl.sqrt_rn(tl.load(u_sumsq + t))
+            ratio = tl.where((pn != 0.0) & (un != 0.0), lr * tl.div_rn(pn, un), lr)
+        p = p - ratio * u
+        tl.store(p_ptr + offs, round_to(p, P_DTYPE), mask=mask)
+        if HAS_MODEL:
+            model_ptr = tl.load(ptrs + 4 * num_tensors + t).to(tl.pointer_type(MODEL_DTYPE))
+            tl.store(model_ptr + offs, round_to(p, MODEL_DTYPE), mask=mask)
+
+
+def launch_lamb(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor] | None,
+    hp: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+    trust: bool,
+) -> None:
+    """Both LAMB stages for contiguous, non-empty tensors of one dtype combination (fp32 m, v).
+
+    ``models`` (master-weights mode) receives the rounded copy of the updated ``params``.
+    """
+    table = chunk_table([params, grads, exp_avgs, exp_avg_sqs, params if models is None else models])
+    device = params[0].device
+    u_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
+    p_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
+    grid = (num_programs(device, table.num_chunks),)
+    common = (table.ptrs, table.num_tensors, table.numels, table.chunk_tensor, table.chunk_start, table.num_chunks)
+    p_dtype = triton_dtype(params[0].dtype)
+    _lamb_stage1_kernel[grid](
+        *common,
+        hp,
+        found_inf,
+        u_partials,
+        p_partials,
+        P_DTYPE=p_dtype,
+        G_DTYPE=triton_dtype(grads[0].dtype),
+        L2_MODE=l2_mode,
+        DECOUPLED=decoupled,
+        BLOCK=table.block,
+        num_warps=8,
+    )
+    u_sumsq, p_sumsq = segment_sums(u_partials, table), segment_sums(p_partials, table)
+    _lamb_stage2_kernel[grid](
+        *common,
+        hp,
+        found_inf,
+        u_sumsq,
+        p_sumsq,
+        P_DTYPE=p_dtype,
+        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
+        HAS_MODEL=models is not None,
+        DECOUPLED=decoupled,
+        TRUST=trust,
+        BLOCK=table.block,
+        num_warps=8,
+    )

@@ -1,0 +1,154 @@
+"""Torch fallbacks of the LAMB and Adam kernels (``torch._foreach_*``), same contracts and same math.
+
+Used where Triton cannot run (CPU tensors without the interpreter, platforms without Triton) and for
+tensors the kernels do not take (non-contiguous, float64). ``hp`` is the hyper-parameter tensor
+described in ``lamb_kernel.py`` / ``adam_kernel.py``; its dtype is the math dtype (float32, or float64
+for float64 params). Every new value is computed out of place and committed at the end, so a skipped
+step writes nothing.
+
+The ``found_inf`` skip never syncs a GPU with the host: on CPU tensors the flag is read directly (a CPU
+tensor has no queue to drain); elsewhere every commit is ``torch.where(found_inf != 0, old, new)``, which
+keeps old values bit for bit even when the new ones are NaN. ``host_branch`` overrides that choice
+(tests exercise the masked path on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["adam_", "lamb_"]
+
+
+def _skip(found_inf: torch.Tensor, host_branch: bool | None) -> bool | torch.Tensor:
+    """``True``/``False`` decided on the host, or a 0-dim bool tensor for masked commits."""
+    if host_branch is None:
+        host_branch = found_inf.device.type == "cpu"
+    flag = found_inf.reshape(()) != 0
+    return bool(flag) if host_branch else flag
+
+
+def _commit(dsts: Sequence[torch.Tensor], news: Sequence[torch.Tensor], skip: bool | torch.Tensor) -> None:
+    """``dst.copy_(new)`` (rounding to dst's dtype), or keep ``dst`` where ``skip`` is a set device flag."""
+    for dst, new in zip(dsts, news):
+        if isinstance(skip, torch.Tensor):
+            new = torch.where(skip, dst.to(new.dtype), new)
+        dst.copy_(new)
+
+
+def _write_params(
+    params: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    new_params: Sequence[torch.Tensor],
+    skip: bool | torch.Tensor,
+) -> None:
+    _commit(params, new_params, skip)
+    pairs = [(m, p) for m, p in zip(models, new_params) if m is not None]
+    _commit([m for m, _ in pairs], [p for _, p in pairs], skip)
+
+
+def _second_moment(
+    exp_avg_sqs: Sequence[torch.Tensor], g: list[torch.Tensor], beta2: torch.Tensor, one_minus_beta2: torch.Tensor
+) -> list[torch.Tensor]:
+    """``v * beta2 + (1 - beta2) * g * g``, out of place."""
+    v = torch._foreach_mul(list(exp_avg_sqs), beta2)
+    gg = torch._foreach_mul(g, one_minus_beta2)
+    torch._foreach_mul_(gg, g)
+    torch._foreach_add_(v, gg)
+    return v
+
+
+def _math(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    return [t.to(dtype) for t in tensors]
+
+
+def lamb_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+    trust: bool,
+    host_branch: bool | None = None,
+) -> None:
+    """Both LAMB stages (see ``lamb_kernel.py`` for the math); ``models[i]`` may be None."""
+    if not params:
+        return
+    skip = _skip(found_inf, host_branch)
+    if skip is True:
+        return
+    lr, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = hp.unbind()
+    p = _math(params, hp.dtype)  # may alias fp32 params: only out-of-place ops on p below
+    g = torch._foreach_mul(_math(grads, hp.dtype), inv_scale)
+    torch._foreach_div_(g, clip)
+    if l2_mode:
+        torch._foreach_add_(g, torch._foreach_mul(p, wd))
+    m = torch._foreach_mul(list(exp_avgs), beta1)
+    torch._foreach_add_(m, torch._foreach_mul(g, beta3))
+    v = _second_moment(exp_avg_sqs, g, beta2, one_minus_beta2)
+    u = torch._foreach_div(m, bc1)
+    denom = torch._foreach_div(v, bc2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_div_(u, denom)
+    if decoupled:
+        torch._foreach_add_(u, torch._foreach_mul(p, wd))
+    if trust:
+        pn = torch.stack(torch._foreach_norm(p))
+        un = torch.stack(torch._foreach_norm(u))
+        ratio = torch.where((pn != 0) & (un != 0), lr * (pn / un), lr)
+        torch._foreach_mul_(u, list(ratio.unbind()))
+    else:
+        torch._foreach_mul_(u, lr)
+    new_p = torch._foreach_sub(p, u)
+    _commit(exp_avgs, m, skip)
+    _commit(exp_avg_sqs, v, skip)
+    _write_params(params, models, new_p, skip)
+
+
+def adam_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+    host_branch: bool | None = None,
+) -> None:
+    """One Adam/AdamW step (see ``adam_kernel.py`` for the math); ``models[i]`` may be None."""
+    if not params:
+        return
+    skip = _skip(found_inf, host_branch)
+    if skip is True:
+        return
+    _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = hp.unbind()
+    p = _math(params, hp.dtype)
+    g = torch._foreach_mul(_math(grads, hp.dtype), inv_scale)
+    if l2_mode:
+        torch._foreach_add_(g, torch._foreach_mul(p, wd))
+    # m + (1 - beta1) * (g - m): torch.optim.Adam's lerp (for 1 - beta1 < 0.5, i.e. every usual beta1)
+    diff = torch._foreach_sub(g, list(exp_avgs))
+    torch._foreach_mul_(diff, one_minus_beta1)
+    m = torch._foreach_add(list(exp_avgs), diff)
+    v = _second_moment(exp_avg_sqs, g, beta2, one_minus_beta2)
+    if decoupled:
+        p = torch._foreach_mul(p, decay)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    step = torch._foreach_div(m, denom)
+    torch._foreach_mul_(step, neg_step_size)
+    new_p = torch._foreach_add(p, step)
+    _commit(exp_avgs, m, skip)
+    _commit(exp_avg_sqs, v, skip)
+    _write_params(params, models, new_p, skip)

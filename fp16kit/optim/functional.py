@@ -1,0 +1,466 @@
+"""Functional LAMB and Adam steps over lists of tensors, for people who write their own training loops.
+
+``lamb_step_`` and ``adam_step_`` update params and optimizer state in place, on the device, with no host
+sync: the learning rate, the step counter, the loss-scale inverse and the skip flag may all be device
+tensors. ``FusedLAMB``/``FusedAdam`` are thin classes over the same private pieces defined here.
+
+How a step runs (LAMB; Adam has no clipping and one update pass)::
+
+    found_inf, gnorm = check-and-norm pass over grads (fp16kit.kernels.l2norm, pre_scale=inv_scale)
+    clip = gnorm / max_grad_norm if 0 < max_grad_norm < gnorm else 1       (device arithmetic)
+    step += (found_inf == 0)                                                (device; skipped steps do not count)
+    hp = [lr, beta1, beta2, ..., bc1, bc2, inv_scale, clip]                 (float64 math, rounded to fp32 once)
+    stage 1 + stage 2 kernels (or the torch fallback), both no-ops when found_inf is set
+
+Hyper-parameters derived from the step (bias corrections ``1 - beta**t``, ``lr / bc1``, ``sqrt(bc2)``) are
+computed in float64 on the device and rounded once to fp32, like the Python floats of apex and torch;
+``1 - beta2`` and ``1 - beta1`` are float64 differences rounded once (apex subtracts in fp32 from the
+rounded beta, which is off by up to 1.3e-5 relative for beta2 = 0.999: we follow the math, not that artifact).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from fp16kit.kernels import l2norm
+from fp16kit.kernels import optim_fallback as fallback
+from fp16kit.kernels._checks import KERNEL_DTYPES, check_flag, check_pairs, check_tensor_list, common_device
+from fp16kit.kernels._table import group_by
+from fp16kit.kernels.backend import Backend, select_backend
+
+from ._validate import check_hyperparams
+
+__all__ = ["adam_step_", "lamb_step_"]
+
+F64 = torch.float64
+Scalar = float | torch.Tensor
+
+# ---------------------------------------------------------------------------------------------------------
+# device scalars
+
+
+_constants: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+
+def _constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A cached float64 device tensor of host constants: built once, so no per-step host-to-device copy."""
+    key = (device, values)
+    t = _constants.get(key)
+    if t is None:
+        t = _constants[key] = torch.tensor(values, dtype=F64, device=device)
+        if len(_constants) > 256:
+            _constants.popitem(last=False)
+    return t
+
+
+def _scalar64(name: str, value: Scalar, device: torch.device) -> torch.Tensor:
+    """A one-element float64 tensor on ``device`` (``torch.full`` for a Python number: a fill, not a copy)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(f"{name} must be a Python float or a one-element floating tensor, got {value!r}.")
+        if value.device != device:
+            raise ValueError(f"{name} is on {value.device} but the params are on {device}; move it there.")
+        return value.detach().reshape(1).to(F64)
+    return torch.full((1,), float(value), dtype=F64, device=device)
+
+
+def new_flag(device: torch.device) -> torch.Tensor:
+    """A zeroed ``found_inf`` flag."""
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
+def inv_scale_from_grad_scale(grad_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``1 / grad_scale`` in float64 (as torch's GradScaler computes its inverse), or 1 without a scale."""
+    if grad_scale is None:
+        return torch.ones(1, dtype=F64, device=device)
+    return _scalar64("grad_scale", grad_scale, device).reciprocal()
+
+
+def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+    """Global L2 norm of the unscaled grads (0-dim fp32), raising ``found_inf`` on any inf/NaN: one read."""
+    return l2norm(grads, pre_scale=inv_scale64.float(), found_inf=found_inf)
+
+
+def clip_factor(gnorm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """apex's divisor ``gnorm / max_grad_norm`` when ``0 < max_grad_norm < gnorm``, else 1 (float64 [1])."""
+    g = gnorm.reshape(1).to(F64)
+    if max_grad_norm <= 0:
+        return torch.ones_like(g)
+    return torch.where(g > max_grad_norm, g / max_grad_norm, torch.ones_like(g))
+
+
+def advance_step(step: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """``step += 1`` unless ``found_inf`` is set — on the device."""
+    step.add_((found_inf.reshape(step.shape) == 0).to(step.dtype))
+
+
+def _bias_corrections(
+    step: torch.Tensor, betas: tuple[float, float], bias_correction: bool, lr64: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not bias_correction:
+        one = torch.ones_like(lr64)
+        return one, one
+    t = step.detach().reshape(1).to(F64)
+    return 1 - torch.pow(float(betas[0]), t), 1 - torch.pow(float(betas[1]), t)
+
+
+def lamb_hparams(
+    *,
+    lr: Scalar,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    grad_averaging: bool,
+    step: torch.Tensor,
+    inv_scale64: torch.Tensor,
+    clip64: torch.Tensor,
+    device: torch.device,
+) -> torch.Tensor:
+    """float64 ``[lr, b1, b2, beta3, 1 - b2, eps, wd, bc1, bc2, inv_scale, clip]`` (layout of lamb_kernel.py)."""
+    b1, b2 = float(betas[0]), float(betas[1])
+    beta3 = 1.0 - b1 if grad_averaging else 1.0
+    consts = _constant((b1, b2, beta3, 1.0 - b2, float(eps), float(weight_decay)), device)
+    lr64 = _scalar64("lr", lr, device)
+    bc1, bc2 = _bias_corrections(step, (b1, b2), bias_correction, lr64)
+    return torch.cat([lr64, consts, bc1, bc2, inv_scale64.reshape(1), clip64.reshape(1)])
+
+
+def adam_hparams(
+    *,
+    lr: Scalar,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    step: torch.Tensor,
+    inv_scale64: torch.Tensor,
+    device: torch.device,
+) -> torch.Tensor:
+    """float64 ``[lr, b1, b2, 1 - b1, 1 - b2, eps, wd, -lr/bc1, sqrt(bc2), inv_scale, 1 - lr*wd]`` (adam_kernel.py)."""
+    b1, b2, wd = float(betas[0]), float(betas[1]), float(weight_decay)
+    consts = _constant((b1, b2, 1.0 - b1, 1.0 - b2, float(eps), wd), device)
+    lr64 = _scalar64("lr", lr, device)
+    bc1, bc2 = _bias_corrections(step, (b1, b2), bias_correction, lr64)
+    return torch.cat([lr64, consts, -lr64 / bc1, bc2.sqrt(), inv_scale64.reshape(1), 1 - lr64 * wd])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dispatch: Triton kernels for contiguous fp16/bf16/fp32 rows, the torch fallback for the rest
+
+
+def _split_rows(
+    device: torch.device,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Row indices for the kernels (grouped by dtype combination) and for the fallback (grouped by math dtype)."""
+    use_kernels = select_backend(device).backend is not Backend.TORCH
+    kernel_keys: list[tuple] = []
+    kernel_rows: list[int] = []
+    rest_keys: list[torch.dtype] = []
+    rest_rows: list[int] = []
+    for i, (p, g, m, v, model) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, models)):
+        row = (p, g, m, v) if model is None else (p, g, m, v, model)
+        ok = (
+            use_kernels
+            and p.numel() > 0
+            and m.dtype == torch.float32
+            and v.dtype == torch.float32
+            and all(t.dtype in KERNEL_DTYPES and t.is_contiguous() for t in row)
+        )
+        if ok:
+            kernel_rows.append(i)
+            kernel_keys.append((p.dtype, g.dtype, None if model is None else model.dtype))
+        else:
+            rest_rows.append(i)
+            rest_keys.append(F64 if p.dtype == F64 else torch.float32)
+    kernel_groups = [[kernel_rows[j] for j in idx] for idx in group_by(kernel_keys).values()]
+    rest_groups = [[rest_rows[j] for j in idx] for idx in group_by(rest_keys).values()]
+    return kernel_groups, rest_groups
+
+
+def _pick(tensors: Sequence, rows: list[int]) -> list:
+    return [tensors[i] for i in rows]
+
+
+def _dispatch(
+    kind: str,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp64: torch.Tensor,
+    found_inf: torch.Tensor,
+    modes: dict[str, bool],
+) -> None:
+    """Run ``kind`` ("lamb" or "adam") on the kernel rows (one launch set per dtype combination) and the
+    fallback rows (per math dtype)."""
+    if not params:
+        return
+    kernel_groups, rest_groups = _split_rows(params[0].device, params, grads, exp_avgs, exp_avg_sqs, models)
+    flag = found_inf.reshape(1)
+    if kernel_groups:
+        if kind == "lamb":
+            from fp16kit.kernels.lamb_kernel import launch_lamb as launch
+        else:
+            from fp16kit.kernels.adam_kernel import launch_adam as launch
+        hp32 = hp64.float()
+        for rows in kernel_groups:
+            row_models = _pick(models, rows)
+            lists = (_pick(params, rows), _pick(grads, rows), _pick(exp_avgs, rows), _pick(exp_avg_sqs, rows))
+            launch(*lists, None if row_models[0] is None else row_models, hp32, flag, **modes)
+    step_fn = fallback.lamb_ if kind == "lamb" else fallback.adam_
+    for rows in rest_groups:
+        p = _pick(params, rows)
+        hp = hp64 if p[0].dtype == F64 else hp64.float()
+        step_fn(
+            p,
+            _pick(grads, rows),
+            _pick(exp_avgs, rows),
+            _pick(exp_avg_sqs, rows),
+            _pick(models, rows),
+            hp,
+            flag,
+            **modes,
+        )
+
+
+def lamb_update(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp64: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    weight_decay: float,
+    adam_w_mode: bool,
+    use_nvlamb: bool,
+) -> None:
+    """Stages 1 and 2 for one group (validated lists, one device); a no-op on the device when found_inf is set."""
+    modes = {
+        "l2_mode": not adam_w_mode and weight_decay != 0,
+        "decoupled": adam_w_mode and weight_decay != 0,
+        "trust": use_nvlamb or weight_decay != 0,
+    }
+    _dispatch("lamb", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes)
+
+
+def adam_update(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp64: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    weight_decay: float,
+    adam_w_mode: bool,
+) -> None:
+    """The Adam pass for one group (validated lists, one device); a no-op on the device when found_inf is set."""
+    modes = {"l2_mode": not adam_w_mode and weight_decay != 0, "decoupled": adam_w_mode and weight_decay != 0}
+    _dispatch("adam", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# public functional API
+
+
+def _check_lists(
+    fn: str,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    model_params: Sequence[torch.Tensor | None] | None,
+    step: torch.Tensor,
+    found_inf: torch.Tensor | None,
+) -> tuple[torch.device | None, list[torch.Tensor | None]]:
+    ps = check_tensor_list(fn, "params", params)
+    gs = check_tensor_list(fn, "grads", grads)
+    ms = check_tensor_list(fn, "exp_avgs", exp_avgs)
+    vs = check_tensor_list(fn, "exp_avg_sqs", exp_avg_sqs)
+    for name, other in (("grads", gs), ("exp_avgs", ms), ("exp_avg_sqs", vs)):
+        check_pairs(fn, "params", ps, name, other)
+    for i, (p, m, v) in enumerate(zip(ps, ms, vs)):
+        want = F64 if p.dtype == F64 else torch.float32
+        if m.dtype != want or v.dtype != want:
+            raise TypeError(
+                f"{fn}: exp_avgs[{i}]/exp_avg_sqs[{i}] are {m.dtype}/{v.dtype}; optimizer state must be {want} "
+                f"for {p.dtype} params (create it with torch.zeros_like(p, dtype={want}))."
+            )
+    models: list[torch.Tensor | None] = [None] * len(ps) if model_params is None else list(model_params)
+    if len(models) != len(ps):
+        raise ValueError(f"{fn}: model_params has {len(models)} entries but params has {len(ps)}; they must pair up.")
+    present = [m for m in models if m is not None]
+    check_tensor_list(fn, "model_params", present)
+    for i, (p, m) in enumerate(zip(ps, models)):
+        if m is not None and m.shape != p.shape:
+            raise ValueError(f"{fn}: model_params[{i}] has shape {tuple(m.shape)}, params[{i}] {tuple(p.shape)}.")
+    device = common_device(fn, ps, gs, ms, vs, present)
+    if not isinstance(step, torch.Tensor) or step.numel() != 1 or not step.is_floating_point():
+        raise TypeError(
+            f"{fn}: step must be a one-element floating tensor counting the steps taken so far "
+            f"(e.g. torch.zeros(1, device=...)); it is incremented in place unless the step is skipped."
+        )
+    if device is not None and step.device != device:
+        raise ValueError(f"{fn}: step is on {step.device} but the params are on {device}.")
+    if found_inf is not None:
+        check_flag(fn, found_inf, device)
+    return device, models
+
+
+def lamb_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: torch.Tensor,
+    lr: Scalar = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    weight_decay: float = 0.01,
+    bias_correction: bool = True,
+    grad_averaging: bool = True,
+    adam_w_mode: bool = True,
+    use_nvlamb: bool = False,
+    max_grad_norm: float = 1.0,
+    model_params: Sequence[torch.Tensor | None] | None = None,
+    inv_scale: Scalar | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One LAMB step (apex ``FusedLAMB`` math, ``specs/lamb.md``) over lists of tensors, in place.
+
+    ``grads[i]`` may be scaled by a loss scale: every element is multiplied by ``inv_scale`` first. The
+    global norm (over this call's grads) clips the gradients when it exceeds ``max_grad_norm``; then::
+
+        step += 1;  t = step
+        m = b1 m + beta3 g;  v = b2 v + (1 - b2) g^2       (beta3 = 1 - b1 with grad_averaging, else 1)
+        u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)  [+ wd p when adam_w_mode; L2 adds wd p to g]
+        p = p - ratio u,   ratio = lr |p| / |u|  (when use_nvlamb or wd != 0, and both norms non-zero) else lr
+
+    Args:
+        params: the tensors to update (fp16, bf16, fp32 or fp64); fp32 masters in master-weights use.
+        grads: their gradients (any float dtype, possibly loss-scaled); never modified.
+        exp_avgs, exp_avg_sqs: the moments, float32 (float64 for float64 params), updated in place.
+        step: one-element floating tensor with the number of steps taken so far; incremented in place on
+            the device unless the step is skipped.
+        lr: learning rate, a float or a one-element device tensor (no recompiles, no sync).
+        model_params: optional low-precision copies written with ``round_to_nearest_even(params[i])``
+            after the update (``None`` entries allowed), e.g. fp16 model params of fp32 masters.
+        inv_scale: ``1 / loss_scale`` (float or device tensor); default 1.
+        found_inf: optional one-element float32 flag. It is raised to 1 if any unscaled gradient is
+            inf/NaN, and when it is set (by that check or before the call) nothing at all changes —
+            params, moments, model copies and ``step``.
+
+    Returns:
+        The ``found_inf`` flag (the one passed in, or a new one): read it to learn whether the step was skipped.
+    """
+    fn = "lamb_step_"
+    check_hyperparams(fn, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+    device, models = _check_lists(fn, params, grads, exp_avgs, exp_avg_sqs, model_params, step, found_inf)
+    if device is None:
+        return new_flag(step.device) if found_inf is None else found_inf
+    flag = new_flag(device) if found_inf is None else found_inf
+    inv64 = _scalar64("inv_scale", 1.0 if inv_scale is None else inv_scale, device)
+    gnorm = check_and_norm(list(grads), inv64, flag)
+    advance_step(step, flag)
+    hp64 = lamb_hparams(
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction,
+        grad_averaging=grad_averaging,
+        step=step,
+        inv_scale64=inv64,
+        clip64=clip_factor(gnorm, float(max_grad_norm)),
+        device=device,
+    )
+    lamb_update(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        models,
+        hp64,
+        flag,
+        weight_decay=float(weight_decay),
+        adam_w_mode=adam_w_mode,
+        use_nvlamb=use_nvlamb,
+    )
+    return flag
+
+
+def adam_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: torch.Tensor,
+    lr: Scalar = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adam_w_mode: bool = True,
+    bias_correction: bool = True,
+    model_params: Sequence[torch.Tensor | None] | None = None,
+    inv_scale: Scalar | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One Adam (``adam_w_mode=False``) or AdamW step over lists of tensors, in place, as ``torch.optim``.
+
+    Math (``torch.optim.Adam``/``AdamW``; fp32 arithmetic in torch's order of operations)::
+
+        step += 1;  t = step;  g = grad * inv_scale   [+ wd p when not adam_w_mode]
+        m = lerp(m, g, 1 - b1);  v = b2 v + (1 - b2) g^2
+        p = p (1 - lr wd)   when adam_w_mode
+        p = p - (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+    A check pass over the grads raises ``found_inf`` on any inf/NaN first; when the flag is set nothing
+    changes (params, moments, model copies, ``step``). Arguments as :func:`lamb_step_` (no clipping).
+    Returns the ``found_inf`` flag.
+    """
+    fn = "adam_step_"
+    check_hyperparams(fn, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    device, models = _check_lists(fn, params, grads, exp_avgs, exp_avg_sqs, model_params, step, found_inf)
+    if device is None:
+        return new_flag(step.device) if found_inf is None else found_inf
+    flag = new_flag(device) if found_inf is None else found_inf
+    inv64 = _scalar64("inv_scale", 1.0 if inv_scale is None else inv_scale, device)
+    check_and_norm(list(grads), inv64, flag)
+    advance_step(step, flag)
+    hp64 = adam_hparams(
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction,
+        step=step,
+        inv_scale64=inv64,
+        device=device,
+    )
+    adam_update(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        models,
+        hp64,
+        flag,
+        weight_decay=float(weight_decay),
+        adam_w_mode=adam_w_mode,
+    )
+    return flag
