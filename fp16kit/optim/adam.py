@@ -1,0 +1,104 @@
+"""``FusedAdam``: Adam/AdamW (apex's constructor, torch.optim's numbers) on one multi-tensor Triton pass."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from . import functional as F
+from ._base import FusedOptimizer, _Rows
+from ._validate import check_hyperparams
+
+__all__ = ["FusedAdam"]
+
+
+class FusedAdam(FusedOptimizer):
+    """Adam (``adam_w_mode=False``) or AdamW (default), matching ``torch.optim.Adam``/``AdamW`` to fp32 rounding.
+
+    Per param, with ``t`` the group's step counter after the increment::
+
+        g = grad / grad_scale           [+ wd * p  when adam_w_mode=False: L2 penalty]
+        m = lerp(m, g, 1 - b1);  v = b2 v + (1 - b2) g^2
+        p = p (1 - lr wd)               when adam_w_mode=True (decoupled decay)
+        p = p - (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+    One fused pass reads g, p, m, v and writes p, m, v (and the rounded model copy in master-weights
+    mode), after a read-only check pass over the grads that detects inf/NaN. Constructor as apex's
+    FusedAdam (``capturable`` is accepted and ignored: every step is already device-side and sync-free);
+    ``master_weights`` and ``on_nonfinite`` as in :class:`fp16kit.optim.FusedLAMB`. ``amsgrad=True``
+    raises RuntimeError.
+    """
+
+    _name = "FusedAdam"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+        capturable: bool = False,
+        master_weights: bool = False,
+        *,
+        on_nonfinite: str = "warn",
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedAdam does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
+        check_hyperparams(self._name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults = {
+            "lr": lr,
+            "bias_correction": bias_correction,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        self.adam_w_mode = bool(adam_w_mode)
+        self.capturable = bool(capturable)
+        super().__init__(
+            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
+        )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_hyperparams(
+            self._name, lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"]
+        )
+
+    def _update_group(
+        self,
+        group: dict[str, Any],
+        rows: _Rows,
+        step: torch.Tensor,
+        inv_scale64: torch.Tensor,
+        found_inf: torch.Tensor,
+        grad_norm: torch.Tensor,
+    ) -> None:
+        if not rows.params:
+            return
+        hp64 = F.adam_hparams(
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            bias_correction=group["bias_correction"],
+            step=step,
+            inv_scale64=inv_scale64,
+            device=rows.params[0].device,
+        )
+        F.adam_update(
+            rows.params,
+            rows.grads,
+            rows.exp_avgs,
+            rows.exp_avg_sqs,
+            rows.models,
+            hp64,
+            found_inf,
+            weight_decay=float(group["weight_decay"]),
+            adam_w_mode=self.adam_w_mode,
+        )

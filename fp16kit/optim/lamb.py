@@ -1,0 +1,143 @@
+"""``FusedLAMB``: apex's FusedLAMB (same constructor, same math) on multi-tensor Triton kernels.
+
+Improvements over apex (``specs/lamb.md``): ``p.grad`` is never overwritten; optimizer state is fp32
+for fp16/bf16 params; bf16 works; a non-finite gradient never reaches the weights (under a loss scaler
+the step is skipped on the device, without one it is skipped and reported per ``on_nonfinite``);
+``master_weights=True`` keeps fp32 masters of fp16/bf16 params (apex's FusedMixedPrecisionLamb).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from . import functional as F
+from ._base import FusedOptimizer, _Rows
+from ._validate import check_hyperparams
+
+__all__ = ["FusedLAMB"]
+
+
+class FusedLAMB(FusedOptimizer):
+    """LAMB (You et al., 2019) exactly as apex's ``FusedLAMB`` computes it.
+
+    One step, with ``gnorm`` the L2 norm of all (unscaled) gradients of all groups::
+
+        clip = gnorm / max_grad_norm if 0 < max_grad_norm < gnorm else 1      # constructor's max_grad_norm
+        per group:  step += 1;  bc1, bc2 = 1 - b1^step, 1 - b2^step (or 1, 1);  beta3 = 1 - b1 (or 1)
+        per param:  g = grad / clip            [+ wd * p  when adam_w_mode=False: L2 decay]
+                    m = b1 m + beta3 g;  v = b2 v + (1 - b2) g^2
+                    u = (m / bc1) / (sqrt(v / bc2) + eps)   [+ wd * p  when adam_w_mode=True]
+                    ratio = lr |p| / |u|  if (use_nvlamb or wd != 0) and |p| != 0 and |u| != 0  else lr
+                    p = p - ratio u
+
+    With ``weight_decay=0`` and ``use_nvlamb=False`` no trust ratio is applied (apex's behaviour): the
+    step is Adam with global clipping.
+
+    Args:
+        params: parameters or param groups (groups may override lr, betas, eps, weight_decay,
+            bias_correction, grad_averaging; ``max_grad_norm`` is global, as in apex).
+        lr, bias_correction, betas, eps, weight_decay, adam_w_mode, grad_averaging, max_grad_norm,
+            use_nvlamb: apex's hyper-parameters and defaults. ``lr`` may be a one-element device tensor.
+        amsgrad: must be False (RuntimeError otherwise, as in apex).
+        set_grad_none: ``zero_grad()`` sets grads to None (default) instead of zeroing them.
+        master_weights: keep an fp32 master copy (and fp32 moments) of every fp16/bf16 param; each step
+            updates the master and writes its round-to-nearest-even copy into the param, in the same pass.
+        on_nonfinite: without a loss scaler, what to do after skipping a step whose grads hold inf/NaN:
+            ``"warn"`` (default; on CUDA the warning comes one step later, without a host sync),
+            ``"raise"`` (RuntimeError; reads the flag on the host: one sync per step) or ``"skip"``.
+
+    Loss scalers: ``_step_supports_amp_scaling = True``, so ``torch.amp.GradScaler`` and fp16kit's
+    GradScaler pass ``grad_scale``/``found_inf`` instead of unscaling the grads: the step unscales them
+    in its first pass, takes the global norm of the unscaled values, and skips on the device when
+    ``found_inf`` is set (the step counter included). Nothing syncs with the host.
+    """
+
+    _name = "FusedLAMB"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        set_grad_none: bool = True,
+        max_grad_norm: float = 1.0,
+        use_nvlamb: bool = False,
+        *,
+        master_weights: bool = False,
+        on_nonfinite: str = "warn",
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
+        check_hyperparams(
+            self._name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm
+        )
+        defaults = {
+            "lr": lr,
+            "bias_correction": bias_correction,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "grad_averaging": grad_averaging,
+            "max_grad_norm": max_grad_norm,
+        }
+        self.adam_w_mode = bool(adam_w_mode)
+        self.use_nvlamb = bool(use_nvlamb)
+        super().__init__(
+            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
+        )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_hyperparams(
+            self._name,
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            max_grad_norm=group["max_grad_norm"],
+        )
+
+    def _update_group(
+        self,
+        group: dict[str, Any],
+        rows: _Rows,
+        step: torch.Tensor,
+        inv_scale64: torch.Tensor,
+        found_inf: torch.Tensor,
+        grad_norm: torch.Tensor,
+    ) -> None:
+        if not rows.params:
+            return
+        device = rows.params[0].device
+        hp64 = F.lamb_hparams(
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            bias_correction=group["bias_correction"],
+            grad_averaging=group["grad_averaging"],
+            step=step,
+            inv_scale64=inv_scale64,
+            clip64=F.clip_factor(grad_norm, float(self.defaults["max_grad_norm"])),
+            device=device,
+        )
+        F.lamb_update(
+            rows.params,
+            rows.grads,
+            rows.exp_avgs,
+            rows.exp_avg_sqs,
+            rows.models,
+            hp64,
+            found_inf,
+            weight_decay=float(group["weight_decay"]),
+            adam_w_mode=self.adam_w_mode,
+            use_nvlamb=self.use_nvlamb,
+        )
