@@ -147,7 +147,8 @@ class LossScaler:
         ):
             raise ValueError(
                 f"LossScaler: init_scale={init_scale} lies outside [min_scale, max_scale] = "
-                f"[{self.min_scale}, {self.max_scale}]; widen the bounds (None for no bound) or choose an init_scale inside them."
+                f"[{self.min_scale}, {self.max_scale}]; widen the bounds (None for no bound) or choose an "
+                f"init_scale inside them."
             )
         self.dynamic = bool(dynamic)
         self.warn_after_skips = None if warn_after_skips is None else _check_count("warn_after_skips", warn_after_skips)
