@@ -175,7 +175,7 @@ def l2norm(
         ys = fallback.scaled([items[i] for i in chosen], scale)
         _scatter(sumsq, chosen, fallback.sumsq_per_tensor(ys).float())
         if flag is not None:
-            torch.maximum(flag, fallback.nonfinite_flag(ys).float(), out=flag)
+            fallback.flag_nonfinite_(ys, flag)  # ys are our own temporaries
     total = sumsq.sum().sqrt()
     return (total, sumsq.sqrt()) if per_tensor else total
 
