@@ -9,41 +9,15 @@ from __future__ import annotations
 
 import pickle
 import warnings
-from contextlib import contextmanager
 
 import pytest
 import torch
+from _host_reads import count_host_reads
 from torch import nn
 
 import fp16kit.amp.grad_scaler as gs_module
 from fp16kit.amp import GradScaler
 from fp16kit.numerics.assertions import assert_bitwise_equal
-
-SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
-
-
-@contextmanager
-def count_host_reads(*, forbid: bool):
-    """Patch every Tensor method that reads a value back to the host; count (or forbid) the calls."""
-    calls: list[str] = []
-    originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
-
-    def make(name):
-        def patched(self, *args, **kwargs):
-            if forbid:
-                raise AssertionError(f"host sync: Tensor.{name}() called")
-            calls.append(name)
-            return originals[name](self, *args, **kwargs)
-
-        return patched
-
-    for name in SYNC_METHODS:
-        setattr(torch.Tensor, name, make(name))
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
 
 
 def ours(**kw):

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
+from _host_reads import count_host_reads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -277,31 +277,6 @@ def test_static_scale_warns_that_inf_steps_were_applied():
 
 
 # ----------------------------------------------------------------------------- no host sync
-SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
-
-
-@contextmanager
-def count_host_reads(*, forbid: bool):
-    """Patch every Tensor method that reads a value back to the host; count (or forbid) the calls."""
-    calls = []
-    originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
-
-    def make(name):
-        def patched(self, *args, **kwargs):
-            if forbid:
-                raise AssertionError(f"host sync: Tensor.{name}() called")
-            calls.append(name)
-            return originals[name](self, *args, **kwargs)
-
-        return patched
-
-    for name in SYNC_METHODS:
-        setattr(torch.Tensor, name, make(name))
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
 
 
 @pytest.mark.parametrize("hysteresis", [1, 2])
