@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._chunks import chunk_span
 from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
@@ -30,9 +31,7 @@ def _copy_kernel(
 ):
     pid = tl.program_id(0)
     for c in range(pid, num_chunks, tl.num_programs(0)):
-        t = tl.load(chunk_tensor + c)
-        offs = tl.load(chunk_start + c) + tl.arange(0, BLOCK)
-        mask = offs < tl.load(numels + t)
+        t, offs, mask = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK)
         src = tl.load(ptrs + t).to(tl.pointer_type(SRC_DTYPE))
         dst = tl.load(ptrs + num_tensors + t).to(tl.pointer_type(DST_DTYPE))
         x = tl.load(src + offs, mask=mask, other=0.0)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._chunks import chunk_span
 from ._rounding import to_fp32
 from ._table import ChunkTable, chunk_table, num_programs, triton_dtype
 
@@ -39,9 +40,7 @@ def _sumsq_kernel(
     pre_scale = tl.load(pre_scale_ptr).to(tl.float32)
     bad = tl.zeros((BLOCK,), dtype=tl.int32)
     for c in range(pid, num_chunks, tl.num_programs(0)):
-        t = tl.load(chunk_tensor + c)
-        offs = tl.load(chunk_start + c) + tl.arange(0, BLOCK)
-        mask = offs < tl.load(numels + t)
+        t, offs, mask = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK)
         src = tl.load(ptrs + t).to(tl.pointer_type(IN_DTYPE))
         x = to_fp32(tl.load(src + offs, mask=mask, other=0.0)) * pre_scale
         tl.store(partials_ptr + c, tl.sum(x * x, axis=0))
