@@ -1,0 +1,262 @@
+"""Shared by the optimizer tests: parameter lists, one-step checks against the float64 references, and the
+per-element error budgets those checks use.
+
+Error budgets (fp32 arithmetic, u = unit roundoff of fp32 = 2^-24). Each step is checked from the
+optimizer's *actual* state before the step (converted to float64), so budgets do not accumulate over steps:
+
+- a chain of at most ``K = 8`` fp32 roundings at the magnitude of its operands costs ``K u * magnitude``
+  (the LAMB element chain g/clip, +wd p, m, v, /bc1, /bc2, sqrt, +eps, /, +wd p, ratio*u, p - . has at most
+  6 roundings at each magnitude level; K = 8 leaves room for FMA contraction and op-order differences);
+- a norm over ``n`` squares has relative error at most ``gamma(n)`` (Higham), the clip factor
+  ``gnorm / max_grad_norm`` adds 3 roundings, a trust ratio ``lr * sqrt(pn) / sqrt(un)`` two norms and 4
+  roundings, plus the relative error that the elementwise update errors put into ``|u|``;
+- moments are bounded by their *absolute* magnitudes (``b1|m| + beta3|g|``), because ``m`` may cancel;
+- a result stored in fp16/bf16 gets one more ulp of that format (round to nearest of a value that is
+  already within the fp32 budget).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+
+import torch
+
+from fp16kit.numerics import gamma, ulp, unit_roundoff
+from fp16kit.numerics.reference import adam_step, global_grad_norm, lamb_step
+
+U32 = unit_roundoff(torch.float32)
+K = 8
+F64 = torch.float64
+
+
+def make_params(
+    shapes: Sequence[tuple[int, ...]],
+    dtype: torch.dtype,
+    seed: int,
+    *,
+    scale: float = 1.0,
+    grad_scale: float = 1.0,
+    zero_params: Sequence[int] = (),
+    zero_grads: Sequence[int] = (),
+) -> list[torch.nn.Parameter]:
+    """Leaf params with grads (same dtype), reproducible from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, shape in enumerate(shapes):
+        p = torch.randn(shape, generator=gen, dtype=F64) * scale
+        g = torch.randn(shape, generator=gen, dtype=F64) * grad_scale
+        if i in zero_params:
+            p.zero_()
+        if i in zero_grads:
+            g.zero_()
+        param = torch.nn.Parameter(p.to(dtype))
+        param.grad = g.to(dtype)
+        out.append(param)
+    return out
+
+
+def clone_params(params: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.nn.Parameter]:
+    """Independent copies (optionally cast) with copied grads."""
+    out = []
+    for p in params:
+        q = torch.nn.Parameter(p.detach().to(dtype or p.dtype, copy=True))
+        q.grad = None if p.grad is None else p.grad.detach().to(dtype or p.grad.dtype, copy=True)
+        out.append(q)
+    return out
+
+
+def set_grads(params: Sequence[torch.Tensor], seed: int, scale: float = 1.0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen, dtype=F64) * scale).to(p.dtype)
+
+
+def _updated_tensor(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+    """The tensor the optimizer updates for ``p``: its fp32 master if it has one."""
+    state = opt.state.get(p, {})
+    return state.get("master", p)
+
+
+def _snapshot(opt: torch.optim.Optimizer, inv_scale: float) -> list[dict[str, list[torch.Tensor]]]:
+    """float64 copies of (updated tensor, unscaled grad, m, v) per group, params with grads only."""
+    snap = []
+    for group in opt.param_groups:
+        items = {"p": [], "g": [], "m": [], "v": [], "params": []}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = opt.state.get(p, {})
+            items["params"].append(p)
+            items["p"].append(_updated_tensor(opt, p).detach().to(F64, copy=True))
+            items["g"].append(p.grad.detach().to(F64) * inv_scale)
+            items["m"].append(state["exp_avg"].to(F64, copy=True) if state else torch.zeros_like(p, dtype=F64))
+            items["v"].append(state["exp_avg_sq"].to(F64, copy=True) if state else torch.zeros_like(p, dtype=F64))
+        snap.append(items)
+    return snap
+
+
+def assert_within(actual: torch.Tensor, expected: torch.Tensor, budget: torch.Tensor, what: str) -> None:
+    """``|actual - expected| <= budget`` elementwise (all finite), with a message naming the worst element."""
+    a = actual.detach().to(F64)
+    assert torch.isfinite(a).all(), f"{what}: non-finite values {a}"
+    err = (a - expected).abs()
+    bad = err > budget
+    if bool(bad.any()):
+        i = int(torch.argmax(torch.where(bad, err / budget.clamp_min(1e-300), torch.zeros_like(err))))
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {a.numel()} elements exceed the budget; worst at flat index {i}: "
+            f"actual {a.reshape(-1)[i].item()!r}, expected {expected.reshape(-1)[i].item()!r}, "
+            f"error {err.reshape(-1)[i].item():.3g} > budget {budget.reshape(-1)[i].item():.3g}"
+        )
+
+
+def _stored_budget(budget: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Budget of a value stored in ``dtype``: fp32 budget plus one ulp of a low-precision format."""
+    extra = U32 * expected.abs() if dtype == torch.float32 else ulp(expected, dtype)
+    return budget + extra
+
+
+def lamb_budgets(
+    p0: torch.Tensor,
+    g: torch.Tensor,
+    m0: torch.Tensor,
+    v0: torch.Tensor,
+    new_m: torch.Tensor,
+    new_v: torch.Tensor,
+    *,
+    hp: dict,
+    clip: float,
+    delta_clip: float,
+    adam_w_mode: bool,
+    use_nvlamb: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-element error budgets (p, m, v) of one LAMB step of one tensor (see the module docstring)."""
+    b1, b2 = hp["betas"]
+    wd, eps, lr = hp["weight_decay"], hp["eps"], hp["lr"]
+    t = hp["step"]
+    bc1, bc2 = (1 - b1**t, 1 - b2**t) if hp["bias_correction"] else (1.0, 1.0)
+    beta3 = 1 - b1 if hp["grad_averaging"] else 1.0
+    gc = (g / clip).abs()
+    decay_in_g = wd * p0.abs() if (not adam_w_mode and wd != 0) else torch.zeros_like(p0)
+    a_m = b1 * m0.abs() + beta3 * (gc + decay_in_g)
+    err_m = K * U32 * a_m + beta3 * gc * delta_clip
+    a_v = b2 * v0 + (1 - b2) * (gc + decay_in_g) ** 2
+    err_v = (K * U32 + 2 * delta_clip) * a_v
+    m_hat = new_m / bc1
+    den = torch.sqrt(new_v / bc2) + eps
+    rel_den = 0.5 * (K * U32 + 2 * delta_clip) + 2 * U32
+    upd = m_hat / den
+    decoupled = adam_w_mode and wd != 0
+    if decoupled:
+        upd = upd + wd * p0
+    err_u = (err_m / bc1) / den + (m_hat.abs() / den) * rel_den + K * U32 * (upd.abs() + decoupled * wd * p0.abs())
+    pn, un = float(p0.norm()), float(upd.norm())
+    trust = (use_nvlamb or wd != 0) and pn != 0 and un != 0
+    ratio = lr * pn / un if trust else lr
+    delta_r = 2 * gamma(p0.numel(), torch.float32) + K * U32 + (float(err_u.norm()) / un if trust else 0.0)
+    err_p = K * U32 * (p0.abs() + (ratio * upd).abs()) + ratio * err_u + (ratio * upd).abs() * delta_r * trust
+    return err_p, err_m + U32 * new_m.abs(), err_v + U32 * new_v.abs()
+
+
+def lamb_step_and_check(opt, *, inv_scale: float = 1.0) -> None:
+    """Run ``opt.step()`` (a FusedLAMB) and check every updated tensor against the float64 reference
+    computed from the state just before the step."""
+    snap = _snapshot(opt, inv_scale)
+    grads = [g for items in snap for g in items["g"]]
+    gnorm = global_grad_norm(grads)
+    maxn = float(opt.defaults["max_grad_norm"])
+    clip = gnorm / maxn if 0 < maxn < gnorm else 1.0
+    delta_clip = gamma(max(1, sum(g.numel() for g in grads)), torch.float32) + 4 * U32
+    opt.step()
+    for group, items in zip(opt.param_groups, snap):
+        if not items["params"]:
+            continue
+        hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "grad_averaging")}
+        hp["step"] = int(group["step"].item())
+        ref_p, ref_m, ref_v = lamb_step(
+            items["p"],
+            items["g"],
+            items["m"],
+            items["v"],
+            step=hp["step"],
+            max_grad_norm=maxn,
+            global_norm=gnorm,
+            adam_w_mode=opt.adam_w_mode,
+            use_nvlamb=opt.use_nvlamb,
+            **{k: v for k, v in hp.items() if k != "step"},
+        )
+        for i, p in enumerate(items["params"]):
+            err_p, err_m, err_v = lamb_budgets(
+                items["p"][i],
+                items["g"][i],
+                items["m"][i],
+                items["v"][i],
+                ref_m[i],
+                ref_v[i],
+                hp=hp,
+                clip=clip,
+                delta_clip=delta_clip,
+                adam_w_mode=opt.adam_w_mode,
+                use_nvlamb=opt.use_nvlamb,
+            )
+            target = _updated_tensor(opt, p)
+            assert_within(target, ref_p[i], _stored_budget(err_p, ref_p[i], target.dtype), f"param {i}")
+            assert_within(opt.state[p]["exp_avg"], ref_m[i], err_m, f"exp_avg {i}")
+            assert_within(opt.state[p]["exp_avg_sq"], ref_v[i], err_v, f"exp_avg_sq {i}")
+            if target is not p:  # master-weights mode: the model param is the rounded master, bit for bit
+                assert torch.equal(p.detach(), target.to(p.dtype)), f"model copy {i} is not round(master)"
+
+
+def adam_budget(
+    p0: torch.Tensor, new_m: torch.Tensor, new_v: torch.Tensor, g: torch.Tensor, m0: torch.Tensor, hp: dict
+) -> torch.Tensor:
+    """Per-element budget of one Adam step's param (fp32 math): K roundings at the magnitudes of ``p`` and
+    of the update, the moments' own errors (absolute magnitudes, since ``m`` may cancel) carried through."""
+    b1, b2 = hp["betas"]
+    t = hp["step"]
+    bc1, bc2 = 1 - b1**t, 1 - b2**t
+    den = torch.sqrt(new_v) / math.sqrt(bc2) + hp["eps"]
+    step_size = hp["lr"] / bc1
+    a_m = b1 * m0.abs() + (1 - b1) * (g.abs() + hp["weight_decay"] * p0.abs())
+    upd = step_size * new_m.abs() / den
+    return K * U32 * (p0.abs() + upd + step_size * a_m / den)
+
+
+def adam_step_and_check(opt, *, adam_w_mode: bool) -> None:
+    """Run ``opt.step()`` (a FusedAdam) and check it against the float64 reference from the state before."""
+    snap = _snapshot(opt, 1.0)
+    opt.step()
+    for group, items in zip(opt.param_groups, snap):
+        if not items["params"]:
+            continue
+        hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        hp["step"] = int(group["step"].item())
+        ref_p, ref_m, ref_v = adam_step(items["p"], items["g"], items["m"], items["v"], adam_w_mode=adam_w_mode, **hp)
+        for i, p in enumerate(items["params"]):
+            budget = adam_budget(items["p"][i], ref_m[i], ref_v[i], items["g"][i], items["m"][i], hp)
+            target = _updated_tensor(opt, p)
+            assert_within(target, ref_p[i], _stored_budget(budget, ref_p[i], target.dtype), f"param {i}")
+
+
+def bits(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Everything a step may change, copied: params, every state tensor, every group's step counter."""
+    out = [p.detach().clone() for p in params]
+    for p in params:
+        out += [t.clone() for t in opt.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+    out += [g["step"].clone() for g in opt.param_groups if isinstance(g.get("step"), torch.Tensor)]
+    return out
+
+
+def assert_same_bits(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and x.shape == y.shape, i
+        assert torch.equal(x.view(torch.uint8) if x.dim() else x, y.view(torch.uint8) if y.dim() else y), (
+            f"tensor {i} changed"
+        )
+
+
+def deep_state(opt: torch.optim.Optimizer) -> dict:
+    return copy.deepcopy(opt.state_dict())
