@@ -136,7 +136,7 @@ class _PolicyRegion:
         self.stack: list[Any] = []
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        from ..autocast import autocast
+        from .. import autocast
 
         region = autocast(dtype=self.dtype)
         region.__enter__()

@@ -164,10 +164,11 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
             raise RuntimeError(_CLOSURE_ON_SKIP)
         if flag is not None:
             optimizer.grad_scale = None  # grads were unscaled at scale_loss exit
-            optimizer.found_inf = flag
+            # torch's fused optimizers want torch GradScaler's 0-dim flag; fp16kit's take the [1] flag
+            optimizer.found_inf = flag.reshape(()) if type(optimizer).__module__.startswith("torch.") else flag
         try:
             if disable_casts:
-                from ..autocast import disable_casts as no_casts
+                from .. import disable_casts as no_casts
 
                 with no_casts():
                     result = _call(original_step, closure, args, kwargs)
