@@ -32,12 +32,19 @@ def _make(level, optimizer="sgd", **kwargs):
     model = make_model()
     if optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    else:  # torch's fused Adam: declares _step_supports_amp_scaling, so the skip happens inside its step
+    elif optimizer == "fused":  # torch's fused Adam: declares _step_supports_amp_scaling (skips inside step)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    else:  # fp16kit's FusedAdam: same protocol, with an fp32 [1] flag
+        from fp16kit.optim import FusedAdam
+
+        opt = FusedAdam(model.parameters(), lr=1e-2)
     return amp.initialize(model, opt, opt_level=level, verbosity=1, **kwargs)
 
 
-@pytest.mark.parametrize(("level", "optimizer"), [("O1", "sgd"), ("O2", "sgd"), ("O1", "fused"), ("O2", "fused")])
+@pytest.mark.parametrize(
+    ("level", "optimizer"),
+    [("O1", "sgd"), ("O2", "sgd"), ("O1", "fused"), ("O2", "fused"), ("O1", "fp16kit"), ("O2", "fp16kit")],
+)
 def test_injected_inf_skips_step_and_halves_scale(capsys, level, optimizer):
     model, opt = _make(level, optimizer)
     capsys.readouterr()
@@ -66,7 +73,7 @@ def test_consecutive_overflows_halve_each_time_down_to_the_floor(capsys):
     assert capsys.readouterr().out == MSG.format(0, 32768.0) + MSG.format(0, 16384.0) + MSG.format(0, 16384.0)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "fused"])
+@pytest.mark.parametrize("optimizer", ["sgd", "fused", "fp16kit"])
 def test_closure_on_a_skipped_step_is_an_error(optimizer):
     model, opt = _make("O2", optimizer)
     x, y = batch(0)
@@ -151,3 +158,49 @@ def test_verbosity_zero_is_silent_on_overflow(capsys):
     train_steps(model, opt, range(1), inject_inf=lambda s: True)
     assert capsys.readouterr().out == ""
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 32768.0
+
+
+def _count_host_reads():
+    """The shared detector from tests/amp (imported by path: test directories are not packages)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "amp" / "_host_reads.py"
+    spec = importlib.util.spec_from_file_location("_amp_host_reads", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.count_host_reads
+
+
+@pytest.mark.parametrize("optimizer", ["fused", "fp16kit"])
+def test_fused_optimizers_skip_without_reading_the_flag_back(optimizer):
+    count_host_reads = _count_host_reads()
+    model, opt = _make("O2", optimizer)
+    opt._amp_stash.session.verbosity = 0  # the overflow message is the only thing that would read the flag
+    before = None
+    for step in range(4):
+        x, y = batch(step)
+        loss = F.cross_entropy(model(x), y) * (float("inf") if step == 2 else 1.0)
+        if step == 2:
+            before = _snapshot(model, opt)
+        with count_host_reads(forbid=True):
+            opt.zero_grad()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        if step == 2:
+            _same(_snapshot(model, opt), before)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 32768.0
+
+
+def test_plain_optimizer_reads_the_flag_once_per_scale_loss():
+    count_host_reads = _count_host_reads()
+    model, opt = _make("O2", "sgd")
+    opt._amp_stash.session.verbosity = 0
+    x, y = batch(0)
+    loss = F.cross_entropy(model(x), y)
+    with count_host_reads(forbid=False) as calls:
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert calls == ["__float__"]

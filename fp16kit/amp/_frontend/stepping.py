@@ -188,8 +188,12 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
     if stash.masters:
         original_zero_grad = optimizer.zero_grad
 
-        def zero_grad(set_to_none: bool = True) -> None:
-            original_zero_grad(set_to_none)
+        def zero_grad(set_to_none: bool | None = None) -> None:
+            if set_to_none is None:  # the optimizer's own default (fp16kit's fused ones: set_grad_none)
+                original_zero_grad()
+                set_to_none = bool(getattr(optimizer, "set_grad_none", True))
+            else:
+                original_zero_grad(set_to_none)
             for p in stash.model:
                 if p.grad is not None:
                     if set_to_none:
