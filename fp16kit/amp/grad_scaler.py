@@ -120,6 +120,7 @@ class GradScaler:
             warnings.warn("GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
         self._warned_fp16 = False
+        self._signature_cache: dict[Any, bool] = {}
         self._scaler: LossScaler | None = None
         self._scale0: torch.Tensor | None = None  # 0-dim view of the scale, for scale() and torch optimizers
         if not self._enabled:
@@ -317,6 +318,16 @@ class GradScaler:
         state["stage"] = OptState.STEPPED
         return retval
 
+    def _takes_grad_scaler(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Does ``optimizer.step`` accept a ``grad_scaler`` keyword (torch's deprecated contract)? Cached per
+        step function: ``inspect.signature`` costs tens of microseconds, torch pays it every step."""
+        step = optimizer.step
+        key = getattr(step, "__func__", step)
+        cached = self._signature_cache.get(key)
+        if cached is None:
+            cached = self._signature_cache[key] = "grad_scaler" in inspect.signature(step).parameters
+        return cached
+
     def _fused_step(
         self,
         optimizer: torch.optim.Optimizer,
@@ -325,7 +336,7 @@ class GradScaler:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        if self._takes_grad_scaler(optimizer):
             # torch's deprecated contract: pass the scaler itself.
             warnings.warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
@@ -551,6 +562,7 @@ class GradScaler:
             state["_pending_state"] = self._scaler.state_dict() if self._scaler is not None else self._pending_state
             state["_scaler"] = None
             state["_scale0"] = None
+        state["_signature_cache"] = {}  # holds step functions, which need not pickle
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

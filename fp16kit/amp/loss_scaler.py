@@ -4,7 +4,8 @@ State (all tensors on the scaler's device, shape ``[1]``):
 
 * ``scale`` (fp32): the current loss scale ``S``, kept within ``[min_scale, max_scale]``.
 * ``growth_tracker`` (int32): consecutive clean updates since the last growth or overflow.
-* ``consecutive_skips`` (int32): consecutive updates that saw inf/NaN (0 after a clean one).
+* ``consecutive_skips``: consecutive updates that saw inf/NaN (0 after a clean one); kept as an
+  exact fp32 counter so that the update is plain float math, read as int32.
 * ``hysteresis_tracker`` = ``max(hysteresis - consecutive_skips, 0)``: overflows still tolerated
   before backing off. A clean step resets it to ``hysteresis`` and each overflow in a row takes one
   off, which is exactly that formula, so it is derived from the skip counter instead of stored.
@@ -28,8 +29,8 @@ rounding: products in double rounded once to fp32 on CPU). Hysteresis: an overfl
 tolerated sets ``growth_tracker = -1`` before the op, which then sees a clean step, moves it back to
 0 and cannot grow (``growth_interval >= 1``), leaving ``S`` unchanged: the state machine above.
 
-Everything is tensor arithmetic on the device (about six tiny in-place ops), so ``update`` never waits
-for the GPU; ``get_scale()`` is the only host sync and only happens when asked for.
+Everything is tensor arithmetic on the device (four or five tiny in-place ops, ~15 us on a CPU), so
+``update`` never waits for the GPU; ``get_scale()`` is the only host sync and only happens when asked for.
 
 Skip warning without a per-step sync
 ------------------------------------
@@ -155,15 +156,37 @@ class LossScaler:
 
         dev = torch.device(device) if device is not None else torch.get_default_device()
         self.scale = torch.full((1,), init_scale, dtype=torch.float32, device=dev)
-        # [growth_tracker, consecutive_skips, window_max] in one tensor: one allocation, and the public
-        # trackers are views into it. torch's update op takes the growth tracker view directly.
-        self._counters = torch.zeros(3, dtype=torch.int32, device=dev)
+        self._make_state(dev, growth=0, skips=0)
         self._inv: tuple[int, int, torch.Tensor] | None = None  # (id(scale), scale._version, 1/scale)
         # host side of the skip check
         self._updates_in_window = 0
         # (host counters, host scale, CUDA event or None, window length)
         self._pending: tuple[torch.Tensor, torch.Tensor, Any, int] | None = None
         self._warned_ongoing = False
+
+    def _make_state(self, device: torch.device, *, growth: int, skips: int) -> None:
+        """Allocate the device state besides ``scale``.
+
+        The skip counters are fp32 (exact up to 2**24) so that the per-update arithmetic is plain float
+        math, ``streak = inf * (streak + 1)`` as one ``addcmul``: every op of ``update`` costs a few
+        microseconds of launch/dispatch overhead, and int/bool mixes take slower paths.
+        """
+        self._growth = torch.full((1,), growth, dtype=torch.int32, device=device)  # torch's op wants int32
+        self._skips = torch.tensor([float(skips), 0.0], dtype=torch.float32, device=device)  # [streak, window_max]
+        self._streak, self._window_max = self._skips[0:1], self._skips[1:2]
+        self._inf = torch.zeros(1, dtype=torch.float32, device=device)  # scratch: this update's 0/1 flag
+        self._zero = torch.zeros(1, dtype=torch.float32, device=device)
+        self._bounds: tuple[Any, torch.Tensor | None, torch.Tensor | None] = (None, None, None)
+
+    def _bound_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """fp32 ``[1]`` device tensors of (min_scale, max_scale), rebuilt when an option changed."""
+        key = (self.min_scale, self.max_scale, self.scale.device)
+        if self._bounds[0] != key:
+            dev = self.scale.device
+            lo = None if self.min_scale is None else torch.full((1,), self.min_scale, device=dev)
+            hi = None if self.max_scale is None else torch.full((1,), self.max_scale, device=dev)
+            self._bounds = (key, lo, hi)
+        return self._bounds[1], self._bounds[2]
 
     # ---------------------------------------------------------------- state access
     @property
@@ -172,26 +195,29 @@ class LossScaler:
 
     @property
     def growth_tracker(self) -> torch.Tensor:
-        """int32 ``[1]`` device tensor: consecutive clean updates (a view; do not keep it across ``to``)."""
-        return self._counters[0:1]
+        """int32 ``[1]`` device tensor: consecutive clean updates (updated in place; replaced by ``to``)."""
+        return self._growth
 
     @property
     def hysteresis_tracker(self) -> torch.Tensor:
         """int32 ``[1]`` device tensor ``max(hysteresis - consecutive_skips, 0)`` (computed, no sync)."""
-        return torch.clamp(self.hysteresis - self._counters[1:2], min=0)
+        return torch.clamp(self.hysteresis - self._streak, min=0).to(torch.int32)
 
     @property
     def consecutive_skips(self) -> torch.Tensor:
-        """int32 ``[1]`` device tensor: updates in a row that saw inf/NaN (0 after a clean one)."""
-        return self._counters[1:2]
+        """int32 ``[1]`` device tensor: updates in a row that saw inf/NaN (0 after a clean one; computed)."""
+        return self._streak.to(torch.int32)
 
     def to(self, device: torch.device | str) -> LossScaler:
         """Move the state to ``device`` (in place; returns ``self``)."""
         device = torch.device(device)
         if device != self.scale.device:
             self._harvest(block=True)
+            growth, skips = self._growth.to(device), self._skips.to(device)
             self.scale = self.scale.to(device)
-            self._counters = self._counters.to(device)
+            self._make_state(device, growth=0, skips=0)
+            self._growth.copy_(growth)
+            self._skips.copy_(skips)
             self._inv = None
         return self
 
@@ -260,25 +286,28 @@ class LossScaler:
         flag = found_inf.reshape(1)
         if flag.device != self.scale.device:
             flag = flag.to(self.scale.device, non_blocking=True)
-        inf = flag != 0  # NaN != 0 too
-        counters = self._counters
-        growth, skips, window_max = counters[0:1], counters[1:2], counters[2:3]
-        # consecutive_skips = inf ? consecutive_skips + 1 : 0 ;  window_max = max(window_max, consecutive_skips)
-        skips.mul_(inf).add_(inf)
-        torch.maximum(window_max, skips, out=window_max)
+        inf, streak = self._inf, self._streak
+        torch.ne(flag, self._zero, out=inf)  # 0/1 in fp32; NaN counts as an overflow
+        torch.addcmul(inf, streak, inf, out=streak)  # streak = inf ? streak + 1 : 0
+        if self.warn_after_skips is not None:
+            torch.maximum(self._window_max, streak, out=self._window_max)
         if self.dynamic:
+            growth = self._growth
             if self.hysteresis == 1:
-                backoff = flag  # every overflow backs off: torch's semantics, its flag as is
+                backoff = inf  # every overflow backs off: torch's semantics
             else:
                 # back off once the overflow streak has used up the hysteresis; a tolerated overflow
                 # parks the growth tracker at -1 so that the op below returns it to 0 without growing.
-                backoff = (skips >= self.hysteresis).float()
-                growth.masked_fill_(inf, -1)
+                backoff = (streak >= self.hysteresis).float()
+                growth.masked_fill_(inf.bool(), -1)
             torch._amp_update_scale_(
                 self.scale, growth, backoff, self.growth_factor, self.backoff_factor, self.growth_interval
             )
-            if self.min_scale is not None or self.max_scale is not None:
-                self.scale.clamp_(min=self.min_scale, max=self.max_scale)
+            lo, hi = self._bound_tensors()
+            if lo is not None:
+                torch.maximum(self.scale, lo, out=self.scale)
+            if hi is not None:
+                torch.minimum(self.scale, hi, out=self.scale)
         self._updates_in_window += 1
         if self.warn_after_skips is not None:
             self._harvest(block=False)
@@ -290,9 +319,9 @@ class LossScaler:
     # ---------------------------------------------------------------- skip warning (host side)
     def _snapshot(self) -> None:
         """Copy (streak, window_max) to the host without blocking and reset window_max on the device."""
-        src = self._counters[1:3]
+        src = self._skips
         if src.device.type == "cuda":
-            host = torch.empty(2, dtype=torch.int32, pin_memory=True)
+            host = torch.empty(2, dtype=torch.float32, pin_memory=True)
             host_scale = torch.empty(1, dtype=torch.float32, pin_memory=True)
             host.copy_(src, non_blocking=True)
             host_scale.copy_(self.scale, non_blocking=True)
@@ -300,7 +329,7 @@ class LossScaler:
             event.record()
         else:
             host, host_scale, event = src.clone(), self.scale.clone(), None
-        self._counters[2:3].zero_()
+        self._window_max.zero_()
         self._pending = (host, host_scale, event, self._updates_in_window)
         self._updates_in_window = 0
 
@@ -349,7 +378,8 @@ class LossScaler:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically (a host sync): scale, trackers, options."""
         self._harvest(block=True)
-        growth, streak, _ = (int(v) for v in self._counters.tolist())
+        growth = int(self._growth.item())
+        streak = int(self._streak.item())
         return {
             "scale": float(self.scale.item()),
             "growth_factor": self.growth_factor,
@@ -405,8 +435,8 @@ class LossScaler:
             skips = self.hysteresis - int(state_dict.get("hysteresis_tracker", self.hysteresis))
         if skips < 0:
             raise ValueError(f"LossScaler.load_state_dict: inconsistent trackers (consecutive skips {skips} < 0).")
-        values = [int(state_dict.get("growth_tracker", 0)), skips, 0]
-        self._counters.copy_(torch.tensor(values, dtype=torch.int32))
+        self._growth.fill_(int(state_dict.get("growth_tracker", 0)))
+        self._skips.copy_(torch.tensor([float(skips), 0.0]))
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
