@@ -320,6 +320,7 @@ def _check_lists(
     return device, models
 
 
+@torch.no_grad()
 def lamb_step_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -403,6 +404,7 @@ def lamb_step_(
     return flag
 
 
+@torch.no_grad()
 def adam_step_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
