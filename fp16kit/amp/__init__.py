@@ -35,9 +35,9 @@ _EXPORTS = {
     "policy_table": ".policy",
     "print_policy": ".policy",
     # autocast (torch style) and cast control
-    "autocast": ".autocast",
-    "disable_casts": ".autocast",
-    "is_autocast_enabled": ".autocast",
+    "autocast": ".autocast_mode",
+    "disable_casts": ".autocast_mode",
+    "is_autocast_enabled": ".autocast_mode",
     # decorators for user functions and custom autograd functions
     "half_function": ".functions",
     "float_function": ".functions",

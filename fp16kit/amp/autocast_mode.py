@@ -1,0 +1,386 @@
+"""``fp16kit.amp.autocast``: apply the cast policy table (cast-policy.md) to every torch op in a region.
+
+Mechanism: one :class:`torch.overrides.TorchFunctionMode` per thread, pushed by the outermost active region.
+Every torch function, Tensor method and operator reaches its ``__torch_function__``; the op's row is found
+with one dict lookup in ``policy.RESOLVED`` and the eligible inputs are cast with ``Tensor.to`` (a
+differentiable op, so gradients come back in each input's own dtype). The op itself then runs with the mode
+popped, exactly as if the user had cast the inputs by hand and called it with casting disabled, which is
+what makes the result bit-identical to that manual cast. Nested regions do not stack modes: they change
+the one mode's state (dtype, enabled, cache) and restore it on exit, so the innermost region wins.
+
+Eligibility (cast-policy.md): floating tensors only (integer/bool/complex pass through); float64 never cast;
+lists/tuples are searched (``torch.cat([a, b])``); ``dtype=``/``out=`` means "run as called"; in-place ops
+cast their other arguments to ``self``'s dtype, and an FP32 in-place op on an fp16/bf16 tensor raises.
+
+Python-level composite torch functions that are *absent* from the table (``F.multi_head_attention_forward``,
+``Tensor.__rsub__``...) are run through a copy whose ``has_torch_function*`` globals answer False, with the
+mode still pushed, so the ops inside them are seen by the policy (torch's autocast works at the aten level,
+which has the same effect). Ops in the table are never entered: a FP32 ``F.cross_entropy`` casts its inputs
+once and its internals run as called.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import policy
+from .policy import Rule
+
+__all__ = ["autocast", "disable_casts", "is_autocast_enabled"]
+
+_T = TypeVar("_T", bound=Callable[..., Any])
+
+_F64 = torch.float64
+_F32 = torch.float32
+_LOW_DTYPES = frozenset({torch.float16, torch.bfloat16})
+#: eligible for a cast: floating point, not float64 (fp8 formats included, as in torch.autocast)
+_CASTABLE = frozenset(
+    d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point and d is not torch.float64
+)
+_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_LOW, _FP32, _PROMOTE, _BANNED = Rule.LOW, Rule.FP32, Rule.PROMOTE, Rule.BANNED
+_Tensor = torch.Tensor
+_tls = threading.local()
+_NO_KWARGS: dict[str, Any] = {}  # shared, never mutated
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pass-through copies of Python composite torch functions (see module docstring)
+# ----------------------------------------------------------------------------------------------------------------
+
+_HTF_NAMES = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+_HTF_OBJS = tuple(getattr(torch.overrides, n) for n in _HTF_NAMES)
+_PATCHED_GLOBALS: dict[int, dict[str, Any]] = {}
+
+
+def _never(*_args: Any) -> bool:
+    return False
+
+
+def _passthrough_copy(fn: Any) -> Callable[..., Any] | None:
+    """A copy of ``fn`` whose ``has_torch_function*`` globals are ``False``, or None when not applicable."""
+    if not isinstance(fn, types.FunctionType) or fn.__module__ == "torch._tensor":
+        # Tensor's Python methods are thin wrappers over one C method (nothing inside for the policy to see),
+        # and several use zero-argument super(), which Dynamo cannot trace in a copy.
+        return None
+    code, glb = fn.__code__, fn.__globals__
+    used = [n for n in _HTF_NAMES if n in code.co_names]
+    # Only when every check the function makes goes through a patched global; anything else (an attribute
+    # access such as torch.overrides.has_torch_function) would re-dispatch to the mode forever.
+    if not used or any(glb.get(n) is not o for n, o in zip(_HTF_NAMES, _HTF_OBJS) if n in used):
+        return None
+    if "overrides" in code.co_names or ("_C" in code.co_names and "_has_torch_function" in code.co_names):
+        return None
+    patched = _PATCHED_GLOBALS.get(id(glb))
+    if patched is None:
+        patched = dict(glb)  # snapshot of the module's globals (torch internals are not re-bound at runtime)
+        patched.update(dict.fromkeys(_HTF_NAMES, _never))
+        _PATCHED_GLOBALS[id(glb)] = patched
+    copy = types.FunctionType(code, patched, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def _build_passthrough() -> dict[Any, Callable[..., Any]]:
+    out: dict[Any, Callable[..., Any]] = {}
+    for fn in policy._overridable():
+        copy = _passthrough_copy(fn)
+        if copy is not None:
+            out[fn] = copy
+    return out
+
+
+_PASSTHROUGH = _build_passthrough()
+
+
+# e.g. Tensor.unflatten -> torch.unflatten (torch 2.13: Dynamo fails on `super().unflatten` under a mode).
+# Keyed by name: Dynamo hands such methods to the mode as a different variable than the dict key.
+_REDIRECTS: dict[str, Callable[..., Any]] = {}
+for _fn in vars(torch.Tensor).values():
+    if isinstance(_fn, types.FunctionType) and "super" in _fn.__code__.co_names:
+        _base = getattr(torch, _fn.__name__, None)  # torch.unflatten(input, dim, sizes): an in-graph op
+        if _base is not None:
+            _REDIRECTS[_fn.__name__] = _base
+_is_compiling = torch.compiler.is_compiling
+
+#: callable -> (rule, inplace, row) for table ops, or a pass-through copy for absent composites. The hot path
+#: is one ``get`` on this dict; rebuilt (in place) whenever the table changes.
+_DISPATCH: dict[Any, Any] = {}
+
+
+def _rebuild_dispatch() -> None:
+    merged: dict[Any, Any] = dict(_PASSTHROUGH)
+    for fn in policy.RESOLVED:
+        merged.pop(fn, None)  # a table row wins over the pass-through of the same callable
+    merged.update(policy.RESOLVED)
+    _DISPATCH.clear()
+    _DISPATCH.update(merged)
+
+
+policy._LISTENERS.append(_rebuild_dispatch)
+_rebuild_dispatch()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Casting
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _cast(a: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
+    """``a`` with every eligible tensor cast to ``to`` (containers rebuilt only when something changed)."""
+    if isinstance(a, _Tensor):
+        dt = a.dtype
+        if dt is to or dt not in _CASTABLE:
+            return a
+        if dt is _F32 and to in _LOW_DTYPES and mode.cache_enabled and a.requires_grad and a.is_leaf:
+            return mode._cached_cast(a, to)
+        return a.to(to)
+    if isinstance(a, (list, tuple)):
+        out = _cast_seq(a, to, mode)
+        if out is a:
+            return a
+        return out if isinstance(a, list) or type(a) is tuple else type(a)(*out)
+    return a
+
+
+def _cast_seq(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
+    """``_cast`` over a sequence; returns ``args`` itself (no allocation) when nothing needs a cast."""
+    out = None
+    for i, a in enumerate(args):
+        c = _cast(a, to, mode)
+        if c is not a:
+            if out is None:
+                out = list(args)
+            out[i] = c
+    if out is None:
+        return args
+    return out if isinstance(args, list) else tuple(out)
+
+
+def _eligible_dtypes(a: Any, acc: set[torch.dtype]) -> None:
+    if isinstance(a, _Tensor):
+        dt = a.dtype
+        if dt is not _F64 and dt.is_floating_point:
+            acc.add(dt)
+    elif isinstance(a, (list, tuple)):
+        for x in a:
+            _eligible_dtypes(x, acc)
+
+
+def _banned_error(name: str, qual: str, dtype: torch.dtype) -> RuntimeError:
+    return RuntimeError(
+        f"{qual} with {dtype} inputs is unsafe under autocast: its log(x) and log(1 - x) lose all precision near "
+        f"0 and 1 in low precision, and the probabilities usually come from a sigmoid that already rounded. "
+        f"Use torch.nn.functional.binary_cross_entropy_with_logits (or torch.nn.BCEWithLogitsLoss) on the "
+        f"logits instead: it fuses the sigmoid and runs in fp32 under the policy. If you really want "
+        f"{name} here, register it as an FP32 op: "
+        f"fp16kit.amp.register_float_function(torch.nn.functional, '{name}') "
+        f"(or, scoped: with fp16kit.amp.policy_override({{'{name}': 'fp32'}}): ...)."
+    )
+
+
+def _cast_args(
+    mode: _AutocastMode, entry: tuple[Rule, bool, str], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments ``func`` runs with under ``entry``'s rule (the same objects when nothing is cast)."""
+    if kwargs and (kwargs.get("out") is not None or kwargs.get("dtype") is not None):
+        return args, kwargs  # explicit user intent wins
+    rule, inplace, name = entry
+    if inplace:
+        self_t = args[0] if args else None
+        if not isinstance(self_t, _Tensor):
+            return args, kwargs
+        to = self_t.dtype
+        if to is _F64 or not to.is_floating_point:
+            return args, kwargs
+        if to in _LOW_DTYPES and (rule is _FP32 or rule is _BANNED):
+            qual = policy._NAMES.get(func, name)
+            if rule is _BANNED:
+                raise _banned_error(name, qual, to)
+            raise RuntimeError(
+                f"Cannot call in-place {qual} on {_SHORT[to]} tensors under autocast: the policy runs '{name}' in "
+                f"fp32 (Rule.FP32) and an in-place op cannot change the tensor's dtype. Use the out-of-place form "
+                f"(y = torch.{name}(x)), or cast the tensor to float32 first."
+            )
+        rest = _cast_seq(args[1:], to, mode)
+        new_kwargs = {k: _cast(v, to, mode) for k, v in kwargs.items()} if kwargs else kwargs
+        return (args if rest is args[1:] else (self_t, *rest)), new_kwargs
+    if rule is _LOW:
+        to = mode.dtype
+    elif rule is _FP32:
+        to = _F32
+    else:
+        seen: set[torch.dtype] = set()
+        _eligible_dtypes(args, seen)
+        if kwargs:
+            _eligible_dtypes(tuple(kwargs.values()), seen)
+        if rule is _BANNED:
+            low = seen & _LOW_DTYPES
+            if low:
+                raise _banned_error(name, policy._NAMES.get(func, name), next(iter(low)))
+            return args, kwargs
+        if len(seen) < 2:
+            return args, kwargs  # dtypes agree: PROMOTE leaves them alone
+        to = _F32  # fp32 beats fp16/bf16, and fp16 + bf16 meet in fp32 (as torch's type promotion does)
+    new_args = _cast_seq(args, to, mode)
+    new_kwargs = {k: _cast(v, to, mode) for k, v in kwargs.items()} if kwargs else kwargs
+    return new_args, new_kwargs
+
+
+class _AutocastMode(TorchFunctionMode):
+    """The per-thread mode. State is mutated by nested regions (innermost wins), never stacked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enabled = True
+        self.dtype: torch.dtype = torch.float16
+        self.cache_enabled = True
+        self.cache: dict[torch.Tensor, tuple[int, torch.dtype, torch.Tensor]] = {}
+
+    def _cached_cast(self, a: torch.Tensor, to: torch.dtype) -> torch.Tensor:
+        # Under torch.compile the graph's own CSE does this; a dict keyed by tensors would only add guards.
+        if _is_compiling():
+            return a.to(to)
+        hit = self.cache.get(a)
+        if hit is not None and hit[1] is to and hit[0] == a._version:
+            return hit[2]
+        out = a.to(to)
+        # Never grow under no_grad (pytorch#48049): a grad-less copy must not be handed to a later grad-enabled
+        # use, and inference loops must not accumulate entries. Existing (grad-tracking) entries are still used.
+        if torch.is_grad_enabled():
+            self.cache[a] = (a._version, to, out)
+        return out
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        # Hot path: every torch call in the region lands here. One dict lookup; no allocation when nothing is cast.
+        entry = _DISPATCH.get(func)
+        if kwargs is None:
+            kwargs = _NO_KWARGS
+        if entry is None or not self.enabled:
+            if _is_compiling():
+                # a Tensor method Dynamo cannot trace through a mode (zero-argument super()): call the C method
+                # it forwards to (eager keeps the Python method, which also handles named dims)
+                target = _REDIRECTS.get(getattr(func, "__name__", ""))
+                if target is not None:
+                    return target(*args, **kwargs)
+            return func(*args, **kwargs)
+        if entry.__class__ is tuple:
+            rule = entry[0]
+            if not kwargs and not entry[1] and (rule is _LOW or rule is _FP32):  # the common case, inlined
+                return func(*_cast_seq(args, self.dtype if rule is _LOW else _F32, self))
+            args, kwargs = _cast_args(self, entry, func, args, kwargs)
+            return func(*args, **kwargs)
+        # an absent composite: run its body with the mode pushed again so the ops inside it are seen
+        with self:
+            return entry(*args, **kwargs)
+
+
+def _active() -> _AutocastMode | None:
+    return getattr(_tls, "mode", None)
+
+
+def is_autocast_enabled() -> bool:
+    """True inside an enabled :class:`autocast` region on this thread (and not inside :func:`disable_casts`)."""
+    mode = _active()
+    return mode is not None and mode.enabled
+
+
+class autocast:
+    """Run the ops of a region under the cast policy table, in ``dtype`` (``torch.float16`` or ``torch.bfloat16``).
+
+    Use as a context manager or a decorator::
+
+        with fp16kit.amp.autocast(dtype=torch.bfloat16):
+            loss = loss_fn(model(x), y)
+
+        @fp16kit.amp.autocast()
+        def forward(x): ...
+
+    Contract: each op of the table gets the inputs that casting by hand would give and runs as called, so the
+    output equals ``op(*manually_cast_inputs)`` bit for bit. Device-agnostic (CPU and CUDA tensors alike).
+    ``enabled=False`` turns casting off inside (nested regions: the innermost wins, the outer state is restored
+    on exit). ``cache_enabled``: an fp32 leaf tensor that requires grad (a parameter) is cast to low precision
+    once per region and the copy reused (re-cast if the parameter is modified in place); the cache is freed when
+    the outermost region exits and never grows under ``torch.no_grad()``.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float16, enabled: bool = True, cache_enabled: bool = True) -> None:
+        if dtype not in _LOW_DTYPES:
+            raise ValueError(
+                f"autocast(dtype={dtype}): the low-precision dtype must be torch.float16 or torch.bfloat16."
+            )
+        self.dtype = dtype
+        self.enabled = bool(enabled)
+        self.cache_enabled = bool(cache_enabled)
+        self._saved: list[tuple[_AutocastMode | None, bool, torch.dtype, bool]] = []
+
+    def __enter__(self) -> autocast:
+        mode = _active()
+        if mode is None:
+            if not self.enabled:
+                self._saved.append((None, False, self.dtype, self.cache_enabled))
+                return self
+            mode = _AutocastMode()
+            mode.__enter__()
+            _tls.mode = mode
+            self._saved.append((mode, True, mode.dtype, mode.cache_enabled))
+        else:
+            self._saved.append((None, mode.enabled, mode.dtype, mode.cache_enabled))
+        mode.enabled, mode.dtype, mode.cache_enabled = self.enabled, self.dtype, self.cache_enabled
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pushed, enabled, dtype, cache_enabled = self._saved.pop()
+        mode = _active()
+        if pushed is not None:
+            pushed.cache.clear()
+            _tls.mode = None
+            pushed.__exit__(*exc)
+        elif mode is not None:
+            mode.enabled, mode.dtype, mode.cache_enabled = enabled, dtype, cache_enabled
+
+    def __call__(self, fn: _T) -> _T:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with autocast(self.dtype, self.enabled, self.cache_enabled):
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+
+class disable_casts:
+    """Context manager (and decorator) inside which nothing is cast, even in an active :class:`autocast` region.
+
+    The apex-style frontend runs ``optimizer.step()`` inside it. A nested ``autocast`` re-enables casting.
+    """
+
+    def __init__(self) -> None:
+        self._saved: list[bool | None] = []
+
+    def __enter__(self) -> disable_casts:
+        mode = _active()
+        self._saved.append(None if mode is None else mode.enabled)
+        if mode is not None:
+            mode.enabled = False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        enabled = self._saved.pop()
+        mode = _active()
+        if mode is not None and enabled is not None:
+            mode.enabled = enabled
+
+    def __call__(self, fn: _T) -> _T:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with disable_casts():
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]

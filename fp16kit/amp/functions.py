@@ -1,0 +1,131 @@
+"""Decorators that put user code under the cast policy (apex ``amp.half_function`` & co, torch ``custom_fwd``).
+
+* :func:`half_function` / :func:`float_function` / :func:`promote_function`: a user function gets a fixed
+  rule (LOW / FP32 / PROMOTE). Inside an enabled :class:`~fp16kit.amp.autocast` region its eligible inputs are
+  cast before it runs; the ops inside it are still seen by the policy (as with apex). Outside, it runs as called.
+* :func:`custom_fwd` / :func:`custom_bwd`: for ``torch.autograd.Function``. ``custom_fwd`` records the caller's
+  autocast state on ``ctx``; with ``cast_inputs=dtype`` the forward's floating inputs are cast to ``dtype`` and the
+  forward runs with casting disabled (like ``torch.amp.custom_fwd``). ``custom_bwd`` runs the backward under the
+  state recorded by the forward, so the backward sees the forward's policy, whatever thread or region it runs in.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+import torch
+
+from . import policy
+from .autocast_mode import _active, _cast_args, _cast_seq, autocast, disable_casts
+from .policy import Rule
+
+__all__ = ["custom_bwd", "custom_fwd", "float_function", "half_function", "promote_function"]
+
+_T = TypeVar("_T", bound=Callable[..., Any])
+
+
+def _rule_wrapper(fn: _T, rule: Rule) -> _T:
+    entry = (rule, False, getattr(fn, "__name__", repr(fn)))
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mode = _active()
+        if mode is None or not mode.enabled:
+            return fn(*args, **kwargs)
+        args, kwargs = _cast_args(mode, entry, fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    wrapper.__fp16kit_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+def half_function(fn: _T) -> _T:
+    """Decorator: under autocast, cast ``fn``'s eligible tensor inputs to the region's fp16/bf16 dtype (LOW)."""
+    return _rule_wrapper(fn, Rule.LOW)
+
+
+def float_function(fn: _T) -> _T:
+    """Decorator: under autocast, cast ``fn``'s eligible tensor inputs to float32 (FP32)."""
+    return _rule_wrapper(fn, Rule.FP32)
+
+
+def promote_function(fn: _T) -> _T:
+    """Decorator: under autocast, if ``fn``'s eligible inputs mix dtypes, cast them all to the widest (PROMOTE)."""
+    return _rule_wrapper(fn, Rule.PROMOTE)
+
+
+def _table_wrapper(fn: _T) -> _T:
+    """Wrapper installed by ``register_*_function`` for a function that does not dispatch ``__torch_function__``:
+    the rule is read from the live table at call time, so :func:`~fp16kit.amp.policy_override` applies."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mode = _active()
+        entry = policy.RESOLVED.get(fn)
+        if mode is None or not mode.enabled or entry is None:
+            return fn(*args, **kwargs)
+        args, kwargs = _cast_args(mode, entry, fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    wrapper.__fp16kit_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# custom autograd functions
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@overload
+def custom_fwd(fwd: _T, *, cast_inputs: torch.dtype | None = None) -> _T: ...
+@overload
+def custom_fwd(fwd: None = None, *, cast_inputs: torch.dtype | None = None) -> Callable[[_T], _T]: ...
+
+
+def custom_fwd(fwd: Any = None, *, cast_inputs: torch.dtype | None = None) -> Any:
+    """Decorator for the ``forward`` staticmethod of a ``torch.autograd.Function``.
+
+    Records the caller's autocast state (enabled, dtype) on ``ctx`` for :func:`custom_bwd`. With
+    ``cast_inputs=dtype`` and an enabled region, floating (non-float64) tensor inputs are cast to ``dtype`` and
+    the forward runs inside :func:`~fp16kit.amp.disable_casts` (so it computes exactly in ``dtype``); the backward
+    then also runs with casting disabled. Outside a region it runs as called.
+    """
+    if fwd is None:
+        return functools.partial(custom_fwd, cast_inputs=cast_inputs)
+    if cast_inputs is not None and not (isinstance(cast_inputs, torch.dtype) and cast_inputs.is_floating_point):
+        raise ValueError(f"custom_fwd(cast_inputs={cast_inputs!r}): expected a floating torch.dtype or None.")
+
+    @functools.wraps(fwd)
+    def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        mode = _active()
+        enabled = mode is not None and mode.enabled
+        ctx._fp16kit_state = (enabled and cast_inputs is None, mode.dtype if mode is not None else torch.float16)
+        if not enabled or cast_inputs is None:
+            return fwd(ctx, *args, **kwargs)
+        args = _cast_seq(args, cast_inputs, mode)
+        kwargs = {k: _cast_seq((v,), cast_inputs, mode)[0] for k, v in kwargs.items()}
+        with disable_casts():
+            return fwd(ctx, *args, **kwargs)
+
+    return forward
+
+
+def custom_bwd(bwd: _T) -> _T:
+    """Decorator for the ``backward`` staticmethod: runs it under the autocast state its forward recorded
+    (:func:`custom_fwd` must decorate the forward; without it, raises a ``RuntimeError`` saying so)."""
+
+    @functools.wraps(bwd)
+    def backward(ctx: Any, *grads: Any) -> Any:
+        state = getattr(ctx, "_fp16kit_state", None)
+        if state is None:
+            raise RuntimeError(
+                f"{getattr(bwd, '__qualname__', bwd)}: custom_bwd needs the forward decorated with "
+                f"fp16kit.amp.custom_fwd (it records the autocast state the backward must run under)."
+            )
+        enabled, dtype = state
+        with autocast(dtype=dtype, enabled=enabled):
+            return bwd(ctx, *grads)
+
+    return backward  # type: ignore[return-value]

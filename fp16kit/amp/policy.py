@@ -1,0 +1,372 @@
+"""The op-level cast policy table (cast-policy.md): op -> rule, as data.
+
+One global table backs both ``fp16kit.amp.autocast`` and the apex-style O1 mode. A *row* names an op the
+way the spec does (``"exp"``, ``"linalg.vector_norm"``, ``"Tensor.__matmul__"``) and carries a :class:`Rule`;
+each row resolves to the concrete callables that ``__torch_function__`` reports for it: ``torch.exp``,
+``torch.Tensor.exp``, the in-place ``torch.Tensor.exp_``, ``torch.nn.functional.softmax``, operator
+dunders such as ``torch.Tensor.__iadd__`` for the arithmetic rows, and so on.
+
+The resolved form, :data:`RESOLVED` (callable -> ``(rule, inplace, row name)``), is what autocast reads on
+every op; it is rebuilt in place whenever a row changes, so the hot path is one dict lookup.
+
+Precedence (later wins): default rows, then registrations (``register_*_function``, in call order), then
+the innermost active :func:`policy_override`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import sys
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TextIO
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "DEFAULT_TABLE",
+    "RESOLVED",
+    "Rule",
+    "policy_override",
+    "policy_table",
+    "print_policy",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
+]
+
+
+class Rule(enum.Enum):
+    """What autocast does to the eligible (floating, non-float64) tensor inputs of an op."""
+
+    LOW = "low"  #: cast to the region's low-precision dtype (fp16 or bf16)
+    FP32 = "fp32"  #: cast to float32
+    PROMOTE = "promote"  #: if eligible inputs mix dtypes, cast all to the widest; else leave them
+    BANNED = "banned"  #: raise (with the fix) when an input is low precision
+
+
+_L, _F, _P, _B = Rule.LOW, Rule.FP32, Rule.PROMOTE, Rule.BANNED
+
+def _rows(names: str, rule: Rule) -> dict[str, Rule]:
+    return dict.fromkeys(names.split(), rule)
+
+
+# The default table of cast-policy.md, verbatim names. Order is the spec's.
+DEFAULT_TABLE: dict[str, Rule] = {
+    **_rows(
+        "conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc linear prelu "
+        "addmm addmv addr matmul mm mv bmm baddbmm addbmm einsum chain_matmul linalg.multi_dot linalg.vecdot "
+        "Tensor.__matmul__ scaled_dot_product_attention lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell",
+        _L,
+    ),
+    **_rows(
+        # pointwise with range risk
+        "acos asin cosh sinh tan erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt pow "
+        "Tensor.__pow__ Tensor.__rpow__ Tensor.__ipow__ softplus "
+        # softmax family
+        "softmax log_softmax softmin "
+        # reductions
+        "sum prod cumsum cumprod mean norm dist renorm std var logsumexp linalg.vector_norm linalg.matrix_norm "
+        # normalisation
+        "layer_norm group_norm local_response_norm normalize "
+        # losses
+        "cross_entropy nll_loss kl_div l1_loss mse_loss smooth_l1_loss huber_loss poisson_nll_loss "
+        "cosine_embedding_loss hinge_embedding_loss margin_ranking_loss multilabel_margin_loss "
+        "multilabel_soft_margin_loss multi_margin_loss soft_margin_loss triplet_margin_loss "
+        "binary_cross_entropy_with_logits ctc_loss cosine_similarity "
+        # others
+        "gelu interpolate grid_sample cdist pdist",
+        _F,
+    ),
+    **_rows(
+        "addcdiv addcmul atan2 cross bilinear dot vdot tensordot index_put scatter_add cat stack "
+        "add sub mul div eq ne lt le gt ge",
+        _P,
+    ),
+    "binary_cross_entropy": _B,
+}
+
+# Operator rows also cover their dunder forms (cast-policy.md: "with their Tensor.__op__, __rop__ and __iop__").
+_DUNDERS: dict[str, tuple[str, ...]] = {
+    "add": ("__add__", "__radd__", "__iadd__"),
+    "sub": ("__sub__", "__rsub__", "__isub__"),
+    "mul": ("__mul__", "__rmul__", "__imul__"),
+    "div": ("__truediv__", "__rtruediv__", "__itruediv__", "__div__", "__rdiv__", "__idiv__"),
+    "eq": ("__eq__",),
+    "ne": ("__ne__",),
+    "lt": ("__lt__",),
+    "le": ("__le__",),
+    "gt": ("__gt__",),
+    "ge": ("__ge__",),
+}
+
+# name -> (module object, printable module path) searched for a bare spec name, in this order.
+_NAMESPACES: tuple[tuple[Any, str], ...] = (
+    (torch, "torch"),
+    (torch.Tensor, "torch.Tensor"),
+    (F, "torch.nn.functional"),
+)
+
+
+def _is_inplace(attr: str) -> bool:
+    """``exp_`` and ``__iadd__`` are in-place; ``__add__`` and ``exp`` are not."""
+    if attr.startswith("__") and attr.endswith("__"):
+        return attr.startswith("__i") and attr not in ("__init__", "__index__", "__int__", "__invert__", "__iter__")
+    return attr.endswith("_") and not attr.endswith("__")
+
+
+def _resolve_row(name: str) -> list[tuple[str, Callable[..., Any]]]:
+    """The (qualified name, callable) targets of a spec row name; each callable once (aliases collapse)."""
+    found: list[tuple[str, Callable[..., Any]]] = []
+    seen: set[int] = set()
+
+    def add(owner: Any, path: str, attr: str) -> None:
+        fn = getattr(owner, attr, None)
+        if fn is not None and callable(fn) and id(fn) not in seen:
+            seen.add(id(fn))
+            found.append((f"{path}.{attr}", fn))
+
+    if name.startswith("Tensor."):
+        add(torch.Tensor, "torch.Tensor", name[len("Tensor."):])
+    elif name.startswith("linalg."):
+        add(torch.linalg, "torch.linalg", name[len("linalg."):])
+    else:
+        for owner, path in _NAMESPACES:
+            add(owner, path, name)
+        for owner, path in _NAMESPACES[:2]:  # in-place variants: torch.exp_, Tensor.exp_
+            add(owner, path, name + "_")
+        for dunder in _DUNDERS.get(name, ()):
+            add(torch.Tensor, "torch.Tensor", dunder)
+    return found
+
+
+@functools.cache
+def _overridable() -> frozenset[Any]:
+    """Callables that dispatch ``__torch_function__`` (so the autocast mode sees them without patching)."""
+    out: set[Any] = set()
+    for fns in torch.overrides.get_overridable_functions().values():
+        out.update(fns)
+    return frozenset(out)
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    mod = getattr(fn, "__module__", None) or "?"
+    return f"{mod}.{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# State. _ROWS: row name -> (rule or None, source, targets). None means "absent" (run as called).
+# ----------------------------------------------------------------------------------------------------------------
+
+_Targets = tuple[tuple[str, Callable[..., Any]], ...]
+_ROWS: dict[str, tuple[Rule | None, str, _Targets]] = {}
+_REGISTERED: dict[str, tuple[Rule | None, _Targets]] = {}  # in registration order (dicts keep order)
+_OVERRIDES: list[dict[str, tuple[Rule | None, _Targets]]] = []
+
+#: callable -> (rule, inplace, row name). Read on every op by autocast; rebuilt in place by :func:`_rebuild`.
+RESOLVED: dict[Callable[..., Any], tuple[Rule, bool, str]] = {}
+#: callable -> qualified display name, for every callable that has (or had) a row.
+_NAMES: dict[Callable[..., Any], str] = {}
+#: listeners called after every rebuild (autocast drops its per-callable caches).
+_LISTENERS: list[Callable[[], None]] = []
+
+
+def _effective_rows() -> dict[str, tuple[Rule | None, str, _Targets]]:
+    rows: dict[str, tuple[Rule | None, str, _Targets]] = {
+        name: (rule, "default", _DEFAULT_TARGETS[name]) for name, rule in DEFAULT_TABLE.items()
+    }
+    for name, (rule, targets) in _REGISTERED.items():
+        rows.pop(name, None)  # re-insert at the end so later rows win on shared targets
+        rows[name] = (rule, "registered", targets)
+    for layer in _OVERRIDES:
+        for name, (rule, targets) in layer.items():
+            rows.pop(name, None)
+            rows[name] = (rule, "override", targets)
+    return rows
+
+
+def _rebuild() -> None:
+    rows = _effective_rows()
+    resolved: dict[Callable[..., Any], tuple[Rule, bool, str]] = {}
+    for name, (rule, _source, targets) in rows.items():
+        for qual, fn in targets:
+            _NAMES.setdefault(fn, qual)
+            if rule is None:
+                resolved.pop(fn, None)
+            else:
+                inplace = qual.startswith("torch.") and _is_inplace(qual.rsplit(".", 1)[-1])
+                resolved[fn] = (rule, inplace, name)
+    _ROWS.clear()
+    _ROWS.update(rows)
+    RESOLVED.clear()
+    RESOLVED.update(resolved)
+    for listener in _LISTENERS:
+        listener()
+
+
+_DEFAULT_TARGETS: dict[str, _Targets] = {name: tuple(_resolve_row(name)) for name in DEFAULT_TABLE}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _owner_path(module: Any) -> str:
+    if isinstance(module, types.ModuleType):
+        return module.__name__
+    if isinstance(module, type):
+        return f"{module.__module__}.{module.__qualname__}"
+    return type(module).__name__
+
+
+def _register(module: Any, name: str, rule: Rule) -> None:
+    if not hasattr(module, name):
+        raise ValueError(f"No function named {name} in module {module}.")
+    fn = getattr(module, name)
+    fn = getattr(fn, "__fp16kit_wrapped__", fn)  # registering twice re-targets the original, never the wrapper
+    row = f"{_owner_path(module)}.{name}"
+    if fn not in _overridable():
+        # A plain Python function never reaches __torch_function__: route it through a wrapper that reads the
+        # table at call time (so overrides apply), as apex patches the module attribute.
+        from .functions import _table_wrapper  # local import: functions imports autocast imports policy
+
+        if getattr(getattr(module, name), "__fp16kit_wrapped__", None) is None:
+            setattr(module, name, _table_wrapper(fn))
+    _REGISTERED.pop(row, None)
+    _REGISTERED[row] = (rule, ((row, fn),))
+    _rebuild()
+
+
+def register_half_function(module: Any, name: str) -> None:
+    """Make ``module.name`` a LOW op: its eligible inputs are cast to the region's fp16/bf16 dtype.
+
+    Works for torch callables (``register_half_function(torch, "tanh")``) and for user functions (the module
+    attribute is replaced by a wrapper, as apex does: call it before importing ``name`` with ``from m import``).
+    Raises ``ValueError("No function named {name} in module {module}.")`` when the attribute does not exist.
+    """
+    _register(module, name, Rule.LOW)
+
+
+def register_float_function(module: Any, name: str) -> None:
+    """Make ``module.name`` an FP32 op (eligible inputs cast to float32). See :func:`register_half_function`."""
+    _register(module, name, Rule.FP32)
+
+
+def register_promote_function(module: Any, name: str) -> None:
+    """Make ``module.name`` a PROMOTE op (mixed eligible inputs cast to the widest).
+
+    See :func:`register_half_function`.
+    """
+    _register(module, name, Rule.PROMOTE)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Scoped override
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _as_rule(rule: Rule | str | None) -> Rule | None:
+    if rule is None or isinstance(rule, Rule):
+        return rule
+    try:
+        return Rule[str(rule).upper()]
+    except KeyError:
+        raise ValueError(f"Unknown rule {rule!r}: use one of {[r.name for r in Rule]} or None (absent).") from None
+
+
+def _override_targets(key: str | Callable[..., Any]) -> tuple[str, _Targets]:
+    if not isinstance(key, str):
+        fn = getattr(key, "__fp16kit_wrapped__", key)
+        if fn not in _overridable() and fn not in _NAMES:
+            raise ValueError(
+                f"{_qualname(fn)} does not dispatch __torch_function__, so autocast cannot see it; register it "
+                f"first (fp16kit.amp.register_float_function(module, name)) or decorate it (@float_function)."
+            )
+        qual = _NAMES.get(fn, _qualname(fn))
+        return qual, ((qual, fn),)
+    if key in DEFAULT_TABLE:
+        return key, _DEFAULT_TARGETS[key]
+    if key in _REGISTERED:
+        return key, _REGISTERED[key][1]
+    # a dotted path: "torch.tanh", "torch.nn.functional.silu", "torch.Tensor.tanh_"
+    obj: Any = None
+    if key.startswith("torch."):
+        obj = torch
+        for part in key.split(".")[1:]:
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+    if obj is None or not callable(obj):
+        raise ValueError(
+            f"policy_override: {key!r} is neither a row of the table (see fp16kit.amp.print_policy()) nor a "
+            f"torch callable path such as 'torch.tanh' or 'torch.nn.functional.silu'."
+        )
+    return _override_targets(obj)
+
+
+@contextlib.contextmanager
+def policy_override(
+    rules: Mapping[str | Callable[..., Any], Rule | str | None] | None = None, /, **by_name: Rule | str | None
+) -> Iterator[None]:
+    """Change rows of the global table for the duration of a ``with`` block (nestable; restored on exit).
+
+    Keys are row names of the table (``"softmax"``: all its callables), dotted torch paths (``"torch.tanh"``)
+    or callables (``torch.nn.functional.gelu``). Values are a :class:`Rule`, its name (``"fp32"``) or ``None``
+    to make the op absent (run as called)::
+
+        with policy_override({"softmax": Rule.LOW, torch.tanh: "fp32"}), autocast():
+            ...
+    """
+    layer: dict[str, tuple[Rule | None, _Targets]] = {}
+    for key, rule in {**(rules or {}), **by_name}.items():
+        row, targets = _override_targets(key)
+        layer[row] = (_as_rule(rule), targets)
+    _OVERRIDES.append(layer)
+    _rebuild()
+    try:
+        yield
+    finally:
+        _OVERRIDES.remove(layer)
+        _rebuild()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Export / print
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def policy_table() -> dict[str, dict[str, Any]]:
+    """The active table as data: ``{qualified callable name: {"rule", "row", "source"}}``.
+
+    ``rule`` is a :class:`Rule`, ``row`` the table row it comes from (``"softmax"``), ``source`` one of
+    ``"default"``, ``"registered"``, ``"override"``. Callables whose row was made absent are not listed.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for fn, (rule, _inplace, row) in RESOLVED.items():
+        out[_NAMES.get(fn, _qualname(fn))] = {"rule": rule, "row": row, "source": _ROWS[row][1]}
+    return dict(sorted(out.items()))
+
+
+def print_policy(file: TextIO | None = None, *, rule: Rule | str | None = None) -> None:
+    """Print the active table grouped by rule: each row, where it comes from, and the callables it covers.
+
+    ``rule=`` restricts the listing to one rule (``print_policy(rule="fp32")`` answers "why did this run in fp32?").
+    """
+    file = file if file is not None else sys.stdout
+    only = _as_rule(rule)
+    for r in Rule:
+        if only is not None and r is not only:
+            continue
+        rows = [(name, src, tg) for name, (rr, src, tg) in _ROWS.items() if rr is r]
+        print(f"{r.name} ({len(rows)} rows)", file=file)
+        for name, src, targets in rows:
+            live = [q for q, fn in targets if RESOLVED.get(fn, (None,))[0] is r]
+            tag = "" if src == "default" else f" [{src}]"
+            print(f"  {name:<32}{tag} {' '.join(live)}", file=file)
+
+
+_rebuild()
