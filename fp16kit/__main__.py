@@ -13,6 +13,11 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="train a small model at opt levels O0-O3 and bf16; table and plot",
                           add_help=False)
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:  # hand everything after "demo" over untouched (REMAINDER drops leading options)
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from .demo import main as demo_main
