@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from fp16kit.amp import GradScaler
-from fp16kit.kernels import select_backend
+from fp16kit.kernels import select_backend, unscale_and_check
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "grad_scaler.md"
 
@@ -154,6 +154,39 @@ def run(width: int, depth: int, reps: int, device: torch.device) -> list[str]:
     return lines
 
 
+class UnscaleCall:
+    """The unscale-and-check call alone on the fp32 gradients of the same model (where the time goes)."""
+
+    def __init__(self, impl: str, width: int, depth: int, device: torch.device) -> None:
+        model = make_model(width, depth, torch.float32, device)
+        self.grads = [torch.randn_like(p) for p in model.parameters()]
+        self.saved = [g.clone() for g in self.grads]
+        self.inv = torch.full((1,), 2.0**-16, device=device)
+        self.flag = torch.zeros(1, device=device)
+        self.impl, self.device = impl, device
+
+    def restore(self) -> None:
+        torch._foreach_copy_(self.grads, self.saved)
+
+    def iteration(self) -> None:
+        if self.impl == "fp16kit":
+            unscale_and_check(self.grads, self.inv, self.flag)
+        else:
+            torch._amp_foreach_non_finite_check_and_unscale_(self.grads, self.flag, self.inv)
+
+    sync = Setup.sync
+
+
+def unscale_rows(width: int, depth: int, reps: int, device: torch.device) -> str:
+    calls = {impl: UnscaleCall(impl, width, depth, device) for impl in ("fp16kit", "torch")}
+    times = {k: summary(v) for k, v in time_alternating(calls, "iteration", reps).items()}  # type: ignore[arg-type]
+    ours, ref = times["fp16kit"], times["torch"]
+    return (
+        f"| {width} | {ref[0]:.3f} ({ref[1]:.3f}-{ref[2]:.3f}) | {ours[0]:.3f} ({ours[1]:.3f}-{ours[2]:.3f}) "
+        f"| {ours[0] / ref[0]:.2f}x | {(ours[0] - ref[0]) * 1e3:.0f} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--widths", default="32,256", help="comma-separated MLP widths")
@@ -168,8 +201,18 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="fp16kit GradScaler: unscaling float16")  # expected, once per scaler
     lines = ["# GradScaler step overhead: fp16kit vs torch", "", *header(device, args.depth, args.reps)]
-    for width in (int(w) for w in args.widths.split(",")):
+    widths = [int(w) for w in args.widths.split(",")]
+    for width in widths:
         lines += run(width, args.depth, args.reps, device)
+    lines += [
+        "",
+        "The unscale-and-check call alone, fp32 gradients of the same model: "
+        "`fp16kit.kernels.unscale_and_check` vs `torch._amp_foreach_non_finite_check_and_unscale_`, ms:",
+        "",
+        "| width | torch op | fp16kit.kernels.unscale_and_check | ratio | difference (us) |",
+        "|---|---|---|---|---|",
+        *(unscale_rows(width, args.depth, args.reps, device) for width in widths),
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
