@@ -92,10 +92,10 @@ def custom_fwd(fwd: Any = None, *, cast_inputs: torch.dtype | None = None) -> An
     the forward runs inside :func:`~fp16kit.amp.disable_casts` (so it computes exactly in ``dtype``); the backward
     then also runs with casting disabled. Outside a region it runs as called.
     """
-    if fwd is None:
-        return functools.partial(custom_fwd, cast_inputs=cast_inputs)
     if cast_inputs is not None and not (isinstance(cast_inputs, torch.dtype) and cast_inputs.is_floating_point):
         raise ValueError(f"custom_fwd(cast_inputs={cast_inputs!r}): expected a floating torch.dtype or None.")
+    if fwd is None:
+        return functools.partial(custom_fwd, cast_inputs=cast_inputs)
 
     @functools.wraps(fwd)
     def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,133 @@
+"""Per-op overhead of ``fp16kit.amp.autocast`` against ``torch.autocast`` (cast-policy.md, issue 3 section 6).
+
+Two small-op-heavy models on CPU: a 20-layer MLP (Linear + ReLU, width 128, batch 32) and a small transformer
+encoder block (d_model 64, 4 heads, seq 32, batch 8). For each low-precision dtype (bf16, fp16) and each mode
+(eager, torch.compile) we time one training forward (grad enabled, as in training, so both weight-cast caches
+are in use) under each autocast, plus the forward + backward step. Timings are the median over ``--repeats``
+rounds of ``--iters`` calls each; the ratio is fp16kit / torch (1.00 = same speed).
+
+    python benchmarks/bench_autocast.py            # writes benchmarks/results/autocast.md and prints it
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fp16kit.amp import autocast as fp16kit_autocast
+
+RESULTS = Path(__file__).resolve().parent / "results" / "autocast.md"
+
+
+def mlp(width: int = 128, depth: int = 20) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def transformer_block(d_model: int = 64) -> nn.Module:
+    return nn.TransformerEncoderLayer(d_model, 4, 4 * d_model, dropout=0.0, batch_first=True)
+
+
+def _paired(fns: dict[str, Callable[[], object]], iters: int, repeats: int) -> dict[str, float]:
+    """Median seconds per call of each fn, timed in interleaved rounds (A B B A ...) so that load drift on a
+    shared machine hits both sides alike; also the median of the per-round ratios under key ``"ratio"``."""
+    names = list(fns)
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    rounds: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names if r % 2 == 0 else reversed(names):
+            fn = fns[n]
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            rounds[n].append((time.perf_counter() - t0) / iters)
+    out = {n: statistics.median(v) for n, v in rounds.items()}
+    out["ratio"] = statistics.median(b / a for a, b in zip(rounds[names[0]], rounds[names[1]]))
+    return out
+
+
+def _contexts(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    return {
+        "torch.autocast": lambda: torch.autocast("cpu", dtype=dtype),
+        "fp16kit.amp.autocast": lambda: fp16kit_autocast(dtype=dtype),
+    }
+
+
+def measure(model: nn.Module, x: torch.Tensor, dtype: torch.dtype, compiled: bool, backward: bool,
+            iters: int, repeats: int) -> dict[str, float]:
+    steps: dict[str, Callable[[], object]] = {}
+    for name, ctx in _contexts(dtype).items():
+        run = model
+        if compiled:
+            torch._dynamo.reset()
+            run = torch.compile(model, fullgraph=True)
+
+        def step(run: Callable[[torch.Tensor], torch.Tensor] = run, ctx: Callable[[], object] = ctx) -> None:
+            with ctx():  # type: ignore[attr-defined]
+                y = run(x)
+            if backward:
+                y.float().sum().backward()
+
+        if compiled:
+            step()  # compile before timing starts
+        steps[name] = step
+    return _paired(steps, iters, repeats)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows (slow to compile)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least noise on a shared box)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cases = [
+        ("MLP 20x(Linear128+ReLU), batch 32", mlp(), torch.randn(32, 128)),
+        ("TransformerEncoderLayer d64 h4, 8x32 tokens", transformer_block(), torch.randn(8, 32, 64)),
+    ]
+    modes = [False] if args.no_compile else [False, True]
+    lines = [
+        "# autocast overhead: fp16kit.amp.autocast vs torch.autocast",
+        "",
+        f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads. Median of {args.repeats} rounds x {args.iters} calls; "
+        "ratio = median over rounds of fp16kit / torch, rounds interleaved (target: eager <= 1.15, compile = 1.00).",
+        "",
+        "| model | dtype | mode | step | torch.autocast (ms) | fp16kit (ms) | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, model, x in cases:
+        for dtype in (torch.bfloat16, torch.float16):
+            for compiled in modes:
+                for backward in (False, True):
+                    t = measure(model, x, dtype, compiled, backward, args.iters, args.repeats)
+                    ref, ours, ratio = t["torch.autocast"], t["fp16kit.amp.autocast"], t["ratio"]
+                    row = (f"| {label} | {str(dtype).removeprefix('torch.')} | {'compile' if compiled else 'eager'} "
+                           f"| {'fwd+bwd' if backward else 'fwd'} | {ref * 1e3:.3f} | {ours * 1e3:.3f} "
+                           f"| {ratio:.2f} |")
+                    print(row, flush=True)
+                    lines.append(row)
+    text = "\n".join(lines) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print()
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
