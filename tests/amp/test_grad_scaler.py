@@ -546,6 +546,44 @@ def test_fp16kit_protocol_after_unscale_gets_the_unscale_flag():
     assert scaler.get_scale() == 4.0
 
 
+@pytest.mark.parametrize("name", ["FusedAdam", "FusedLAMB"])
+def test_fp16kit_fused_optimizers_under_grad_scaler(name):
+    """The real protocol partner: with a power-of-two scale the scaled grads unscale exactly, so a run under
+    the scaler (NaN injected at steps 2 and 5) must equal, bit for bit, an unscaled run that simply leaves
+    those steps out, with the scale trajectory and skips of torch's scaler."""
+    optim = pytest.importorskip("fp16kit.optim")
+    opt_cls = getattr(optim, name)
+
+    def run(scaler):
+        model = make_model()
+        params = list(model.parameters())
+        opt = opt_cls(params, lr=1e-2)
+        assert opt._step_supports_amp_scaling and opt._fp16kit_checks_inf
+        gen = torch.Generator().manual_seed(1)
+        scales = []
+        for i in range(8):
+            opt.zero_grad()
+            loss = model(torch.randn(4, 6, generator=gen)).pow(2).mean()
+            if scaler is None:
+                loss.backward()
+                if i not in (2, 5):
+                    opt.step()
+                continue
+            scaler.scale(loss).backward()
+            if i in (2, 5):
+                params[0].grad[0, 0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales, [p.detach() for p in params]
+
+    scales, mine = run(ours(init_scale=2.0**10, growth_interval=2))
+    _, reference = run(None)
+    for i, (a, b) in enumerate(zip(mine, reference)):
+        assert_bitwise_equal(a, b, what=f"{name} param {i}")
+    assert scales == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 2048.0]
+
+
 def test_deprecated_grad_scaler_keyword_contract():
     class Old(torch.optim.SGD):
         _step_supports_amp_scaling = True
