@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 
-from fp16kit.__main__ import main as cli_main  # noqa: E402
-from fp16kit.demo import main  # noqa: E402
+from fp16kit.__main__ import main as cli_main
+from fp16kit.demo import main
 
 
 def test_quick_demo_trains_every_level_and_writes_the_plot(tmp_path, capsys):

@@ -20,6 +20,7 @@ gradients are thrown away.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -107,8 +108,9 @@ def run_scale_loss(
         )
     REPORTS.poll()
     scaler = session.scalers[loss_id]
-    if loss.device != scaler.device and loss.device.type != "cpu":
+    if loss.device != scaler.device:  # e.g. initialize ran before the model moved to the GPU
         scaler.to(loss.device)
+        session.skipped[loss_id] = session.skipped[loss_id].to(loss.device)
     if session.passthrough:  # static scale 1.0, no master weights: nothing to scale or unscale
         yield loss.float()
         return
@@ -149,7 +151,7 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
     weights, ``optimizer.zero_grad`` (model grads and master grads)."""
     original_step = optimizer.step
 
-    def step(closure: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def step(self: torch.optim.Optimizer, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
         REPORTS.poll()
         if stash.skip is not None:
             if closure is not None:
@@ -183,12 +185,13 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
         REPORTS.poll()
         return result
 
-    optimizer.step = step  # type: ignore[method-assign]
+    # a bound method, as apex installed it: torch's LR schedulers re-wrap ``optimizer.step.__func__``
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
     if stash.masters:
         original_zero_grad = optimizer.zero_grad
 
-        def zero_grad(set_to_none: bool | None = None) -> None:
+        def zero_grad(self: torch.optim.Optimizer, set_to_none: bool | None = None) -> None:
             if set_to_none is None:  # the optimizer's own default (fp16kit's fused ones: set_grad_none)
                 original_zero_grad()
                 set_to_none = bool(getattr(optimizer, "set_grad_none", True))
@@ -203,7 +206,7 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
                         p.grad.zero_()
             stash.drop_master_grads()
 
-        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
 
 
 def _call(step: Any, closure: Any, args: tuple, kwargs: dict) -> Any:
