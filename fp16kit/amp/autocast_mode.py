@@ -135,33 +135,57 @@ _rebuild_dispatch()
 
 def _cast(a: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
     """``a`` with every eligible tensor cast to ``to`` (containers rebuilt only when something changed)."""
-    if isinstance(a, _Tensor):
-        dt = a.dtype
-        if dt is to or dt not in _CASTABLE:
-            return a
-        if dt is _F32 and to in _LOW_DTYPES and mode.cache_enabled and a.requires_grad and a.is_leaf:
-            return mode._cached_cast(a, to)
-        return a.to(to)
-    if isinstance(a, (list, tuple)):
-        out = _cast_seq(a, to, mode)
-        if out is a:
-            return a
-        return out if isinstance(a, list) or type(a) is tuple else type(a)(*out)
-    return a
+    return _cast_seq((a,), to, mode)[0]
 
 
 def _cast_seq(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
-    """``_cast`` over a sequence; returns ``args`` itself (no allocation) when nothing needs a cast."""
+    """Every eligible tensor of ``args`` (and of lists/tuples inside it) cast to ``to``.
+
+    Returns ``args`` itself, with no allocation, when nothing needs a cast (the common case on the hot path).
+    An fp32 leaf that requires grad (a parameter) cast to low precision goes through the region's cache.
+    """
     out = None
     for i, a in enumerate(args):
-        c = _cast(a, to, mode)
-        if c is not a:
-            if out is None:
-                out = list(args)
-            out[i] = c
+        if isinstance(a, _Tensor):
+            dt = a.dtype
+            if dt is to or dt not in _CASTABLE:
+                continue
+            if dt is _F32 and mode.cache_enabled and a.requires_grad and a.is_leaf:
+                c = mode._cached_cast(a, to)
+            else:
+                c = a.to(to)
+        elif isinstance(a, (list, tuple)):
+            c = _cast_seq(a, to, mode)
+            if c is a:
+                continue
+            if not isinstance(a, list) and type(a) is not tuple:
+                c = type(a)(*c)  # a namedtuple
+        else:
+            continue
+        if out is None:
+            out = list(args)
+        out[i] = c
     if out is None:
         return args
     return out if isinstance(args, list) else tuple(out)
+
+
+def _mixed(args: Any) -> bool:
+    """True when the eligible tensors of ``args`` (containers included) do not all have one dtype."""
+    first = None
+    for a in args:
+        if isinstance(a, _Tensor):
+            dt = a.dtype
+            if dt in _CASTABLE:
+                if first is None:
+                    first = dt
+                elif dt is not first:
+                    return True
+        elif isinstance(a, (list, tuple)):
+            seen: set[torch.dtype] = set()
+            _eligible_dtypes(args, seen)
+            return len(seen) > 1
+    return False
 
 
 def _eligible_dtypes(a: Any, acc: set[torch.dtype]) -> None:
@@ -261,25 +285,26 @@ class _AutocastMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         # Hot path: every torch call in the region lands here. One dict lookup; no allocation when nothing is cast.
         entry = _DISPATCH.get(func)
-        if kwargs is None:
-            kwargs = _NO_KWARGS
         if entry is None or not self.enabled:
-            if _is_compiling():
-                # a Tensor method Dynamo cannot trace through a mode (zero-argument super()): call the C method
-                # it forwards to (eager keeps the Python method, which also handles named dims)
-                target = _REDIRECTS.get(getattr(func, "__name__", ""))
-                if target is not None:
-                    return target(*args, **kwargs)
-            return func(*args, **kwargs)
+            if getattr(func, "__name__", None) in _REDIRECTS and _is_compiling():
+                # a Tensor method Dynamo cannot trace through a mode (zero-argument super()): call the in-graph
+                # torch function it forwards to (eager keeps the Python method, which also handles named dims)
+                return _REDIRECTS[func.__name__](*args, **(kwargs or {}))
+            return func(*args, **kwargs) if kwargs else func(*args)
         if entry.__class__ is tuple:
             rule = entry[0]
-            if not kwargs and not entry[1] and (rule is _LOW or rule is _FP32):  # the common case, inlined
-                return func(*_cast_seq(args, self.dtype if rule is _LOW else _F32, self))
-            args, kwargs = _cast_args(self, entry, func, args, kwargs)
+            if not kwargs and not entry[1]:  # the common cases, inlined
+                if rule is _LOW:
+                    return func(*_cast_seq(args, self.dtype, self))
+                if rule is _FP32:
+                    return func(*_cast_seq(args, _F32, self))
+                if rule is _PROMOTE:
+                    return func(*_cast_seq(args, _F32, self)) if _mixed(args) else func(*args)
+            args, kwargs = _cast_args(self, entry, func, args, kwargs or _NO_KWARGS)
             return func(*args, **kwargs)
         # an absent composite: run its body with the mode pushed again so the ops inside it are seen
         with self:
-            return entry(*args, **kwargs)
+            return entry(*args, **(kwargs or {}))
 
 
 def _active() -> _AutocastMode | None:
