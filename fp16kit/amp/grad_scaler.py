@@ -123,12 +123,6 @@ class GradScaler:
         self._signature_cache: dict[Any, bool] = {}
         self._scaler: LossScaler | None = None
         self._scale0: torch.Tensor | None = None  # 0-dim view of the scale, for scale() and torch optimizers
-        if not self._enabled:
-            return
-        if growth_factor <= 1.0:
-            raise AssertionError("The growth factor must be > 1.0.")
-        if backoff_factor >= 1.0:
-            raise AssertionError("The backoff factor must be < 1.0.")
         self._options = dict(
             init_scale=init_scale,
             growth_factor=growth_factor,
@@ -139,6 +133,17 @@ class GradScaler:
             max_scale=max_scale,
             warn_after_skips=warn_after_skips,
         )
+        if not self._enabled:  # options are kept (getters work) but, as in torch, not validated
+            self._pending_state = {
+                "scale": init_scale,
+                **{k: v for k, v in self._options.items() if k not in ("init_scale", "warn_after_skips")},
+                "growth_tracker": 0,
+            }
+            return
+        if growth_factor <= 1.0:
+            raise AssertionError("The growth factor must be > 1.0.")
+        if backoff_factor >= 1.0:
+            raise AssertionError("The backoff factor must be < 1.0.")
         # Validate every option now (a LossScaler on the CPU), not at the first scale() call.
         self._pending_state = LossScaler(**self._options, device="cpu").state_dict()
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
@@ -435,15 +440,17 @@ class GradScaler:
         return getattr(self._scaler, name) if self._scaler is not None else self._pending_state[name]
 
     def _set_option(self, name: str, value: Any) -> None:
-        self._options[name] = value
+        """Change one option; validated (by ``LossScaler``) before anything is changed."""
+        if not self._enabled:
+            self._options[name] = self._pending_state[name] = value
+            return
         if self._scaler is not None:
-            state = self._scaler.state_dict()
-            state[name] = value
-            self._scaler.load_state_dict(state)  # validates
+            self._scaler.load_state_dict({**self._scaler.state_dict(), name: value})  # validates first
         else:
             probe = LossScaler(**self._options, device="cpu")
             probe.load_state_dict({**self._pending_state, name: value})
             self._pending_state = probe.state_dict()
+        self._options[name] = value
 
     def get_growth_factor(self) -> float:
         return self._option("growth_factor")

@@ -401,21 +401,32 @@ class LossScaler:
                 f"LossScaler.load_state_dict: no 'scale' entry (keys: {sorted(state_dict)}); expected the output "
                 f"of LossScaler.state_dict()."
             )
-        self.growth_factor = _check_factor(
+        # every option is checked before any is assigned: a rejected state dict changes nothing
+        growth_factor = _check_factor(
             "growth_factor", state_dict.get("growth_factor", self.growth_factor), above_one=True
         )
-        self.backoff_factor = _check_factor(
+        backoff_factor = _check_factor(
             "backoff_factor", state_dict.get("backoff_factor", self.backoff_factor), above_one=False
         )
-        self.growth_interval = _check_count("growth_interval", state_dict.get("growth_interval", self.growth_interval))
-        self.hysteresis = _check_count("hysteresis", state_dict.get("hysteresis", self.hysteresis))
-        self.min_scale = _bound("min_scale", state_dict.get("min_scale", self.min_scale))
-        self.max_scale = _bound("max_scale", state_dict.get("max_scale", self.max_scale))
+        growth_interval = _check_count("growth_interval", state_dict.get("growth_interval", self.growth_interval))
+        hysteresis = _check_count("hysteresis", state_dict.get("hysteresis", self.hysteresis))
+        min_scale = _bound("min_scale", state_dict.get("min_scale", self.min_scale))
+        max_scale = _bound("max_scale", state_dict.get("max_scale", self.max_scale))
+        if min_scale is not None and max_scale is not None and min_scale > max_scale:
+            raise ValueError(f"LossScaler: min_scale={min_scale} is larger than max_scale={max_scale}.")
+        scale = _check_positive_finite("scale", state_dict["scale"])
+        if "consecutive_skips" in state_dict:
+            skips = int(state_dict["consecutive_skips"])
+        else:  # e.g. a checkpoint that stores only the hysteresis tracker
+            skips = hysteresis - int(state_dict.get("hysteresis_tracker", hysteresis))
+        if skips < 0:
+            raise ValueError(f"LossScaler.load_state_dict: inconsistent trackers (consecutive skips {skips} < 0).")
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.hysteresis, self.min_scale, self.max_scale = hysteresis, min_scale, max_scale
         self.dynamic = bool(state_dict.get("dynamic", self.dynamic))
         self._pending = None
         self._updates_in_window = 0
         self._warned_ongoing = False
-        scale = _check_positive_finite("scale", state_dict["scale"])
         if self.dynamic:
             lo = self.min_scale if self.min_scale is not None else 0.0
             hi = self.max_scale if self.max_scale is not None else math.inf
@@ -429,12 +440,6 @@ class LossScaler:
                 )
                 scale = clamped
         self.scale.fill_(scale)
-        if "consecutive_skips" in state_dict:
-            skips = int(state_dict["consecutive_skips"])
-        else:  # e.g. a checkpoint that stores only the hysteresis tracker
-            skips = self.hysteresis - int(state_dict.get("hysteresis_tracker", self.hysteresis))
-        if skips < 0:
-            raise ValueError(f"LossScaler.load_state_dict: inconsistent trackers (consecutive skips {skips} < 0).")
         self._growth.fill_(int(state_dict.get("growth_tracker", 0)))
         self._skips.copy_(torch.tensor([float(skips), 0.0]))
 

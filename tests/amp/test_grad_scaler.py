@@ -272,6 +272,8 @@ def test_disabled_scaler_is_a_pass_through():
     scaler.update()
     assert (scaler.get_scale(), scaler.is_enabled(), scaler.state_dict()) == (1.0, False, {})
     scaler.load_state_dict({"scale": 3.0})
+    scaler.set_growth_factor(3.0)
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (3.0, 0.5, 2000)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -290,6 +292,14 @@ def test_getters_before_first_scale_and_device_following_the_loss():
     assert scaler.loss_scaler.device == torch.device("cpu") and scaler.get_max_scale() == 2.0**10
     with pytest.raises(ValueError, match=r"growth_factor must be > 1\.0"):
         scaler.set_growth_factor(0.5)
+    assert scaler.get_growth_factor() == 2.0  # a rejected value changes nothing
+    with pytest.raises(ValueError, match=r"min_scale=4096\.0 is larger than max_scale=1024\.0"):
+        scaler.set_min_scale(4096.0)
+    fresh = GradScaler()
+    with pytest.raises(ValueError, match="hysteresis must be an integer >= 1"):
+        fresh.set_hysteresis(0)
+    fresh.set_hysteresis(3)
+    assert fresh.get_hysteresis() == 3 and fresh.state_dict()["_hysteresis_tracker"] == 3
 
 
 # ----------------------------------------------------------------------------- checkpoints
