@@ -177,6 +177,13 @@ class LossScaler:
         self._inf = torch.zeros(1, dtype=torch.float32, device=device)  # scratch: this update's 0/1 flag
         self._zero = torch.zeros(1, dtype=torch.float32, device=device)
         self._bounds: tuple[Any, torch.Tensor | None, torch.Tensor | None] = (None, None, None)
+        # CUDA: pinned host buffer [streak, window_max, scale] and an event for the skip-check snapshot,
+        # allocated once here so that update() never allocates pinned memory.
+        self._host: torch.Tensor | None = None
+        self._event: Any = None
+        if device.type == "cuda":
+            self._host = torch.empty(3, dtype=torch.float32, pin_memory=True)
+            self._event = torch.cuda.Event()
 
     def _bound_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """fp32 ``[1]`` device tensors of (min_scale, max_scale), rebuilt when an option changed."""
@@ -320,12 +327,10 @@ class LossScaler:
     def _snapshot(self) -> None:
         """Copy (streak, window_max) to the host without blocking and reset window_max on the device."""
         src = self._skips
-        if src.device.type == "cuda":
-            host = torch.empty(2, dtype=torch.float32, pin_memory=True)
-            host_scale = torch.empty(1, dtype=torch.float32, pin_memory=True)
+        if self._host is not None:  # CUDA: copy into the pinned buffer (free: no snapshot is pending)
+            host, host_scale, event = self._host[0:2], self._host[2:3], self._event
             host.copy_(src, non_blocking=True)
             host_scale.copy_(self.scale, non_blocking=True)
-            event = torch.cuda.Event()
             event.record()
         else:
             host, host_scale, event = src.clone(), self.scale.clone(), None
