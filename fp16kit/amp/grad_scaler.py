@@ -279,6 +279,8 @@ class GradScaler:
     def _combined(flags: abc.Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
         """One 0/1 flag on ``device`` from several (max, not sum: fused kernels test ``found_inf == 1``)."""
         flags = [f.to(device, non_blocking=True) for f in flags]
+        if not flags:  # no gradients at all: nothing overflowed
+            return torch.zeros(1, dtype=torch.float32, device=device)
         out = flags[0]
         for f in flags[1:]:
             out = torch.maximum(out, f)

@@ -194,6 +194,10 @@ def misuse(name):
         if name == "new_scale_requires_grad":
             scaler.step(opt)
             return outcome(lambda: scaler.update(torch.ones(1, requires_grad=True)))
+        if name == "fused_without_grads":  # step is fine (nothing to do); update has no flags
+            fused = torch.optim.Adam([nn.Parameter(torch.ones(2))], lr=0.1, fused=True)
+            scaler.step(fused)
+            return outcome(lambda: scaler.update())
         if name == "load_empty":
             return outcome(lambda: scaler.load_state_dict({}))
         if name == "scale_non_tensor":
@@ -219,6 +223,7 @@ def misuse(name):
         "update_without_step",
         "new_scale_two_elements",
         "new_scale_requires_grad",
+        "fused_without_grads",
         "load_empty",
         "scale_non_tensor",
         "bad_growth_factor",
