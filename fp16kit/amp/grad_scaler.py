@@ -155,9 +155,13 @@ class GradScaler:
         return self._scaler
 
     def _lazy_init(self, device: torch.device) -> None:
-        scaler = LossScaler(**self._options, device=device)
+        scaler = LossScaler(**self._current_options(), device=device)
         scaler.load_state_dict(self._pending_state)
         self._scaler = scaler
+
+    def _current_options(self) -> dict[str, Any]:
+        """Constructor keywords for a LossScaler in the current state (the scale may have moved since init)."""
+        return {**self._options, "init_scale": self._pending_state["scale"]}
 
     def _check_scale_growth_tracker(self, funcname: str) -> LossScaler:
         if self._scaler is None:
@@ -449,7 +453,7 @@ class GradScaler:
         if self._scaler is not None:
             self._scaler.load_state_dict({**self._scaler.state_dict(), name: value})  # validates first
         else:
-            probe = LossScaler(**self._options, device="cpu")
+            probe = LossScaler(**self._current_options(), device="cpu")
             probe.load_state_dict({**self._pending_state, name: value})
             self._pending_state = probe.state_dict()
         self._options[name] = value
@@ -548,16 +552,15 @@ class GradScaler:
                 mapped[ours] = state_dict[key]
         if "consecutive_skips" not in mapped and "hysteresis_tracker" not in mapped:
             mapped["consecutive_skips"] = 0
+        if self._scaler is not None:
+            self._scaler.load_state_dict(mapped)  # validates everything before changing anything
+        else:
+            probe = LossScaler(**self._current_options(), device="cpu")
+            probe.load_state_dict({**self._pending_state, **mapped})
+            self._pending_state = probe.state_dict()
         for name in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale"):
             if name in mapped:
                 self._options[name] = mapped[name]
-        if self._scaler is not None:
-            self._scaler.load_state_dict(mapped)
-        else:
-            probe = LossScaler(**self._options, device="cpu")
-            probe.load_state_dict({**self._pending_state, **mapped})
-            self._pending_state = probe.state_dict()
-        self._options["init_scale"] = float(mapped["scale"])
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -305,6 +305,14 @@ def test_getters_before_first_scale_and_device_following_the_loss():
         fresh.set_hysteresis(0)
     fresh.set_hysteresis(3)
     assert fresh.get_hysteresis() == 3 and fresh.state_dict()["_hysteresis_tracker"] == 3
+    with pytest.warns(RuntimeWarning, match="continuing from 1024.0"):
+        fresh.set_max_scale(1024.0)  # below the current scale 2**16: clamped, with a warning
+    fresh.scale(torch.ones(1))
+    assert fresh.get_scale() == 1024.0
+    later = GradScaler()  # a checkpoint whose bounds exclude this scaler's init_scale
+    later.load_state_dict({**fresh.state_dict(), "min_scale": 1.0})
+    later.scale(torch.ones(1))
+    assert later.state_dict() == {**fresh.state_dict(), "min_scale": 1.0}
 
 
 # ----------------------------------------------------------------------------- checkpoints
