@@ -607,6 +607,13 @@ def test_fp16kit_fused_optimizers_under_grad_scaler(name):
     assert scales == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 2048.0]
 
 
+def test_flags_are_combined_with_max_not_sum():
+    # torch's CPU fused Adam skips only when found_inf == 1.0: two raised flags must combine to 1, not 2
+    flags = [torch.ones(1), torch.zeros(1), torch.ones(1)]
+    assert GradScaler._combined(flags, torch.device("cpu")).tolist() == [1.0]
+    assert GradScaler._combined([], torch.device("cpu")).tolist() == [0.0]
+
+
 def test_deprecated_grad_scaler_keyword_contract():
     class Old(torch.optim.SGD):
         _step_supports_amp_scaling = True
