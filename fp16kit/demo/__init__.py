@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="clean steps before the dynamic loss scale doubles (apex's fixed value is 2000; a short "
                         "window makes growth and back-off visible in a short run)")
     p.add_argument("--seed", type=int, default=0, help="seed for the model and the batch order")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op CPU threads during the runs (1 is fastest for this small model on a busy "
+                        "machine, and makes the CPU numbers reproducible: reduction order depends on it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -74,10 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not labels:
         print(f"python -m fp16kit demo: unknown run(s) {unknown}; choose from {', '.join(RUNS)}.", file=sys.stderr)
         return 2
-    if args.steps < 1 or args.batch_size < 1 or args.hidden < 1 or args.scale_window < 1:
-        print("python -m fp16kit demo: --steps, --batch-size, --hidden and --scale-window must be >= 1.",
+    if min(args.steps, args.batch_size, args.hidden, args.scale_window, args.threads) < 1:
+        print("python -m fp16kit demo: --steps, --batch-size, --hidden, --scale-window and --threads must be >= 1.",
               file=sys.stderr)
         return 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args, labels)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, labels: list[str]) -> int:
     steps, hidden = (QUICK_STEPS, min(args.hidden, 64)) if args.quick else (args.steps, args.hidden)
     lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 2e-3)
     device = _device(args.device)
@@ -93,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     data = load_digits_split(seed=0).to(device)
     title = (f"fp16kit demo: MLP(64-{hidden}-{hidden}-10, batchnorm) on scikit-learn digits "
              f"({data.x_train.shape[0]} train / {data.x_test.shape[0]} test), {steps} steps x batch "
-             f"{args.batch_size}, {args.optimizer} lr {lr:g}, {device}")
+             f"{args.batch_size}, {args.optimizer} lr {lr:g}, {device}"
+             + (f" ({args.threads} thread{'s' if args.threads > 1 else ''})" if device.type == "cpu" else ""))
     print(title)
     common = dict(batch_size=args.batch_size, hidden=hidden, lr=lr, optimizer=args.optimizer, device=device,
                   scale_window=args.scale_window, seed=args.seed)
