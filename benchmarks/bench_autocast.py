@@ -25,6 +25,9 @@ from torch import nn
 from fp16kit.amp import autocast as fp16kit_autocast
 
 RESULTS = Path(__file__).resolve().parent / "results" / "autocast.md"
+# CPU time of this thread: with torch.set_num_threads(1) all the work runs here, and time the scheduler gives to
+# other processes on a shared machine is not counted (wall-clock medians there swung by 2x between runs).
+_clock = time.thread_time
 
 
 def mlp(width: int = 128, depth: int = 20) -> nn.Module:
@@ -49,10 +52,10 @@ def _paired(fns: dict[str, Callable[[], object]], iters: int, repeats: int) -> d
     for r in range(repeats):
         for n in names if r % 2 == 0 else reversed(names):
             fn = fns[n]
-            t0 = time.perf_counter()
+            t0 = _clock()
             for _ in range(iters):
                 fn()
-            rounds[n].append((time.perf_counter() - t0) / iters)
+            rounds[n].append((_clock() - t0) / iters)
     out = {n: statistics.median(v) for n, v in rounds.items()}
     out["ratio"] = statistics.median(b / a for a, b in zip(rounds[names[0]], rounds[names[1]]))
     return out
@@ -105,7 +108,7 @@ def main() -> None:
         "# autocast overhead: fp16kit.amp.autocast vs torch.autocast",
         "",
         f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads. Median of {args.repeats} rounds x {args.iters} calls; "
+        f"{torch.get_num_threads()} thread, thread CPU time. Median of {args.repeats} rounds x {args.iters} calls; "
         "ratio = median over rounds of fp16kit / torch, rounds interleaved (target: eager <= 1.15, compile = 1.00).",
         "",
         "| model | dtype | mode | step | torch.autocast (ms) | fp16kit (ms) | ratio |",

@@ -21,6 +21,7 @@ once and its internals run as called.
 
 from __future__ import annotations
 
+import dis
 import functools
 import threading
 import types
@@ -100,6 +101,42 @@ def _build_passthrough() -> dict[Any, Callable[..., Any]]:
 _PASSTHROUGH = _build_passthrough()
 
 
+def _code_facts(code: types.CodeType) -> tuple[set[str], bool]:
+    """Names a code object (and the code nested in it) loads, and whether it applies a binary operator."""
+    names = set(code.co_names)
+    binop = any(
+        ins.opname.startswith(("BINARY_", "INPLACE_")) and ins.opname not in ("BINARY_SUBSCR", "BINARY_SLICE")
+        for ins in dis.get_instructions(code)
+    )
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            inner, inner_binop = _code_facts(const)
+            names |= inner
+            binop = binop or inner_binop
+    return names, binop
+
+
+def _reach(fn: types.FunctionType, depth: int = 3) -> tuple[frozenset[str], bool]:
+    """Names loaded by ``fn`` and by the Python helpers of its module it calls (a few levels deep), and whether
+    any of them applies a binary operator (``a + b`` on tensors is a PROMOTE op)."""
+    names, binop = _code_facts(fn.__code__)
+    out = set(names)
+    if depth:
+        for n in names:
+            g = fn.__globals__.get(n)
+            # helpers of the same module (F._in_projection_packed); not the torch-function machinery itself
+            if isinstance(g, types.FunctionType) and g is not fn and g.__module__ == fn.__module__:
+                inner, inner_binop = _reach(g, depth - 1)
+                out |= inner
+                binop = binop or inner_binop
+    return frozenset(out), binop
+
+
+# Composite -> what its body can reach. A composite only needs the (slower) pass-through when its body can reach
+# an op of the table, by name or through an operator; F.relu or F.dropout cannot, and are simply run.
+_REACH = {fn: _reach(fn) for fn in _PASSTHROUGH}
+
+
 # e.g. Tensor.unflatten -> torch.unflatten (torch 2.13: Dynamo fails on `super().unflatten` under a mode).
 # Keyed by name: Dynamo hands such methods to the mode as a different variable than the dict key.
 _REDIRECTS: dict[str, Callable[..., Any]] = {}
@@ -116,7 +153,10 @@ _DISPATCH: dict[Any, Any] = {}
 
 
 def _rebuild_dispatch() -> None:
-    merged: dict[Any, Any] = dict(_PASSTHROUGH)
+    interest = {getattr(fn, "__name__", None) for fn in policy.RESOLVED}
+    merged: dict[Any, Any] = {
+        fn: copy for fn, copy in _PASSTHROUGH.items() if _REACH[fn][1] or not _REACH[fn][0].isdisjoint(interest)
+    }
     for fn in policy.RESOLVED:
         merged.pop(fn, None)  # a table row wins over the pass-through of the same callable
     merged.update(policy.RESOLVED)

@@ -413,3 +413,22 @@ def test_cuda_model_and_ops(low):
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
     with autocast(dtype=low), pytest.raises(RuntimeError, match="Cannot call in-place"):
         out.detach().exp_()
+
+
+def test_composite_pass_through_follows_table_changes():
+    """F.relu is a Python composite absent from the table whose body cannot reach a table op, so it is simply run;
+    once torch.relu gets a row, F.relu's body must be seen by the policy (the pass-through set is rebuilt)."""
+    from fp16kit.amp import policy_override
+    from fp16kit.amp.autocast_mode import _DISPATCH
+
+    x = torch.randn(4, 4)
+    assert F.relu not in _DISPATCH
+    with autocast(dtype=torch.bfloat16):
+        assert F.relu(x).dtype == torch.float32
+        with policy_override({"torch.relu": "low"}):
+            assert F.relu in _DISPATCH
+            assert F.relu(x).dtype == torch.bfloat16
+            assert nn.ReLU()(x).dtype == torch.bfloat16
+        assert F.relu(x).dtype == torch.float32
+    assert F.relu not in _DISPATCH
+    assert F.multi_head_attention_forward in _DISPATCH  # its body reaches linear / bmm / softmax
