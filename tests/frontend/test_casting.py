@@ -83,6 +83,33 @@ def test_o2_cast_model_outputs_and_input_containers():
     assert out["out"].dtype == BF16 and out["idx"].dtype == torch.int64
 
 
+def test_o2_input_namedtuple_and_custom_batch_objects():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "x mask")
+
+    class Batch:  # apex casts custom batch classes through their .to()
+        def __init__(self, x):
+            self.x = x
+
+        def to(self, dtype):
+            return Batch(self.x.to(dtype))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, pair, extra):
+            assert isinstance(pair, Pair) and pair.x.dtype == F16 and pair.mask.dtype == torch.bool
+            assert extra.x.dtype == F16
+            return self.lin(pair.x + extra.x)
+
+    model = amp.initialize(Net(), opt_level="O2", verbosity=0)
+    out = model(Pair(torch.randn(2, 8), torch.ones(2, dtype=torch.bool)), Batch(torch.randn(2, 8)))
+    assert out.dtype == F32
+
+
 def test_o2_state_dict_is_fp32_and_loads_back():
     model = amp.initialize(make_model(), opt_level="O2", verbosity=0)
     sd = model.state_dict()

@@ -204,3 +204,37 @@ def test_plain_optimizer_reads_the_flag_once_per_scale_loss():
             scaled.backward()
         opt.step()
     assert calls == ["__float__"]
+
+
+def test_max_loss_scale_caps_the_start_and_the_growth():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", max_loss_scale=1024.0, scale_window=2, verbosity=0)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 1024.0  # min(2**16, max_loss_scale)
+    train_steps(model, opt, range(5))
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 1024.0
+
+
+def test_growth_after_scale_window_clean_steps():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", scale_window=3, verbosity=0)
+    train_steps(model, opt, range(3))
+    sd = amp.state_dict()["loss_scaler0"]
+    assert sd["loss_scale"] == 131072.0 and sd["unskipped"] == 0
+
+
+@pytest.mark.parametrize("level", ["O0", "O3"])
+def test_static_scale_one_without_masters_is_a_pass_through(level):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    x, y = batch(0)
+    loss = F.cross_entropy(model(x), y)
+    (loss * 1.0).backward(retain_graph=True)  # grads already there are simply accumulated into
+    first = [p.grad.clone() for p in model.parameters()]
+    with amp.scale_loss(loss, opt) as scaled:
+        assert torch.equal(scaled, loss.float())
+        scaled.backward()
+    for p, g in zip(model.parameters(), first):
+        assert torch.equal(p.grad, g + g)
