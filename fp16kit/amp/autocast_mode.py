@@ -306,20 +306,22 @@ class _AutocastMode(TorchFunctionMode):
         self.enabled = True
         self.dtype: torch.dtype = torch.float16
         self.cache_enabled = True
-        self.cache: dict[torch.Tensor, tuple[int, torch.dtype, torch.Tensor]] = {}
+        # id(source) -> (source, source._version, dtype, cast). Keyed by id: Tensor.__hash__ is a Python method
+        # (slow on this path); the entry holds the source, so its id cannot be reused while the entry lives.
+        self.cache: dict[int, tuple[torch.Tensor, int, torch.dtype, torch.Tensor]] = {}
 
     def _cached_cast(self, a: torch.Tensor, to: torch.dtype) -> torch.Tensor:
         # Under torch.compile the graph's own CSE does this; a dict keyed by tensors would only add guards.
         if _is_compiling():
             return a.to(to)
-        hit = self.cache.get(a)
-        if hit is not None and hit[1] is to and hit[0] == a._version:
-            return hit[2]
+        hit = self.cache.get(id(a))
+        if hit is not None and hit[2] is to and hit[1] == a._version:
+            return hit[3]
         out = a.to(to)
         # Never grow under no_grad (pytorch#48049): a grad-less copy must not be handed to a later grad-enabled
         # use, and inference loops must not accumulate entries. Existing (grad-tracking) entries are still used.
         if torch.is_grad_enabled():
-            self.cache[a] = (a._version, to, out)
+            self.cache[id(a)] = (a, a._version, to, out)
         return out
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:

@@ -102,3 +102,17 @@ def test_transformer_block_fullgraph():
         compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
     assert eager.dtype == compiled.dtype == torch.float32  # the last op is layer_norm: FP32
     assert_bitwise_equal(compiled, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("low", LOW, ids=IDS)
+def test_compiled_model_fullgraph_cuda(low):
+    torch.manual_seed(0)
+    model, x = Small().cuda(), torch.randn(8, 16, device="cuda")
+    with autocast(dtype=low):
+        eager = model(x)
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+        inductor = torch.compile(model, fullgraph=True)(x)
+    assert _dtypes(eager) == _dtypes(compiled) == _dtypes(inductor)
+    for c, e in zip(compiled, eager):
+        assert_bitwise_equal(c, e)

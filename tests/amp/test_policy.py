@@ -34,9 +34,9 @@ from fp16kit.numerics.assertions import assert_bitwise_equal
 
 LOW = (torch.float16, torch.bfloat16)
 
-# (qualified callable, low dtype) -> why it cannot be checked on CPU. Each entry is a CPU kernel gap in
-# torch 2.13 for a LOW op (FP32 ops always run in fp32, so they have none); the test fails if one starts working,
-# so this list cannot go stale silently.
+# (qualified callable, low dtype) -> why it cannot be checked on CPU (a missing CPU kernel for a LOW op; FP32 ops
+# always run in fp32 and cannot have one). Empty with torch 2.13: every callable of the table runs on CPU in fp16
+# and bf16. An entry skips with its reason, and fails once the op starts working, so the list cannot go stale.
 CPU_UNSUPPORTED: dict[tuple[str, torch.dtype], str] = {}
 
 
@@ -66,7 +66,9 @@ def _input_dtypes(rule: Rule, inplace: bool, low: torch.dtype) -> tuple[torch.dt
     return low, low  # FP32 and BANNED
 
 
-def _make_inputs(row: str, qual: str, first: torch.dtype, rest: torch.dtype) -> tuple[tuple, dict]:
+def _make_inputs(
+    row: str, qual: str, first: torch.dtype, rest: torch.dtype, device: str = "cpu"
+) -> tuple[tuple, dict]:
     gen = torch.Generator().manual_seed(7)
     calls = [0]
 
@@ -75,7 +77,7 @@ def _make_inputs(row: str, qual: str, first: torch.dtype, rest: torch.dtype) -> 
         calls[0] += 1
         return (torch.rand(shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo).to(dtype)
 
-    return TARGET_INPUTS.get(qual, INPUTS[row])(mk)
+    return _to(TARGET_INPUTS.get(qual, INPUTS[row])(mk), device)
 
 
 def _cast_by_hand(a: Any, to: torch.dtype, skip_first: bool = False) -> Any:
@@ -131,15 +133,36 @@ def test_default_table_matches_spec_names():
         assert q in names, q
 
 
+def _to(obj: Any, device: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
 @pytest.mark.parametrize("low", LOW, ids=["fp16", "bf16"])
 @pytest.mark.parametrize(("row", "qual", "fn"), TARGETS, ids=[q for _, q, _ in TARGETS])
 def test_every_op_matches_manual_cast(row, qual, fn, low):
+    _check_op(row, qual, fn, low, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("low", LOW, ids=["fp16", "bf16"])
+def test_every_op_matches_manual_cast_cuda(low):
+    for row, qual, fn in TARGETS:
+        _check_op(row, qual, fn, low, "cuda")
+
+
+def _check_op(row: str, qual: str, fn: Any, low: torch.dtype, device: str) -> None:
     rule = P.DEFAULT_TABLE[row]
     if rule is Rule.BANNED:  # low-precision inputs raise; fp32 inputs run as called
-        args, kwargs = _make_inputs(row, qual, low, low)
+        args, kwargs = _make_inputs(row, qual, low, low, device)
         with autocast(dtype=low), pytest.raises(RuntimeError, match="binary_cross_entropy_with_logits"):
             fn(*args, **kwargs)
-        args, kwargs = _make_inputs(row, qual, torch.float32, torch.float32)
+        args, kwargs = _make_inputs(row, qual, torch.float32, torch.float32, device)
         with autocast(dtype=low):
             out = fn(*args, **kwargs)
         _assert_same(out, fn(*args, **kwargs), qual)
@@ -147,10 +170,10 @@ def test_every_op_matches_manual_cast(row, qual, fn, low):
     inplace = _inplace(qual)
     first, rest = _input_dtypes(rule, inplace, low)
     expect = first if inplace else {Rule.LOW: low, Rule.FP32: torch.float32, Rule.PROMOTE: torch.float32}[rule]
-    reason = CPU_UNSUPPORTED.get((qual, low))
+    reason = CPU_UNSUPPORTED.get((qual, low)) if device == "cpu" else None
 
-    args, kwargs = _make_inputs(row, qual, first, rest)
-    ref_args, ref_kwargs = _make_inputs(row, qual, first, rest)
+    args, kwargs = _make_inputs(row, qual, first, rest, device)
+    ref_args, ref_kwargs = _make_inputs(row, qual, first, rest, device)
     if inplace:
         ref_args = (ref_args[0], *_cast_by_hand(ref_args[1:], expect))
         ref_kwargs = _cast_by_hand(ref_kwargs, expect)
