@@ -19,6 +19,7 @@ __all__ = [
 #: dtypes the Triton kernels handle natively; float64 tensors go to the torch path in float64 math.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT_DTYPES = (*KERNEL_DTYPES, torch.float64)
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
 
 
 def check_tensor_list(fn: str, name: str, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -27,18 +28,20 @@ def check_tensor_list(fn: str, name: str, tensors: Sequence[torch.Tensor]) -> li
         raise TypeError(f"{fn}: {name} must be a list of tensors, got a single tensor; wrap it as [tensor].")
     out = list(tensors)
     for i, t in enumerate(out):
+        # Fast path first: this runs for every tensor on every call.
+        if isinstance(t, torch.Tensor) and t.dtype in _FLOAT_SET and t.layout == torch.strided:
+            continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name}[{i}] is a {type(t).__name__}, not a torch.Tensor.")
-        if t.is_sparse or t.layout != torch.strided:
+        if t.layout != torch.strided:
             raise TypeError(
                 f"{fn}: {name}[{i}] has layout {t.layout}; only dense (strided) tensors are supported. "
                 f"Coalesce sparse tensors and pass their .values()."
             )
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(
-                f"{fn}: {name}[{i}] has dtype {t.dtype}; expected a floating dtype "
-                f"(float16, bfloat16, float32 or float64). Integer, bool and complex tensors are not gradients."
-            )
+        raise TypeError(
+            f"{fn}: {name}[{i}] has dtype {t.dtype}; expected a floating dtype "
+            f"(float16, bfloat16, float32 or float64). Integer, bool and complex tensors are not gradients."
+        )
     return out
 
 
@@ -47,11 +50,12 @@ def common_device(fn: str, *lists: Sequence[torch.Tensor]) -> torch.device | Non
     device = None
     for tensors in lists:
         for t in tensors:
+            d = t.device
             if device is None:
-                device = t.device
-            elif t.device != device:
+                device = d
+            elif d != device:
                 raise ValueError(
-                    f"{fn}: tensors are on mixed devices ({device} and {t.device}); one call handles one "
+                    f"{fn}: tensors are on mixed devices ({device} and {d}); one call handles one "
                     f"device. Group the tensors by device and call once per device."
                 )
     return device

@@ -21,10 +21,11 @@ from ._checks import (
     check_tensor_list,
     common_device,
 )
-from ._table import group_by
 from .backend import Backend, select_backend
 
 __all__ = ["copy_", "l2norm", "unscale_and_check"]
+
+_KERNEL_DTYPES = frozenset(KERNEL_DTYPES)
 
 
 def _device_scalar(fn: str, name: str, value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -35,24 +36,41 @@ def _device_scalar(fn: str, name: str, value: float | torch.Tensor, device: torc
     return torch.full((1,), float(value), dtype=torch.float32, device=device)
 
 
-def _partition(device: torch.device, rows: Sequence[tuple[torch.Tensor, ...]]) -> tuple[list[int], list[int]]:
-    """Indices of rows the Triton kernels take (backend allows it; contiguous fp16/bf16/fp32) and of the
-    rest, which the torch fallback handles (any strides, float64, or a torch backend). Empty rows are
-    in neither: there is nothing to do for them."""
-    nonempty = [i for i, row in enumerate(rows) if row[0].numel() > 0]
-    if select_backend(device).backend is Backend.TORCH:
-        return [], nonempty
-    kernel, rest = [], []
-    for i in nonempty:
-        ok = all(t.dtype in KERNEL_DTYPES and t.is_contiguous() for t in rows[i])
-        (kernel if ok else rest).append(i)
-    return kernel, rest
+def _plan(
+    device: torch.device, first: Sequence[torch.Tensor], second: Sequence[torch.Tensor] | None = None
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Group positions of ``first`` (paired with ``second``) by dtypes: groups for the Triton kernels (backend
+    allows it; contiguous fp16/bf16/fp32) and groups for the torch fallback (any strides, float64, or a torch
+    backend). Empty tensors are in neither: there is nothing to do for them. One plain loop: this runs on every
+    call, for every tensor, so it avoids per-row generators."""
+    triton_ok = select_backend(device).backend is not Backend.TORCH
+    kernel: dict[object, list[int]] = {}
+    rest: dict[object, list[int]] = {}
+    ok = _KERNEL_DTYPES
+    last_key: object = None
+    last_fits = False
+    last_group: list[int] = []
+    for i, x in enumerate(first):
+        if x.numel() == 0:
+            continue
+        if second is None:
+            key: object = x.dtype
+            fits = triton_ok and key in ok and x.is_contiguous()
+        else:
+            y = second[i]
+            key = (x.dtype, y.dtype)
+            fits = triton_ok and x.dtype in ok and y.dtype in ok and x.is_contiguous() and y.is_contiguous()
+        if key == last_key and fits == last_fits:  # runs of one dtype are the common case
+            last_group.append(i)
+            continue
+        last_key, last_fits = key, fits
+        last_group = (kernel if fits else rest).setdefault(key, [])
+        last_group.append(i)
+    return list(kernel.values()), list(rest.values())
 
 
-def _dtype_groups(indices: list[int], rows: Sequence[tuple[torch.Tensor, ...]]) -> list[list[int]]:
-    """``indices`` split by the dtypes of their row (one launch each), order kept."""
-    groups = group_by([tuple(t.dtype for t in rows[i]) for i in indices])
-    return [[indices[j] for j in idx] for idx in groups.values()]
+def _pick(tensors: list[torch.Tensor], idx: list[int]) -> list[torch.Tensor]:
+    return tensors if len(idx) == len(tensors) else [tensors[i] for i in idx]
 
 
 def _scatter(dst: torch.Tensor, chosen: list[int], values: torch.Tensor) -> None:
@@ -109,20 +127,17 @@ def unscale_and_check(
     scale = _device_scalar(fn, "inv_scale", inv_scale, device)
     flag = found_inf.reshape(1)
 
-    rows = list(zip(inputs, outputs))
-    kernel_idx, rest_idx = _partition(device, rows)
+    kernel_groups, rest_groups = _plan(device, inputs, None if outputs is inputs else outputs)
     partials = []
-    if kernel_idx:
+    if kernel_groups:
         from .unscale_kernel import launch_unscale
 
-        for chosen in _dtype_groups(kernel_idx, rows):
-            p = launch_unscale(
-                [inputs[i] for i in chosen], [outputs[i] for i in chosen], scale, flag, sq_norm is not None
-            )
+        for idx in kernel_groups:
+            p = launch_unscale(_pick(inputs, idx), _pick(outputs, idx), scale, flag, sq_norm is not None)
             if p is not None:
                 partials.append(p)
-    for chosen in _dtype_groups(rest_idx, rows):
-        fallback.unscale([inputs[i] for i in chosen], [outputs[i] for i in chosen], scale, flag, sq_norm)
+    for idx in rest_groups:
+        fallback.unscale(_pick(inputs, idx), _pick(outputs, idx), scale, flag, sq_norm)
     if sq_norm is not None and partials:
         sq_norm.add_(torch.cat(partials).sum().reshape(sq_norm.shape))
 
@@ -163,17 +178,16 @@ def l2norm(
     flag = None if found_inf is None else found_inf.reshape(1)
 
     sumsq = torch.zeros(len(items), dtype=torch.float32, device=device)
-    rows = [(t,) for t in items]
-    kernel_idx, rest_idx = _partition(device, rows)
-    if kernel_idx:
+    kernel_groups, rest_groups = _plan(device, items)
+    if kernel_groups:
         from .l2norm_kernel import launch_sumsq, segment_sums
 
-        for chosen in _dtype_groups(kernel_idx, rows):
-            partials, table = launch_sumsq([items[i] for i in chosen], scale, flag)
-            _scatter(sumsq, chosen, segment_sums(partials, table))
-    for chosen in _dtype_groups(rest_idx, rows):
-        ys = fallback.scaled([items[i] for i in chosen], scale)
-        _scatter(sumsq, chosen, fallback.sumsq_per_tensor(ys).float())
+        for idx in kernel_groups:
+            partials, table = launch_sumsq(_pick(items, idx), scale, flag)
+            _scatter(sumsq, idx, segment_sums(partials, table))
+    for idx in rest_groups:
+        ys = fallback.scaled(_pick(items, idx), scale)
+        _scatter(sumsq, idx, fallback.sumsq_per_tensor(ys).float())
         if flag is not None:
             fallback.flag_nonfinite_(ys, flag)  # ys are our own temporaries
     total = sumsq.sum().sqrt()
@@ -193,12 +207,11 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     device = common_device(fn, dsts, srcs)
     if device is None:
         return
-    rows = list(zip(srcs, dsts))
-    kernel_idx, rest_idx = _partition(device, rows)
-    if kernel_idx:
+    kernel_groups, rest_groups = _plan(device, srcs, dsts)
+    if kernel_groups:
         from .copy_kernel import launch_copy
 
-        for chosen in _dtype_groups(kernel_idx, rows):
-            launch_copy([dsts[i] for i in chosen], [srcs[i] for i in chosen])
-    for chosen in _dtype_groups(rest_idx, rows):
-        fallback.copy_([dsts[i] for i in chosen], [srcs[i] for i in chosen])
+        for idx in kernel_groups:
+            launch_copy(_pick(dsts, idx), _pick(srcs, idx))
+    for idx in rest_groups:
+        fallback.copy_(_pick(dsts, idx), _pick(srcs, idx))
