@@ -43,16 +43,31 @@ def _write_params(
     new_params: Sequence[torch.Tensor],
     skip: bool | torch.Tensor,
 ) -> None:
-    _commit(params, new_params, skip)
+    """Params (unless ``new_params[i]`` already is ``params[i]``, updated in place) and model copies."""
+    moved = [(d, n) for d, n in zip(params, new_params) if d is not n]
+    _commit([d for d, _ in moved], [n for _, n in moved], skip)
     pairs = [(m, p) for m, p in zip(models, new_params) if m is not None]
     _commit([m for m, _ in pairs], [p for _, p in pairs], skip)
 
 
+def _mul(tensors: Sequence[torch.Tensor], factor: torch.Tensor, inplace: bool) -> list[torch.Tensor]:
+    """``tensors * factor``: in place when the step is known (on the host) not to be skipped, else a copy."""
+    out = list(tensors)
+    if inplace:
+        torch._foreach_mul_(out, factor)
+        return out
+    return torch._foreach_mul(out, factor)
+
+
 def _second_moment(
-    exp_avg_sqs: Sequence[torch.Tensor], g: list[torch.Tensor], beta2: torch.Tensor, one_minus_beta2: torch.Tensor
+    exp_avg_sqs: Sequence[torch.Tensor],
+    g: list[torch.Tensor],
+    beta2: torch.Tensor,
+    one_minus_beta2: torch.Tensor,
+    inplace: bool,
 ) -> list[torch.Tensor]:
-    """``v * beta2 + (1 - beta2) * g * g``, out of place."""
-    v = torch._foreach_mul(list(exp_avg_sqs), beta2)
+    """``v * beta2 + (1 - beta2) * g * g``."""
+    v = _mul(exp_avg_sqs, beta2, inplace)
     gg = torch._foreach_mul(g, one_minus_beta2)
     torch._foreach_mul_(gg, g)
     torch._foreach_add_(v, gg)
@@ -83,15 +98,16 @@ def lamb_(
     skip = _skip(found_inf, host_branch)
     if skip is True:
         return
+    inplace = skip is False  # decided on the host: state and params may be written as we go
     lr, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = hp.unbind()
-    p = _math(params, hp.dtype)  # may alias fp32 params: only out-of-place ops on p below
+    p = _math(params, hp.dtype)  # may alias the params: written only at the end, and only when inplace
     g = torch._foreach_mul(_math(grads, hp.dtype), inv_scale)
     torch._foreach_div_(g, clip)
     if l2_mode:
         torch._foreach_add_(g, torch._foreach_mul(p, wd))
-    m = torch._foreach_mul(list(exp_avgs), beta1)
+    m = _mul(exp_avgs, beta1, inplace)
     torch._foreach_add_(m, torch._foreach_mul(g, beta3))
-    v = _second_moment(exp_avg_sqs, g, beta2, one_minus_beta2)
+    v = _second_moment(exp_avg_sqs, g, beta2, one_minus_beta2, inplace)
     u = torch._foreach_div(m, bc1)
     denom = torch._foreach_div(v, bc2)
     torch._foreach_sqrt_(denom)
@@ -106,9 +122,28 @@ def lamb_(
         torch._foreach_mul_(u, list(ratio.unbind()))
     else:
         torch._foreach_mul_(u, lr)
-    new_p = torch._foreach_sub(p, u)
-    _commit(exp_avgs, m, skip)
-    _commit(exp_avg_sqs, v, skip)
+    _finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, u, skip)
+
+
+def _finish(
+    params: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    p: list[torch.Tensor],
+    m: list[torch.Tensor],
+    v: list[torch.Tensor],
+    delta: list[torch.Tensor],
+    skip: bool | torch.Tensor,
+) -> None:
+    """``p - delta`` into the params (and model copies); the new moments into the state unless already there."""
+    if skip is False:
+        torch._foreach_sub_(p, delta)
+        new_p = p
+    else:
+        new_p = torch._foreach_sub(p, delta)
+        _commit(exp_avgs, m, skip)
+        _commit(exp_avg_sqs, v, skip)
     _write_params(params, models, new_p, skip)
 
 
@@ -131,6 +166,7 @@ def adam_(
     skip = _skip(found_inf, host_branch)
     if skip is True:
         return
+    inplace = skip is False
     _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = hp.unbind()
     p = _math(params, hp.dtype)
     g = torch._foreach_mul(_math(grads, hp.dtype), inv_scale)
@@ -139,16 +175,18 @@ def adam_(
     # m + (1 - beta1) * (g - m): torch.optim.Adam's lerp (for 1 - beta1 < 0.5, i.e. every usual beta1)
     diff = torch._foreach_sub(g, list(exp_avgs))
     torch._foreach_mul_(diff, one_minus_beta1)
-    m = torch._foreach_add(list(exp_avgs), diff)
-    v = _second_moment(exp_avg_sqs, g, beta2, one_minus_beta2)
+    m = list(exp_avgs)
+    if inplace:
+        torch._foreach_add_(m, diff)
+    else:
+        m = torch._foreach_add(m, diff)
+    v = _second_moment(exp_avg_sqs, g, beta2, one_minus_beta2, inplace)
     if decoupled:
-        p = torch._foreach_mul(p, decay)
+        p = _mul(p, decay, inplace)
     denom = torch._foreach_sqrt(v)
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, eps)
     step = torch._foreach_div(m, denom)
-    torch._foreach_mul_(step, neg_step_size)
-    new_p = torch._foreach_add(p, step)
-    _commit(exp_avgs, m, skip)
-    _commit(exp_avg_sqs, v, skip)
-    _write_params(params, models, new_p, skip)
+    # p + (-lr/bc1) * step, written as p - (lr/bc1) * step: the same rounding (negation is exact)
+    torch._foreach_mul_(step, -neg_step_size)
+    _finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, step, skip)

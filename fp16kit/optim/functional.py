@@ -31,6 +31,7 @@ from fp16kit.kernels._checks import KERNEL_DTYPES, check_flag, check_pairs, chec
 from fp16kit.kernels._table import group_by
 from fp16kit.kernels.backend import Backend, select_backend
 
+from . import _cpu_native
 from ._validate import check_hyperparams
 
 __all__ = ["adam_step_", "lamb_step_"]
@@ -80,8 +81,40 @@ def inv_scale_from_grad_scale(grad_scale: torch.Tensor | None, device: torch.dev
 
 
 def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
-    """Global L2 norm of the unscaled grads (0-dim fp32), raising ``found_inf`` on any inf/NaN: one read."""
-    return l2norm(grads, pre_scale=inv_scale64.float(), found_inf=found_inf)
+    """Global L2 norm of the unscaled grads (0-dim fp32), raising ``found_inf`` on any inf/NaN.
+
+    Triton backends: ``fp16kit.kernels.l2norm`` (one read of the grads). Torch backend: the native CPU pass
+    when enabled, else two ``torch._foreach_norm`` reads (2-norm and max-norm), which unlike ``l2norm``'s
+    fallback materialize no scaled copy of the grads.
+    """
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=found_inf.device)
+    if select_backend(grads[0].device).backend is not Backend.TORCH:
+        return l2norm(grads, pre_scale=inv_scale64.float(), found_inf=found_inf)
+    if _cpu_native.takes_grads(grads):
+        return _cpu_native.check_and_norm(grads, inv_scale64, found_inf)
+    return _foreach_check_and_norm(grads, inv_scale64, found_inf)
+
+
+def _foreach_check_and_norm(
+    grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor
+) -> torch.Tensor:
+    """``inv_scale * sqrt(sum g^2)`` and the flag ``any(|g| * inv_scale)`` non-finite, fp32 math (fp64 for fp64).
+
+    ``|g|max * inv_scale`` overflows exactly when some ``g * inv_scale`` does (rounding is monotonic), so the
+    flag equals the kernel's; the norm differs from the norm of scaled values by at most one rounding.
+    """
+    sumsq, amax = [], []
+    for rows in group_by([F64 if g.dtype == F64 else torch.float32 for g in grads]).values():
+        chosen = [grads[i] for i in rows]
+        math = F64 if chosen[0].dtype == F64 else torch.float32
+        sumsq.append(torch.stack(torch._foreach_norm(chosen, 2, dtype=math)).to(F64).square().sum())
+        amax.append(torch.stack(torch._foreach_norm(chosen, float("inf"))).to(F64).max())
+    inv = inv_scale64.reshape(())
+    largest = torch.stack(amax).max().float() * inv.float()
+    flag = found_inf.reshape(1)
+    torch.maximum(flag, (~torch.isfinite(largest)).float().reshape(1), out=flag)
+    return (torch.stack(sumsq).sum().sqrt() * inv).float()
 
 
 def clip_factor(gnorm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
@@ -221,16 +254,11 @@ def _dispatch(
     for rows in rest_groups:
         p = _pick(params, rows)
         hp = hp64 if p[0].dtype == F64 else hp64.float()
-        step_fn(
-            p,
-            _pick(grads, rows),
-            _pick(exp_avgs, rows),
-            _pick(exp_avg_sqs, rows),
-            _pick(models, rows),
-            hp,
-            flag,
-            **modes,
-        )
+        lists = (p, _pick(grads, rows), _pick(exp_avgs, rows), _pick(exp_avg_sqs, rows))
+        if kind == "lamb" and _cpu_native.takes(*lists, _pick(models, rows)):
+            _cpu_native.lamb_(*lists, hp, flag, **modes)
+            continue
+        step_fn(*lists, _pick(models, rows), hp, flag, **modes)
 
 
 def lamb_update(

@@ -1,0 +1,223 @@
+"""Optional native CPU kernel for FusedLAMB on fp32 tensors (opt-in; built with the system C++ compiler).
+
+The torch fallback runs LAMB as ~25 ``torch._foreach_*`` ops, each a full pass over memory; on a CPU that is
+~10x slower than ``torch.optim.AdamW(fused=True)``. This module compiles (once, cached by torch in
+``TORCH_EXTENSIONS_DIR``) a C++ version of the two LAMB stages of ``fp16kit/kernels/lamb_kernel.py``:
+the same math, the same order of fp32 operations and the same per-chunk partial norms, with the chunks
+spread over threads by ``at::parallel_for``. It needs a C++ compiler and ninja, so it is opt-in:
+
+    FP16KIT_CPU_NATIVE=1            # environment, or
+    fp16kit.optim._cpu_native.enable()
+
+Only contiguous fp32 params/grads/moments without a model copy take it; everything else (and every call
+when it is not enabled or failed to build) goes to the torch fallback. A set ``found_inf`` is read directly:
+CPU tensors have no queue to drain.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["check_and_norm", "enable", "enabled", "lamb_", "takes"]
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+namespace {
+constexpr int64_t CHUNK = 16384;
+
+int64_t num_chunks(int64_t n) { return (n + CHUNK - 1) / CHUNK; }
+}  // namespace
+
+// Sum of squares of g * inv_scale over every element (fp32 per chunk, chunks summed in order), and whether
+// any scaled value is inf/NaN. Returns float32 [2] = {sumsq, nonfinite}.
+at::Tensor check_norm_fp32(std::vector<at::Tensor> g, double inv_scale_d) {
+  const float inv_scale = static_cast<float>(inv_scale_d);
+  double total = 0.0;
+  bool bad = false;
+  for (auto& t : g) {
+    const float* x = t.data_ptr<float>();
+    const int64_t n = t.numel(), nc = num_chunks(n);
+    std::vector<float> part(nc);
+    std::vector<char> nonfinite(nc, 0);
+    at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t s = c * CHUNK, len = std::min(CHUNK, n - s);
+        float acc = 0.f, amax = 0.f;
+#pragma omp simd reduction(+ : acc) reduction(max : amax)
+        for (int64_t i = 0; i < len; ++i) {
+          const float y = x[s + i] * inv_scale;
+          acc += y * y;
+          amax = std::max(amax, std::fabs(y));
+        }
+        part[c] = acc;
+        // An inf shows in amax; a NaN is dropped by max() but makes the sum NaN (a sum of squares of
+        // finite values may overflow to inf, never to NaN, so this has no false positives).
+        nonfinite[c] = !(amax < INFINITY) || (acc != acc);
+      }
+    });
+    for (int64_t c = 0; c < nc; ++c) { total += part[c]; bad |= nonfinite[c] != 0; }
+  }
+  return at::tensor({static_cast<float>(total), bad ? 1.f : 0.f});
+}
+
+// hp = [lr, beta1, beta2, beta3, 1 - beta2, eps, weight_decay, bc1, bc2, inv_scale, clip] (float32).
+// Tensor by tensor: stage 1 (moments, partial norms) then stage 2 (trust ratio, update), so that stage 2
+// reads p, m, v back from the cache for all but the largest tensors.
+void lamb_fp32(std::vector<at::Tensor> p, std::vector<at::Tensor> g, std::vector<at::Tensor> m,
+               std::vector<at::Tensor> v, at::Tensor hp, bool l2_mode, bool decoupled, bool trust) {
+  const float* h = hp.data_ptr<float>();
+  const float lr = h[0], beta1 = h[1], beta2 = h[2], beta3 = h[3], omb2 = h[4], eps = h[5], wd = h[6];
+  const float bc1 = h[7], bc2 = h[8], inv_scale = h[9], clip = h[10];
+  for (size_t t = 0; t < p.size(); ++t) {
+    float* pp = p[t].data_ptr<float>();
+    const float* gg = g[t].data_ptr<float>();
+    float* mm = m[t].data_ptr<float>();
+    float* vv = v[t].data_ptr<float>();
+    const int64_t n = p[t].numel(), nc = num_chunks(n);
+    std::vector<float> usum(nc), psum(nc);
+    at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t s = c * CHUNK, len = std::min(CHUNK, n - s);
+        float su = 0.f, sp = 0.f;
+#pragma omp simd reduction(+ : su, sp)
+        for (int64_t i = s; i < s + len; ++i) {
+          const float pi = pp[i];
+          float gi = (gg[i] * inv_scale) / clip;
+          if (l2_mode) gi = gi + wd * pi;
+          const float mi = mm[i] * beta1 + beta3 * gi;
+          const float vi = vv[i] * beta2 + omb2 * gi * gi;
+          mm[i] = mi;
+          vv[i] = vi;
+          float u = (mi / bc1) / (std::sqrt(vi / bc2) + eps);
+          if (decoupled) u = u + wd * pi;
+          su += u * u;
+          sp += pi * pi;
+        }
+        usum[c] = su;
+        psum[c] = sp;
+      }
+    });
+    float un = 0.f, pn = 0.f;
+    for (int64_t c = 0; c < nc; ++c) { un += usum[c]; pn += psum[c]; }
+    float ratio = lr;
+    if (trust) {
+      const float a = std::sqrt(pn), b = std::sqrt(un);
+      if (a != 0.f && b != 0.f) ratio = lr * (a / b);
+    }
+    at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t s = c * CHUNK, len = std::min(CHUNK, n - s);
+#pragma omp simd
+        for (int64_t i = s; i < s + len; ++i) {
+          const float pi = pp[i];
+          float u = (mm[i] / bc1) / (std::sqrt(vv[i] / bc2) + eps);
+          if (decoupled) u = u + wd * pi;
+          pp[i] = pi - ratio * u;
+        }
+      }
+    });
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("lamb_fp32", &lamb_fp32);
+  mod.def("check_norm_fp32", &check_norm_fp32);
+}
+"""
+
+_module = None
+_state = {"enabled": os.environ.get("FP16KIT_CPU_NATIVE", "0").strip().lower() in ("1", "true", "yes", "on")}
+
+
+def enable(on: bool = True) -> bool:
+    """Switch the native CPU LAMB on (building it now if needed); returns whether it is usable."""
+    _state["enabled"] = on
+    return bool(on and _load() is not None)
+
+
+def enabled() -> bool:
+    return bool(_state["enabled"]) and _load() is not None
+
+
+def _load():
+    global _module
+    if _module is None and _state["enabled"]:
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            _module = load_inline(
+                name="fp16kit_cpu_lamb_v3",
+                cpp_sources=_SOURCE,
+                extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", "-march=native"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+        except Exception as exc:  # no compiler / ninja: stay on the torch fallback, say so once
+            warnings.warn(f"fp16kit: native CPU LAMB unavailable ({exc}); using the torch fallback.", stacklevel=2)
+            _state["enabled"] = False
+    return _module
+
+
+def takes(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+) -> bool:
+    """Whether this row group can run natively: enabled, CPU, contiguous fp32 everywhere, no model copies."""
+    if not _state["enabled"] or not params or params[0].device.type != "cpu":
+        return False
+    if any(m is not None for m in models):
+        return False
+    return (
+        all(
+            t.dtype == torch.float32 and t.is_contiguous()
+            for lst in (params, grads, exp_avgs, exp_avg_sqs)
+            for t in lst
+        )
+        and enabled()
+    )
+
+
+def lamb_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    hp32: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+    trust: bool,
+) -> None:
+    """Both LAMB stages natively (the caller checked :func:`takes`); nothing happens when found_inf is set."""
+    if bool(found_inf.reshape(()) != 0):
+        return
+    _load().lamb_fp32(
+        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), hp32.contiguous(), l2_mode, decoupled, trust
+    )
+
+
+def takes_grads(grads: Sequence[torch.Tensor]) -> bool:
+    """Whether the check-and-norm pass can run natively: enabled, CPU, contiguous fp32 grads."""
+    if not _state["enabled"] or not grads or grads[0].device.type != "cpu":
+        return False
+    return all(g.dtype == torch.float32 and g.is_contiguous() for g in grads) and enabled()
+
+
+def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+    """Global L2 norm of ``grads * inv_scale`` (0-dim fp32) in one read, raising ``found_inf`` on inf/NaN."""
+    out = _load().check_norm_fp32(list(grads), float(inv_scale64.reshape(())))
+    flag = found_inf.reshape(1)
+    torch.maximum(flag, out[1:2], out=flag)
+    return out[0].sqrt()
