@@ -70,6 +70,10 @@ class ReportQueue:
         else:
             self._pending.append((session, loss_id, found_inf.clone(), scale.clone(), None))
 
+    def clear(self) -> None:
+        """Forget every pending report (nothing is printed)."""
+        self._pending = []
+
     def poll(self, block: bool = False) -> None:
         keep = []
         for item in self._pending:
