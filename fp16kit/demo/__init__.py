@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
     p.add_argument("--optimizer", choices=("sgd", "adam", "lamb"), default="sgd",
                    help="torch SGD (momentum 0.9), torch Adam, or fp16kit.optim.FusedLAMB (device-side skips)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.05 for sgd, 2e-3 otherwise)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default: 0.05 for sgd, 2e-3 for adam, 1e-2 for lamb)")
     p.add_argument("--scale-window", type=int, default=100,
                    help="clean steps before the dynamic loss scale doubles (apex's fixed value is 2000; a short "
                         "window makes growth and back-off visible in a short run)")
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, labels: list[str]) -> int:
     steps, hidden = (QUICK_STEPS, min(args.hidden, 64)) if args.quick else (args.steps, args.hidden)
-    lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 2e-3)
+    lr = args.lr if args.lr is not None else {"sgd": 0.05, "adam": 2e-3, "lamb": 1e-2}[args.optimizer]
     device = _device(args.device)
 
     from .data import load_digits_split

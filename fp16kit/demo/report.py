@@ -65,7 +65,13 @@ def plot(results: list[RunResult], path: Path, title: str) -> Path:
         # distinct dashes: runs that compute the same numbers (O1 and O2 often do) stay visible on top of each other
         style = _STYLES.get(r.label, {})
         finite = [v if math.isfinite(v) else float("nan") for v in r.losses]
-        ax_loss.plot(_smooth(finite, window), label=f"{r.label} (acc {100 * r.accuracy:.1f}%)", **style)
+        label = f"{r.label} (acc {100 * r.accuracy:.1f}%)"
+        bad = next((i for i, v in enumerate(r.losses) if not math.isfinite(v)), None)
+        if bad is not None:  # a diverged run has no curve to see: mark where it went non-finite
+            label += f", loss inf/NaN from step {bad}"
+        (line,) = ax_loss.plot(_smooth(finite, window), label=label, **style)
+        if bad is not None:
+            ax_loss.axvline(bad, color=line.get_color(), linestyle=":", linewidth=1.5)
         ax_scale.plot([math.log2(s) for s in r.scales], label=r.label, drawstyle="steps-post", **style)
     ax_loss.set_yscale("log")
     ax_loss.set_xlabel("step")
