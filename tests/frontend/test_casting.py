@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from frontend_helpers import batch, make_model
+from frontend_helpers import batch, make_model, roundtrip
 from torch import nn
 from torch.nn import functional as F
 
@@ -222,3 +222,17 @@ def test_deepcopy_of_an_initialized_model_is_independent():
     assert clone(x).dtype == F32
     assert not torch.equal(clone(x), model(x))
     assert model[0].weight.abs().sum() > 0
+
+
+def test_o1_model_pickles_and_runs_in_dataparallel_threads():
+    model = amp.initialize(make_model(batchnorm=False), opt_level="O1", verbosity=0)
+    clone = roundtrip(model)  # torch.save of the whole module, hooks included
+    x = batch(0)[0]
+    assert torch.equal(clone(x), model(x))
+    # DataParallel on CPU runs the module directly; on CUDA its replicas share these hooks across threads
+    assert nn.DataParallel(model)(x).dtype == F32
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda _: model(x), range(8)))
+    assert all(torch.equal(o, clone(x)) for o in outs)

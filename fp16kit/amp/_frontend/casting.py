@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -128,26 +129,41 @@ def _output_hook(dtype: torch.dtype, only: tuple[torch.dtype, ...] | None, modul
 class _PolicyRegion:
     """Enter the cast policy before ``forward`` and leave it after (also when ``forward`` raises).
 
-    One stack per hooked module, so re-entrant calls (a module used inside its own forward) nest.
+    The stack of open regions is per thread (DataParallel runs replicas, which share these hooks, in threads;
+    autocast state is per thread too), so re-entrant and concurrent calls nest correctly. Copies and pickles
+    keep only the dtype.
     """
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.stack: list[Any] = []
+        self._local = threading.local()
+
+    def _stack(self) -> list[Any]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         from .. import autocast
 
         region = autocast(dtype=self.dtype)
         region.__enter__()
-        self.stack.append(region)
+        self._stack().append(region)
 
     def exit(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self.stack:
-            self.stack.pop().__exit__(None, None, None)
+        stack = self._stack()
+        if stack:
+            stack.pop().__exit__(None, None, None)
 
     def __deepcopy__(self, memo: dict) -> _PolicyRegion:
         return _PolicyRegion(self.dtype)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dtype": self.dtype}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["dtype"])
 
 
 def install_forward_hooks(
