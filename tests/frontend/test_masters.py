@@ -153,3 +153,20 @@ def test_master_params_are_what_clipping_should_see():
     assert 0 < float(norm) < 10  # the unscaled norm, not 65536 times it
     clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
     assert abs(float(clipped) - 1e-3) < 1e-6
+
+
+def test_a_failing_backward_leaves_the_earlier_grads_in_place():
+    model = make_model(batchnorm=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    x, y = batch(0)
+    with amp.scale_loss(F.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    loss = F.cross_entropy(model(x), y)
+    try:
+        with amp.scale_loss(loss, opt) as scaled:
+            raise KeyboardInterrupt  # e.g. interrupted before backward
+    except KeyboardInterrupt:
+        pass
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))

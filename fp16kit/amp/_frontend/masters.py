@@ -74,6 +74,12 @@ class OptimizerStash:
             self.direct_stash[i] = p.grad
             p.grad = None
 
+    def restore(self) -> None:
+        """Undo ``prepare`` after a failed backward: stashed grads back, partial new ones dropped."""
+        for i, p in enumerate(self.direct):
+            if self.direct_stash[i] is not None:
+                p.grad, self.direct_stash[i] = self.direct_stash[i], None
+
     def unscale(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         """Unscale the new gradients (see the module docstring) and raise ``found_inf`` on inf/NaN."""
         srcs: list[torch.Tensor] = []

@@ -124,7 +124,12 @@ def run_scale_loss(
             if not stash.params_have_scaled_gradients:
                 stash.prepare()
 
-    yield loss.float() * scaler.scale.reshape(())
+    try:
+        yield loss.float() * scaler.scale.reshape(())
+    except BaseException:  # the backward failed: put back the gradients that were there before
+        for stash in stashes:
+            stash.restore()
+        raise
 
     if delay_unscale:
         for stash in stashes:
