@@ -16,9 +16,14 @@ OVERFLOWS = {2, 3, 8}
 KW = {"scale_window": 3, "hysteresis": 2, "verbosity": 0}
 
 
-def _fresh(level, seed=0):
+def _fresh(level, seed=0, optimizer="adam"):
     model = make_model(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:  # fp16kit's FusedLAMB: device-side skips, its own load_state_dict
+        from fp16kit.optim import FusedLAMB
+
+        opt = FusedLAMB(model.parameters(), lr=1e-2)
     return amp.initialize(model, opt, opt_level=level, **KW)
 
 
@@ -38,20 +43,24 @@ def _checkpoint(model, opt):
     return roundtrip({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": amp.state_dict()})
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
-@pytest.mark.parametrize("model_first", [True, False])
-def test_resume_is_bit_identical(level, model_first):
-    model, opt = _fresh(level)
+@pytest.mark.parametrize(
+    ("level", "model_first", "optimizer"),
+    [("O1", True, "adam"), ("O1", False, "adam"), ("O2", True, "adam"), ("O2", False, "adam"),
+     ("O1", True, "lamb"), ("O2", True, "lamb")],
+)
+def test_resume_is_bit_identical(level, model_first, optimizer):
+    model, opt = _fresh(level, optimizer=optimizer)
     losses = _train(model, opt, range(12))
     expected, expected_amp = _everything(model, opt), amp.state_dict()
 
-    model, opt = _fresh(level)
+    model, opt = _fresh(level, optimizer=optimizer)
     first = _train(model, opt, range(6))
     ckpt = _checkpoint(model, opt)
     assert ckpt["amp"]["loss_scaler0"]["fp16kit"]["hysteresis_tracker"] == 2
     assert ckpt["amp"]["loss_scaler0"]["unskipped"] == 2
 
-    model, opt = _fresh(level, seed=7)  # a different initialisation: everything must come from the checkpoint
+    # a different initialisation: everything must come from the checkpoint
+    model, opt = _fresh(level, seed=7, optimizer=optimizer)
     if model_first:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
