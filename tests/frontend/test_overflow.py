@@ -238,3 +238,34 @@ def test_static_scale_one_without_masters_is_a_pass_through(level):
         scaled.backward()
     for p, g in zip(model.parameters(), first):
         assert torch.equal(p.grad, g + g)
+
+
+def _tiny(**kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return amp.initialize(model, opt, opt_level="O2", verbosity=0, **kwargs)
+
+
+def _nan_steps(model, opt, n):
+    x = torch.ones(4, 2)
+    for _ in range(n):
+        opt.zero_grad()
+        with amp.scale_loss(model(x).sum() * float("nan"), opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+
+def test_nan_loss_from_the_start_warns_and_stops_at_the_floor():
+    model, opt = _tiny(min_loss_scale=1.0)
+    with pytest.warns(RuntimeWarning, match=r"50 optimizer steps in a row were skipped") as record:
+        _nan_steps(model, opt, 50)
+    assert "the min_scale floor (1.0)" in str(record[0].message)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 1.0  # 2**16 halved 16 times, then held
+    assert amp.state_dict()["loss_scaler0"]["fp16kit"]["steps_skipped"] == 50
+
+
+def test_static_scale_producing_inf_warns():
+    model, opt = _tiny(loss_scale=128.0)
+    with pytest.warns(RuntimeWarning, match=r"static loss scale 128 produced inf/NaN gradients in 50 steps"):
+        _nan_steps(model, opt, 50)

@@ -140,9 +140,11 @@ def run_scale_loss(
     for stash in stashes:
         stash.unscale(inv_scale, found_inf)
         stash.params_have_scaled_gradients = False
-    if delay_overflow_check or not scaler.dynamic:
+    if delay_overflow_check:
         return
-    scaler.update(found_inf)
+    scaler.update(found_inf)  # a static scale never changes; its update only feeds the repeated-inf warning
+    if not scaler.dynamic:
+        return
     session.skipped[loss_id].add_((found_inf != 0).to(torch.int64))
     if all(stash.fused for stash in stashes):
         for stash in stashes:
