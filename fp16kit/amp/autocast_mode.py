@@ -147,19 +147,22 @@ for _fn in vars(torch.Tensor).values():
             _REDIRECTS[_fn.__name__] = _base
 _is_compiling = torch.compiler.is_compiling
 
-#: callable -> (rule, inplace, row) for table ops, or a pass-through copy for absent composites. The hot path
-#: is one ``get`` on this dict; rebuilt (in place) whenever the table changes.
-_DISPATCH: dict[Any, Any] = {}
+#: id(callable) -> (rule, inplace, row) for table ops, or a pass-through copy for absent composites. The hot path
+#: is one ``get`` on this dict; rebuilt (in place) whenever the table changes. Keyed by id, not by the callable:
+#: under torch.compile Dynamo then guards the one int key it reads, instead of every key of a dict of functions
+#: (measured: ~900 guard lines and ~16 us per compiled call). The callables stay alive in policy.RESOLVED and
+#: _PASSTHROUGH, so their ids are stable.
+_DISPATCH: dict[int, Any] = {}
 
 
 def _rebuild_dispatch() -> None:
     interest = {getattr(fn, "__name__", None) for fn in policy.RESOLVED}
-    merged: dict[Any, Any] = {
-        fn: copy for fn, copy in _PASSTHROUGH.items() if _REACH[fn][1] or not _REACH[fn][0].isdisjoint(interest)
+    merged: dict[int, Any] = {
+        id(fn): copy
+        for fn, copy in _PASSTHROUGH.items()
+        if _REACH[fn][1] or not _REACH[fn][0].isdisjoint(interest)
     }
-    for fn in policy.RESOLVED:
-        merged.pop(fn, None)  # a table row wins over the pass-through of the same callable
-    merged.update(policy.RESOLVED)
+    merged.update((id(fn), entry) for fn, entry in policy.RESOLVED.items())  # a table row wins
     _DISPATCH.clear()
     _DISPATCH.update(merged)
 
@@ -326,7 +329,7 @@ class _AutocastMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         # Hot path: every torch call in the region lands here. One dict lookup; no allocation when nothing is cast.
-        entry = _DISPATCH.get(func)
+        entry = _DISPATCH.get(id(func))
         if entry is None or not self.enabled:
             if getattr(func, "__name__", None) in _REDIRECTS and _is_compiling():
                 # a Tensor method Dynamo cannot trace through a mode (zero-argument super()): call the in-graph

@@ -422,13 +422,13 @@ def test_composite_pass_through_follows_table_changes():
     from fp16kit.amp.autocast_mode import _DISPATCH
 
     x = torch.randn(4, 4)
-    assert F.relu not in _DISPATCH
+    assert id(F.relu) not in _DISPATCH
     with autocast(dtype=torch.bfloat16):
         assert F.relu(x).dtype == torch.float32
         with policy_override({"torch.relu": "low"}):
-            assert F.relu in _DISPATCH
+            assert id(F.relu) in _DISPATCH
             assert F.relu(x).dtype == torch.bfloat16
             assert nn.ReLU()(x).dtype == torch.bfloat16
         assert F.relu(x).dtype == torch.float32
-    assert F.relu not in _DISPATCH
-    assert F.multi_head_attention_forward in _DISPATCH  # its body reaches linear / bmm / softmax
+    assert id(F.relu) not in _DISPATCH
+    assert id(F.multi_head_attention_forward) in _DISPATCH  # its body reaches linear / bmm / softmax
