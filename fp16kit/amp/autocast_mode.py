@@ -2,21 +2,22 @@
 
 Mechanism: one :class:`torch.overrides.TorchFunctionMode` per thread, pushed by the outermost active region.
 Every torch function, Tensor method and operator reaches its ``__torch_function__``; the op's row is found
-with one dict lookup in ``policy.RESOLVED`` and the eligible inputs are cast with ``Tensor.to`` (a
-differentiable op, so gradients come back in each input's own dtype). The op itself then runs with the mode
-popped, exactly as if the user had cast the inputs by hand and called it with casting disabled, which is
-what makes the result bit-identical to that manual cast. Nested regions do not stack modes: they change
-the one mode's state (dtype, enabled, cache) and restore it on exit, so the innermost region wins.
+with one dict lookup (``_DISPATCH``, built from ``policy.RESOLVED``) and the eligible inputs are cast with
+``Tensor.to`` (a differentiable op, so gradients come back in each input's own dtype). The op itself then runs
+with the mode popped, exactly as if the user had cast the inputs by hand and called it with casting disabled,
+which is what makes the result bit-identical to that manual cast. Nested regions do not stack modes: they
+change the one mode's state (dtype, enabled, cache) and restore it on exit, so the innermost region wins.
 
 Eligibility (cast-policy.md): floating tensors only (integer/bool/complex pass through); float64 never cast;
 lists/tuples are searched (``torch.cat([a, b])``); ``dtype=``/``out=`` means "run as called"; in-place ops
 cast their other arguments to ``self``'s dtype, and an FP32 in-place op on an fp16/bf16 tensor raises.
 
-Python-level composite torch functions that are *absent* from the table (``F.multi_head_attention_forward``,
-``Tensor.__rsub__``...) are run through a copy whose ``has_torch_function*`` globals answer False, with the
-mode still pushed, so the ops inside them are seen by the policy (torch's autocast works at the aten level,
-which has the same effect). Ops in the table are never entered: a FP32 ``F.cross_entropy`` casts its inputs
-once and its internals run as called.
+Python-level composite torch functions that are *absent* from the table but whose body can reach a table op
+(``F.multi_head_attention_forward``, ``F.embedding``...) are run through a copy whose ``has_torch_function*``
+globals answer False, with the mode still pushed, so the ops inside them are seen by the policy (torch's
+autocast works at the aten level, which has the same effect). Composites that cannot reach one (``F.relu``,
+``F.dropout``) are simply called; the set is recomputed whenever the table changes. Ops in the table are never
+entered: an FP32 ``F.cross_entropy`` casts its inputs once and its internals run as called.
 """
 
 from __future__ import annotations
@@ -271,14 +272,16 @@ def _cast_args(
             qual = policy._NAMES.get(func, name)
             if rule is _BANNED:
                 raise _banned_error(name, qual, to)
+            example = f" (y = torch.{name}(x))" if name.isidentifier() and hasattr(torch, name) else ""
             raise RuntimeError(
                 f"Cannot call in-place {qual} on {_SHORT[to]} tensors under autocast: the policy runs '{name}' in "
-                f"fp32 (Rule.FP32) and an in-place op cannot change the tensor's dtype. Use the out-of-place form "
-                f"(y = torch.{name}(x)), or cast the tensor to float32 first."
+                f"fp32 (Rule.FP32) and an in-place op cannot change the tensor's dtype. Use the out-of-place "
+                f"form{example}, or cast the tensor to float32 first."
             )
-        rest = _cast_seq(args[1:], to, mode)
+        tail = args[1:]
+        rest = _cast_seq(tail, to, mode)
         new_kwargs = {k: _cast(v, to, mode) for k, v in kwargs.items()} if kwargs else kwargs
-        return (args if rest is args[1:] else (self_t, *rest)), new_kwargs
+        return (args if rest is tail else (self_t, *rest)), new_kwargs
     if rule is _LOW:
         to = mode.dtype
     elif rule is _FP32:
