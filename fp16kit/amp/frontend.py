@@ -172,21 +172,9 @@ def initialize(
             opt.load_state_dict(opt.state_dict())
         stepping.install_step(opt, stash, disable_casts=bool(opts["patch_torch_functions"]))
         if stash.masters:
-            _resync_on_model_load(model_list, stash)
+            masters.resync_on_model_load(model_list, stash)
     state.set_current_session(session)
     return _mirror(model_list, models_was_list, opt_list, optimizers_was_list)
-
-
-def _resync_on_model_load(models: list[nn.Module], stash: masters.OptimizerStash) -> None:
-    """Loading a model ``state_dict`` re-derives the masters that no longer round to the loaded params."""
-    mastered = {id(p) for p in stash.model}
-
-    def hook(module: nn.Module, incompatible_keys: Any) -> None:
-        stash.resync_from_model(only_where_different=True)
-
-    for model in models:
-        if any(id(p) in mastered for p in model.parameters()):
-            model.register_load_state_dict_post_hook(hook)
 
 
 def _session_of(optimizers: list[torch.optim.Optimizer]) -> state.Session | None:

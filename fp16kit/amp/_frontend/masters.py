@@ -43,7 +43,7 @@ from torch import nn
 from ...kernels import copy_, unscale_and_check
 from .casting import LOW_DTYPES
 
-__all__ = ["MASTERS_KEY", "OptimizerStash", "make_stash"]
+__all__ = ["MASTERS_KEY", "OptimizerStash", "make_stash", "resync_on_model_load"]
 
 MASTERS_KEY = "fp16kit_amp_masters"
 
@@ -233,3 +233,15 @@ def _install_master_hooks(optimizer: torch.optim.Optimizer, stash: OptimizerStas
     optimizer.register_state_dict_post_hook(save)
     optimizer.register_load_state_dict_pre_hook(before_load)
     optimizer.register_load_state_dict_post_hook(after_load)
+
+
+def resync_on_model_load(models: list[nn.Module], stash: OptimizerStash) -> None:
+    """Loading a model ``state_dict`` re-derives the masters that no longer round to the loaded params."""
+    mastered = {id(p) for p in stash.model}
+
+    def hook(module: nn.Module, incompatible_keys: Any) -> None:
+        stash.resync_from_model(only_where_different=True)
+
+    for model in models:
+        if any(id(p) in mastered for p in model.parameters()):
+            model.register_load_state_dict_post_hook(hook)
