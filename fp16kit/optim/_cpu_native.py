@@ -3,8 +3,8 @@
 The torch fallback runs LAMB as ~25 ``torch._foreach_*`` ops, each a full pass over memory; on a CPU that is
 ~10x slower than ``torch.optim.AdamW(fused=True)``. This module compiles (once, cached by torch in
 ``TORCH_EXTENSIONS_DIR``) a C++ version of the two LAMB stages of ``fp16kit/kernels/lamb_kernel.py``:
-the same math, the same order of fp32 operations and the same per-chunk partial norms, with the chunks
-spread over threads by ``at::parallel_for``. It needs a C++ compiler and ninja, so it is opt-in:
+the same math and the same order of fp32 operations, with 16384-element chunks of all tensors spread over
+threads by ``at::parallel_for`` (one parallel region per stage). It needs a C++ compiler and ninja, so it is opt-in:
 
     FP16KIT_CPU_NATIVE=1            # environment, or
     fp16kit.optim._cpu_native.enable()
@@ -33,103 +33,113 @@ _SOURCE = r"""
 namespace {
 constexpr int64_t CHUNK = 16384;
 
-int64_t num_chunks(int64_t n) { return (n + CHUNK - 1) / CHUNK; }
+// Chunks of every tensor: (tensor index, start offset), tensor by tensor, in order.
+int64_t chunk_list(const std::vector<at::Tensor>& ts, std::vector<int64_t>& ct, std::vector<int64_t>& cs) {
+  for (int64_t t = 0; t < (int64_t)ts.size(); ++t)
+    for (int64_t s = 0; s < ts[t].numel(); s += CHUNK) { ct.push_back(t); cs.push_back(s); }
+  return ct.size();
+}
 }  // namespace
 
-// Sum of squares of g * inv_scale over every element (fp32 per chunk, chunks summed in order), and whether
-// any scaled value is inf/NaN. Returns float32 [2] = {sumsq, nonfinite}.
+// Sum of squares of g * inv_scale over every element (fp32 per chunk, chunks summed in order in double),
+// and whether any scaled value is inf/NaN. Returns float32 [2] = {sumsq, nonfinite}.
 at::Tensor check_norm_fp32(std::vector<at::Tensor> g, double inv_scale_d) {
   const float inv_scale = static_cast<float>(inv_scale_d);
+  std::vector<int64_t> ct, cs;
+  const int64_t nc = chunk_list(g, ct, cs);
+  std::vector<float> part(nc);
+  std::vector<char> nonfinite(nc, 0);
+  at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t len = std::min(CHUNK, g[ct[c]].numel() - cs[c]);
+      const float* x = g[ct[c]].data_ptr<float>() + cs[c];
+      float acc = 0.f, amax = 0.f;
+#pragma omp simd reduction(+ : acc) reduction(max : amax)
+      for (int64_t i = 0; i < len; ++i) {
+        const float y = x[i] * inv_scale;
+        acc += y * y;
+        amax = std::max(amax, std::fabs(y));
+      }
+      part[c] = acc;
+      // An inf shows in amax; a NaN is dropped by max() but makes the sum NaN (a sum of squares of
+      // finite values may overflow to inf, never to NaN, so this has no false positives).
+      nonfinite[c] = !(amax < INFINITY) || (acc != acc);
+    }
+  });
   double total = 0.0;
   bool bad = false;
-  for (auto& t : g) {
-    const float* x = t.data_ptr<float>();
-    const int64_t n = t.numel(), nc = num_chunks(n);
-    std::vector<float> part(nc);
-    std::vector<char> nonfinite(nc, 0);
-    at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) {
-        const int64_t s = c * CHUNK, len = std::min(CHUNK, n - s);
-        float acc = 0.f, amax = 0.f;
-#pragma omp simd reduction(+ : acc) reduction(max : amax)
-        for (int64_t i = 0; i < len; ++i) {
-          const float y = x[s + i] * inv_scale;
-          acc += y * y;
-          amax = std::max(amax, std::fabs(y));
-        }
-        part[c] = acc;
-        // An inf shows in amax; a NaN is dropped by max() but makes the sum NaN (a sum of squares of
-        // finite values may overflow to inf, never to NaN, so this has no false positives).
-        nonfinite[c] = !(amax < INFINITY) || (acc != acc);
-      }
-    });
-    for (int64_t c = 0; c < nc; ++c) { total += part[c]; bad |= nonfinite[c] != 0; }
-  }
+  for (int64_t c = 0; c < nc; ++c) { total += part[c]; bad |= nonfinite[c] != 0; }
   return at::tensor({static_cast<float>(total), bad ? 1.f : 0.f});
 }
 
 // hp = [lr, beta1, beta2, beta3, 1 - beta2, eps, weight_decay, bc1, bc2, inv_scale, clip] (float32).
-// Tensor by tensor: stage 1 (moments, partial norms) then stage 2 (trust ratio, update), so that stage 2
-// reads p, m, v back from the cache for all but the largest tensors.
+// One parallel region per stage over the chunks of every tensor; stage 2 recomputes the update from the new
+// m, v (as the GPU kernel does). Measured here: a region per tensor (to reuse the cache) was 2.4x slower on
+// a loaded 2-core machine, its thread barriers waiting for descheduled threads.
 void lamb_fp32(std::vector<at::Tensor> p, std::vector<at::Tensor> g, std::vector<at::Tensor> m,
-               std::vector<at::Tensor> v, at::Tensor hp, bool l2_mode, bool decoupled, bool trust) {
+                      std::vector<at::Tensor> v, at::Tensor hp, bool l2_mode, bool decoupled, bool trust) {
   const float* h = hp.data_ptr<float>();
   const float lr = h[0], beta1 = h[1], beta2 = h[2], beta3 = h[3], omb2 = h[4], eps = h[5], wd = h[6];
   const float bc1 = h[7], bc2 = h[8], inv_scale = h[9], clip = h[10];
-  for (size_t t = 0; t < p.size(); ++t) {
-    float* pp = p[t].data_ptr<float>();
-    const float* gg = g[t].data_ptr<float>();
-    float* mm = m[t].data_ptr<float>();
-    float* vv = v[t].data_ptr<float>();
-    const int64_t n = p[t].numel(), nc = num_chunks(n);
-    std::vector<float> usum(nc), psum(nc);
-    at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) {
-        const int64_t s = c * CHUNK, len = std::min(CHUNK, n - s);
-        float su = 0.f, sp = 0.f;
+  const bool do_clip = clip != 1.f;
+  std::vector<int64_t> ct, cs;
+  const int64_t nc = chunk_list(p, ct, cs);
+  std::vector<float> usum(nc), psum(nc);
+  at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t t = ct[c], s = cs[c], len = std::min(CHUNK, p[t].numel() - s);
+      const float* pp = p[t].data_ptr<float>() + s;
+      const float* gg = g[t].data_ptr<float>() + s;
+      float* mm = m[t].data_ptr<float>() + s;
+      float* vv = v[t].data_ptr<float>() + s;
+      float su = 0.f, sp = 0.f;
 #pragma omp simd reduction(+ : su, sp)
-        for (int64_t i = s; i < s + len; ++i) {
-          const float pi = pp[i];
-          float gi = (gg[i] * inv_scale) / clip;
-          if (l2_mode) gi = gi + wd * pi;
-          const float mi = mm[i] * beta1 + beta3 * gi;
-          const float vi = vv[i] * beta2 + omb2 * gi * gi;
-          mm[i] = mi;
-          vv[i] = vi;
-          float u = (mi / bc1) / (std::sqrt(vi / bc2) + eps);
-          if (decoupled) u = u + wd * pi;
-          su += u * u;
-          sp += pi * pi;
-        }
-        usum[c] = su;
-        psum[c] = sp;
+      for (int64_t i = 0; i < len; ++i) {
+        const float pi = pp[i];
+        float gi = gg[i] * inv_scale;
+        if (do_clip) gi = gi / clip;
+        if (l2_mode) gi = gi + wd * pi;
+        const float mi = mm[i] * beta1 + beta3 * gi;
+        const float vi = vv[i] * beta2 + omb2 * gi * gi;
+        mm[i] = mi;
+        vv[i] = vi;
+        float u = (mi / bc1) / (std::sqrt(vi / bc2) + eps);
+        if (decoupled) u = u + wd * pi;
+        su += u * u;
+        sp += pi * pi;
       }
-    });
-    float un = 0.f, pn = 0.f;
-    for (int64_t c = 0; c < nc; ++c) { un += usum[c]; pn += psum[c]; }
-    float ratio = lr;
-    if (trust) {
-      const float a = std::sqrt(pn), b = std::sqrt(un);
-      if (a != 0.f && b != 0.f) ratio = lr * (a / b);
+      usum[c] = su;
+      psum[c] = sp;
     }
-    at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) {
-        const int64_t s = c * CHUNK, len = std::min(CHUNK, n - s);
+  });
+  std::vector<float> un(p.size(), 0.f), pn(p.size(), 0.f), ratio(p.size(), lr);
+  for (int64_t c = 0; c < nc; ++c) { un[ct[c]] += usum[c]; pn[ct[c]] += psum[c]; }
+  if (trust)
+    for (size_t t = 0; t < p.size(); ++t) {
+      const float a = std::sqrt(pn[t]), b = std::sqrt(un[t]);
+      if (a != 0.f && b != 0.f) ratio[t] = lr * (a / b);
+    }
+  at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t t = ct[c], s = cs[c], len = std::min(CHUNK, p[t].numel() - s);
+      float* pp = p[t].data_ptr<float>() + s;
+      const float* mm = m[t].data_ptr<float>() + s;
+      const float* vv = v[t].data_ptr<float>() + s;
+      const float r = ratio[t];
 #pragma omp simd
-        for (int64_t i = s; i < s + len; ++i) {
-          const float pi = pp[i];
-          float u = (mm[i] / bc1) / (std::sqrt(vv[i] / bc2) + eps);
-          if (decoupled) u = u + wd * pi;
-          pp[i] = pi - ratio * u;
-        }
+      for (int64_t i = 0; i < len; ++i) {
+        const float pi = pp[i];
+        float u = (mm[i] / bc1) / (std::sqrt(vv[i] / bc2) + eps);
+        if (decoupled) u = u + wd * pi;
+        pp[i] = pi - r * u;
       }
-    });
-  }
+    }
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("lamb_fp32", &lamb_fp32);
   mod.def("check_norm_fp32", &check_norm_fp32);
+  mod.def("lamb_fp32", &lamb_fp32);
 }
 """
 
@@ -154,7 +164,7 @@ def _load():
             from torch.utils.cpp_extension import load_inline
 
             _module = load_inline(
-                name="fp16kit_cpu_lamb_v3",
+                name="fp16kit_cpu_lamb_v8",
                 cpp_sources=_SOURCE,
                 extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", "-march=native"],
                 extra_ldflags=["-fopenmp"],

@@ -242,3 +242,31 @@ def test_gpu_bf16_model_copy_is_rtne():
     opt = FusedAdam(params, master_weights=True)
     opt.step()
     assert torch.equal(params[0].detach(), opt.state[params[0]]["master"].bfloat16())
+
+
+# ------------------------------------------------------------------------------------ native CPU kernel
+
+
+@pytest.fixture
+def native():
+    from fp16kit.optim import _cpu_native
+
+    if not _cpu_native.enable():  # builds once (~1 min), then loads from torch's extension cache
+        pytest.skip("the native CPU LAMB kernel cannot be built here (no C++ compiler or ninja)")
+    yield _cpu_native
+    _cpu_native.enable(False)
+
+
+@pytest.mark.slow
+def test_native_cpu_lamb_matches_reference_and_skips(native):
+    params = make_params([(300,), (20000,), (3, 7)], torch.float32, 12, grad_scale=3.0)
+    opt = FusedLAMB(params, lr=0.01, weight_decay=0.01, adam_w_mode=False)
+    for k in range(3):
+        assert native.takes_grads([p.grad for p in params])
+        lamb_step_and_check(opt)
+        set_grads(params, 40 + k, scale=0.1 if k else 3.0)  # the clip triggers on the first step only
+    params[1].grad[12345] = float("nan")
+    before = bits(opt, params)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        opt.step()
+    assert_same_bits(bits(opt, params), before)
