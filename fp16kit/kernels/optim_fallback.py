@@ -166,7 +166,10 @@ def adam_(
     skip = _skip(found_inf, host_branch)
     if skip is True:
         return
-    inplace = skip is False
+    if skip is False:
+        _adam_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, l2_mode=l2_mode, decoupled=decoupled)
+        return
+    inplace = False
     _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = hp.unbind()
     p = _math(params, hp.dtype)
     g = torch._foreach_mul(_math(grads, hp.dtype), inv_scale)
@@ -190,3 +193,35 @@ def adam_(
     # p + (-lr/bc1) * step, written as p - (lr/bc1) * step: the same rounding (negation is exact)
     torch._foreach_mul_(step, -neg_step_size)
     _finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, step, skip)
+
+
+def _adam_host(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp: torch.Tensor,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+) -> None:
+    """Adam when the skip was decided on the host (CPU): ``torch.optim.Adam``'s own foreach sequence, in place,
+    with the hyper-parameters as host numbers (reading a CPU tensor costs no sync): 8 passes, 1 temporary."""
+    _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = hp.tolist()
+    p = _math(params, hp.dtype)
+    g = _math(grads, hp.dtype)
+    if inv_scale != 1.0:
+        g = torch._foreach_mul(g, inv_scale)
+    if l2_mode:
+        g = torch._foreach_add(g, p, alpha=wd)
+    torch._foreach_lerp_(list(exp_avgs), g, one_minus_beta1)
+    torch._foreach_mul_(list(exp_avg_sqs), beta2)
+    torch._foreach_addcmul_(list(exp_avg_sqs), g, g, one_minus_beta2)
+    if decoupled:
+        torch._foreach_mul_(p, decay)
+    denom = torch._foreach_sqrt(list(exp_avg_sqs))
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(p, list(exp_avgs), denom, neg_step_size)
+    _write_params(params, models, p, False)

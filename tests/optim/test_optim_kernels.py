@@ -78,10 +78,9 @@ def test_adam_kernel_matches_reference_and_fallback(dtype, adam_w_mode, master):
     kw = {"lr": 0.01, "weight_decay": 0.1, "adam_w_mode": adam_w_mode, "master_weights": master}
     opt, fb = FusedAdam(params, **kw), FusedAdam(twin, **kw)
     for k in range(2):
-        adam_step_and_check(opt, adam_w_mode=adam_w_mode)
-        with use_backend("torch"):
-            fb.step()
-        assert_same_bits(_state_bits(opt, params), _state_bits(fb, twin))
+        adam_step_and_check(opt, adam_w_mode=adam_w_mode)  # Triton kernel (interpreter)
+        with use_backend("torch"):  # torch fallback (torch.optim.Adam's foreach sequence): same reference
+            adam_step_and_check(fb, adam_w_mode=adam_w_mode)
         set_grads(params, 20 + k)
         set_grads(twin, 20 + k)
 
@@ -125,7 +124,12 @@ def test_fallback_masked_commit(kind):
     skipped = run(1.0, False, nan_grads)
     assert_same_bits(skipped[: len(masters)], masters)
     assert_same_bits(skipped[len(masters) : 2 * len(masters)], [p.detach() for p in params])
-    assert_same_bits(run(0.0, False, grads), host_result)
+    masked = run(0.0, False, grads)
+    if kind == "lamb":  # the same foreach ops on both paths
+        assert_same_bits(masked, host_result)
+    else:  # the host path is torch.optim.Adam's foreach sequence (lerp_, addcmul_, addcdiv_): <= 8 ulp apart
+        for a, b in zip(masked, host_result):
+            torch.testing.assert_close(a, b, rtol=8 * 2.0**-24 if a.dtype == torch.float32 else 2.0**-8, atol=0)
 
 
 # ------------------------------------------------------------------------------------------ functional API
