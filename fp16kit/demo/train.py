@@ -8,7 +8,7 @@ not inflated by a host sync per step.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,7 +39,6 @@ class RunResult:
     seconds: float
     memory_bytes: int
     memory_kind: str  # "peak allocated" (CUDA) or "training state" (CPU)
-    notes: list[str] = field(default_factory=list)
 
 
 def make_model(hidden: int, seed: int) -> nn.Module:
