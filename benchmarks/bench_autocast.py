@@ -1,7 +1,8 @@
 """Per-op overhead of ``fp16kit.amp.autocast`` against ``torch.autocast`` (cast-policy.md, issue 3 section 6).
 
 Two small-op-heavy models on CPU: a 20-layer MLP (Linear + ReLU, width 128, batch 32) and a small transformer
-encoder block (d_model 64, 4 heads, seq 32, batch 8). For each low-precision dtype (bf16, fp16) and each mode
+encoder block (d_model 64, 4 heads, seq 32, batch 8); for scale, also a 20-layer MLP of width 512 (eager
+only). For each low-precision dtype (bf16, fp16) and each mode
 (eager, torch.compile) we time one training forward (grad enabled, as in training, so both weight-cast caches
 are in use) under each autocast, plus the forward + backward step. Timings are thread CPU time per call, the
 minimum over ``--repeats`` interleaved rounds of ``--iters`` calls each (the ratio of medians is shown too); the
@@ -101,11 +102,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    # (label, model, input, also under torch.compile)
     cases = [
-        ("MLP 20x(Linear128+ReLU), batch 32", mlp(), torch.randn(32, 128)),
-        ("TransformerEncoderLayer d64 h4, 8x32 tokens", transformer_block(), torch.randn(8, 32, 64)),
+        ("MLP 20x(Linear128+ReLU), batch 32", mlp(), torch.randn(32, 128), True),
+        ("TransformerEncoderLayer d64 h4, 8x32 tokens", transformer_block(), torch.randn(8, 32, 64), True),
+        # for scale: layers big enough that the per-op cost is small against the matmuls (eager only)
+        ("MLP 20x(Linear512+ReLU), batch 64", mlp(512), torch.randn(64, 512), False),
     ]
-    modes = [False] if args.no_compile else [False, True]
     lines = [
         "# autocast overhead: fp16kit.amp.autocast vs torch.autocast",
         "",
@@ -117,7 +120,8 @@ def main() -> None:
         "| model | dtype | mode | step | torch.autocast (ms) | fp16kit (ms) | ratio | ratio of medians |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for label, model, x in cases:
+    for label, model, x, compile_too in cases:
+        modes = [False, True] if compile_too and not args.no_compile else [False]
         for dtype in (torch.bfloat16, torch.float16):
             for compiled in modes:
                 for backward in (False, True):
