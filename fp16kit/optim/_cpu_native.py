@@ -4,7 +4,7 @@ The torch fallback runs LAMB as ~25 ``torch._foreach_*`` ops, each a full pass o
 ~10x slower than ``torch.optim.AdamW(fused=True)``. This module compiles (once, cached by torch in
 ``TORCH_EXTENSIONS_DIR``) a C++ version of the two LAMB stages of ``fp16kit/kernels/lamb_kernel.py``:
 the same math and the same order of fp32 operations, with 16384-element chunks of all tensors spread over
-threads by ``at::parallel_for`` (one parallel region per stage). It needs a C++ compiler and ninja, so it is opt-in:
+threads by OpenMP (one parallel region per stage). It needs a C++ compiler and ninja, so it is opt-in:
 
     FP16KIT_CPU_NATIVE=1            # environment, or
     fp16kit.optim._cpu_native.enable()
@@ -30,14 +30,40 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
+// Loops see only local scalars and raw pointers: with lambda captures by reference the compiler must assume
+// that the stores to m, v, p may change the hyper-parameters, reloads them every iteration and cannot hoist
+// the mode branches out of the loop (measured: 2x slower). OpenMP shares variables by reference too, hence
+// the firstprivate lists. Chunks are handed out dynamically: on a shared
+// machine a statically split loop waits at its barrier for a descheduled thread.
+
 namespace {
 constexpr int64_t CHUNK = 16384;
 
-// Chunks of every tensor: (tensor index, start offset), tensor by tensor, in order.
-int64_t chunk_list(const std::vector<at::Tensor>& ts, std::vector<int64_t>& ct, std::vector<int64_t>& cs) {
+struct Chunks {
+  std::vector<int64_t> tensor, start, len;
+};
+
+// Chunks of every tensor, tensor by tensor, in order.
+Chunks chunk_list(const std::vector<at::Tensor>& ts) {
+  Chunks c;
   for (int64_t t = 0; t < (int64_t)ts.size(); ++t)
-    for (int64_t s = 0; s < ts[t].numel(); s += CHUNK) { ct.push_back(t); cs.push_back(s); }
-  return ct.size();
+    for (int64_t s = 0; s < ts[t].numel(); s += CHUNK) {
+      c.tensor.push_back(t);
+      c.start.push_back(s);
+      c.len.push_back(std::min(CHUNK, ts[t].numel() - s));
+    }
+  return c;
+}
+
+// torch's thread count, fewer for small lists (a parallel region costs more than a few chunks).
+int threads(int64_t nc) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nc / 4)));
+}
+
+std::vector<float*> ptrs(const std::vector<at::Tensor>& ts) {
+  std::vector<float*> out;
+  for (auto& t : ts) out.push_back(t.data_ptr<float>());
+  return out;
 }
 }  // namespace
 
@@ -45,14 +71,21 @@ int64_t chunk_list(const std::vector<at::Tensor>& ts, std::vector<int64_t>& ct, 
 // and whether any scaled value is inf/NaN. Returns float32 [2] = {sumsq, nonfinite}.
 at::Tensor check_norm_fp32(std::vector<at::Tensor> g, double inv_scale_d) {
   const float inv_scale = static_cast<float>(inv_scale_d);
-  std::vector<int64_t> ct, cs;
-  const int64_t nc = chunk_list(g, ct, cs);
+  const Chunks ch = chunk_list(g);
+  const int64_t nc = ch.tensor.size();
   std::vector<float> part(nc);
   std::vector<char> nonfinite(nc, 0);
-  at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t len = std::min(CHUNK, g[ct[c]].numel() - cs[c]);
-      const float* x = g[ct[c]].data_ptr<float>() + cs[c];
+  const std::vector<float*> G = ptrs(g);
+  float* const* gp = G.data();
+  const int64_t *ct = ch.tensor.data(), *cs = ch.start.data(), *cl = ch.len.data();
+  float* partp = part.data();
+  char* badp = nonfinite.data();
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads(nc)) \
+    firstprivate(gp, ct, cs, cl, partp, badp, inv_scale)
+  for (int64_t c = 0; c < nc; ++c) {
+    {
+      const float* x = gp[ct[c]] + cs[c];
+      const int64_t len = cl[c];
       float acc = 0.f, amax = 0.f;
 #pragma omp simd reduction(+ : acc) reduction(max : amax)
       for (int64_t i = 0; i < len; ++i) {
@@ -60,12 +93,12 @@ at::Tensor check_norm_fp32(std::vector<at::Tensor> g, double inv_scale_d) {
         acc += y * y;
         amax = std::max(amax, std::fabs(y));
       }
-      part[c] = acc;
+      partp[c] = acc;
       // An inf shows in amax; a NaN is dropped by max() but makes the sum NaN (a sum of squares of
       // finite values may overflow to inf, never to NaN, so this has no false positives).
-      nonfinite[c] = !(amax < INFINITY) || (acc != acc);
+      badp[c] = !(amax < INFINITY) || (acc != acc);
     }
-  });
+  }
   double total = 0.0;
   bool bad = false;
   for (int64_t c = 0; c < nc; ++c) { total += part[c]; bad |= nonfinite[c] != 0; }
@@ -74,44 +107,57 @@ at::Tensor check_norm_fp32(std::vector<at::Tensor> g, double inv_scale_d) {
 
 // hp = [lr, beta1, beta2, beta3, 1 - beta2, eps, weight_decay, bc1, bc2, inv_scale, clip] (float32).
 // One parallel region per stage over the chunks of every tensor; stage 2 recomputes the update from the new
-// m, v (as the GPU kernel does). Measured here: a region per tensor (to reuse the cache) was 2.4x slower on
-// a loaded 2-core machine, its thread barriers waiting for descheduled threads.
+// m, v (as the GPU kernel does). (A region per tensor, to reuse the cache, was 2.4x slower on a loaded
+// 2-core machine: its thread barriers wait for descheduled threads.)
 void lamb_fp32(std::vector<at::Tensor> p, std::vector<at::Tensor> g, std::vector<at::Tensor> m,
-                      std::vector<at::Tensor> v, at::Tensor hp, bool l2_mode, bool decoupled, bool trust) {
+               std::vector<at::Tensor> v, at::Tensor hp, bool l2_mode, bool decoupled, bool trust) {
   const float* h = hp.data_ptr<float>();
   const float lr = h[0], beta1 = h[1], beta2 = h[2], beta3 = h[3], omb2 = h[4], eps = h[5], wd = h[6];
   const float bc1 = h[7], bc2 = h[8], inv_scale = h[9], clip = h[10];
   const bool do_clip = clip != 1.f;
-  std::vector<int64_t> ct, cs;
-  const int64_t nc = chunk_list(p, ct, cs);
+  // Divisions by the per-step constants become multiplications by their (correctly rounded) reciprocals:
+  // on CPUs the divider limits this loop. Each costs at most one extra rounding (<= 1 ulp).
+  const float rclip = 1.f / clip, rbc1 = 1.f / bc1, rbc2 = 1.f / bc2;
+  const Chunks ch = chunk_list(p);
+  const int64_t nc = ch.tensor.size();
+  const int64_t *ct = ch.tensor.data(), *cs = ch.start.data(), *cl = ch.len.data();
+  const std::vector<float*> P = ptrs(p), G = ptrs(g), M = ptrs(m), V = ptrs(v);
+  float* const* pp = P.data();
+  float* const* gp = G.data();
+  float* const* mp = M.data();
+  float* const* vp = V.data();
   std::vector<float> usum(nc), psum(nc);
-  at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t t = ct[c], s = cs[c], len = std::min(CHUNK, p[t].numel() - s);
-      const float* pp = p[t].data_ptr<float>() + s;
-      const float* gg = g[t].data_ptr<float>() + s;
-      float* mm = m[t].data_ptr<float>() + s;
-      float* vv = v[t].data_ptr<float>() + s;
-      float su = 0.f, sp = 0.f;
-#pragma omp simd reduction(+ : su, sp)
+  float *usp = usum.data(), *psp = psum.data();
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads(nc)) \
+    firstprivate(pp, gp, mp, vp, ct, cs, cl, usp, psp, inv_scale, rclip, do_clip, l2_mode, decoupled, wd) \
+    firstprivate(beta1, beta2, beta3, omb2, rbc1, rbc2, eps)
+  for (int64_t c = 0; c < nc; ++c) {
+    {
+      const float* pc = pp[ct[c]] + cs[c];
+      const float* gc = gp[ct[c]] + cs[c];
+      float* mc = mp[ct[c]] + cs[c];
+      float* vc = vp[ct[c]] + cs[c];
+      const int64_t len = cl[c];
+      float su = 0.f, sq = 0.f;
+#pragma omp simd reduction(+ : su, sq)
       for (int64_t i = 0; i < len; ++i) {
-        const float pi = pp[i];
-        float gi = gg[i] * inv_scale;
-        if (do_clip) gi = gi / clip;
+        const float pi = pc[i];
+        float gi = gc[i] * inv_scale;
+        if (do_clip) gi = gi * rclip;
         if (l2_mode) gi = gi + wd * pi;
-        const float mi = mm[i] * beta1 + beta3 * gi;
-        const float vi = vv[i] * beta2 + omb2 * gi * gi;
-        mm[i] = mi;
-        vv[i] = vi;
-        float u = (mi / bc1) / (std::sqrt(vi / bc2) + eps);
+        const float mi = mc[i] * beta1 + beta3 * gi;
+        const float vi = vc[i] * beta2 + omb2 * gi * gi;
+        mc[i] = mi;
+        vc[i] = vi;
+        float u = (mi * rbc1) / (std::sqrt(vi * rbc2) + eps);
         if (decoupled) u = u + wd * pi;
         su += u * u;
-        sp += pi * pi;
+        sq += pi * pi;
       }
-      usum[c] = su;
-      psum[c] = sp;
+      usp[c] = su;
+      psp[c] = sq;
     }
-  });
+  }
   std::vector<float> un(p.size(), 0.f), pn(p.size(), 0.f), ratio(p.size(), lr);
   for (int64_t c = 0; c < nc; ++c) { un[ct[c]] += usum[c]; pn[ct[c]] += psum[c]; }
   if (trust)
@@ -119,22 +165,25 @@ void lamb_fp32(std::vector<at::Tensor> p, std::vector<at::Tensor> g, std::vector
       const float a = std::sqrt(pn[t]), b = std::sqrt(un[t]);
       if (a != 0.f && b != 0.f) ratio[t] = lr * (a / b);
     }
-  at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t t = ct[c], s = cs[c], len = std::min(CHUNK, p[t].numel() - s);
-      float* pp = p[t].data_ptr<float>() + s;
-      const float* mm = m[t].data_ptr<float>() + s;
-      const float* vv = v[t].data_ptr<float>() + s;
-      const float r = ratio[t];
+  const float* rp = ratio.data();
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads(nc)) \
+    firstprivate(pp, mp, vp, ct, cs, cl, rp, rbc1, rbc2, eps, wd, decoupled)
+  for (int64_t c = 0; c < nc; ++c) {
+    {
+      float* pc = pp[ct[c]] + cs[c];
+      const float* mc = mp[ct[c]] + cs[c];
+      const float* vc = vp[ct[c]] + cs[c];
+      const int64_t len = cl[c];
+      const float r = rp[ct[c]];
 #pragma omp simd
       for (int64_t i = 0; i < len; ++i) {
-        const float pi = pp[i];
-        float u = (mm[i] / bc1) / (std::sqrt(vv[i] / bc2) + eps);
+        const float pi = pc[i];
+        float u = (mc[i] * rbc1) / (std::sqrt(vc[i] * rbc2) + eps);
         if (decoupled) u = u + wd * pi;
-        pp[i] = pi - r * u;
+        pc[i] = pi - r * u;
       }
     }
-  });
+  }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -164,7 +213,7 @@ def _load():
             from torch.utils.cpp_extension import load_inline
 
             _module = load_inline(
-                name="fp16kit_cpu_lamb_v8",
+                name="fp16kit_cpu_lamb_v13",
                 cpp_sources=_SOURCE,
                 extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", "-march=native"],
                 extra_ldflags=["-fopenmp"],
