@@ -26,10 +26,6 @@ from fp16kit.optim import functional as F
 SHAPES = [(300,), (4100,), (3, 7)]
 
 
-def _state_bits(opt, params):
-    return [t for p in params for t in (opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
-
-
 # ------------------------------------------------------------------------------------- Triton interpreter
 
 
@@ -46,12 +42,8 @@ def test_lamb_kernels_match_reference_and_fallback(dtype, adam_w_mode, master, m
     opt, fb = FusedLAMB(params, **kw), FusedLAMB(twin, **kw)
     for k in range(2):
         lamb_step_and_check(opt)  # Triton kernels (interpreter)
-        with use_backend("torch"):
-            fb.step()
-        # Moments: identical fp32 arithmetic in the same order on both paths, so identical bits -- unless
-        # the clip factor (a global norm, summed in different orders by the two paths) enters them.
-        if max_grad_norm == 0:
-            assert_same_bits(_state_bits(opt, params), _state_bits(fb, twin))
+        with use_backend("torch"):  # torch fallback: the same reference, the same budget
+            lamb_step_and_check(fb)
         set_grads(params, 10 + k)
         set_grads(twin, 10 + k)
 
@@ -124,12 +116,11 @@ def test_fallback_masked_commit(kind):
     skipped = run(1.0, False, nan_grads)
     assert_same_bits(skipped[: len(masters)], masters)
     assert_same_bits(skipped[len(masters) : 2 * len(masters)], [p.detach() for p in params])
-    masked = run(0.0, False, grads)
-    if kind == "lamb":  # the same foreach ops on both paths
-        assert_same_bits(masked, host_result)
-    else:  # the host path is torch.optim.Adam's foreach sequence (lerp_, addcmul_, addcdiv_): <= 8 ulp apart
-        for a, b in zip(masked, host_result):
-            torch.testing.assert_close(a, b, rtol=8 * 2.0**-24 if a.dtype == torch.float32 else 2.0**-8, atol=0)
+    # The host path uses fused foreach forms (alpha-add, addcmul_, lerp_, addcdiv_) of the same math: the two
+    # differ by a few fp32 roundings (<= 8 ulp here, no cancellation in these values) and the fp16 model
+    # copies by at most one fp16 rounding step.
+    for a, b in zip(run(0.0, False, grads), host_result):
+        torch.testing.assert_close(a, b, rtol=8 * 2.0**-24 if a.dtype == torch.float32 else 2.0**-10, atol=0)
 
 
 # ------------------------------------------------------------------------------------------ functional API
