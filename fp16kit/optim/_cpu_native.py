@@ -114,10 +114,12 @@ void lamb_fp32(std::vector<at::Tensor> p, std::vector<at::Tensor> g, std::vector
   const float* h = hp.data_ptr<float>();
   const float lr = h[0], beta1 = h[1], beta2 = h[2], beta3 = h[3], omb2 = h[4], eps = h[5], wd = h[6];
   const float bc1 = h[7], bc2 = h[8], inv_scale = h[9], clip = h[10];
-  const bool do_clip = clip != 1.f;
   // Divisions by the per-step constants become multiplications by their (correctly rounded) reciprocals:
   // on CPUs the divider limits this loop. Each costs at most one extra rounding (<= 1 ulp).
   const float rclip = 1.f / clip, rbc1 = 1.f / bc1, rbc2 = 1.f / bc2;
+  // The modes enter as coefficients, not branches (gcc vectorizes only one of the unswitched copies of a
+  // loop with branches): x * 1 and x + 0 * p are exact, so a disabled mode changes no bit.
+  const float wd_l2 = l2_mode ? wd : 0.f, wd_decoupled = decoupled ? wd : 0.f;
   const Chunks ch = chunk_list(p);
   const int64_t nc = ch.tensor.size();
   const int64_t *ct = ch.tensor.data(), *cs = ch.start.data(), *cl = ch.len.data();
@@ -129,7 +131,7 @@ void lamb_fp32(std::vector<at::Tensor> p, std::vector<at::Tensor> g, std::vector
   std::vector<float> usum(nc), psum(nc);
   float *usp = usum.data(), *psp = psum.data();
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads(nc)) \
-    firstprivate(pp, gp, mp, vp, ct, cs, cl, usp, psp, inv_scale, rclip, do_clip, l2_mode, decoupled, wd) \
+    firstprivate(pp, gp, mp, vp, ct, cs, cl, usp, psp, inv_scale, rclip, wd_l2, wd_decoupled) \
     firstprivate(beta1, beta2, beta3, omb2, rbc1, rbc2, eps)
   for (int64_t c = 0; c < nc; ++c) {
     {
@@ -142,15 +144,12 @@ void lamb_fp32(std::vector<at::Tensor> p, std::vector<at::Tensor> g, std::vector
 #pragma omp simd reduction(+ : su, sq)
       for (int64_t i = 0; i < len; ++i) {
         const float pi = pc[i];
-        float gi = gc[i] * inv_scale;
-        if (do_clip) gi = gi * rclip;
-        if (l2_mode) gi = gi + wd * pi;
+        const float gi = gc[i] * inv_scale * rclip + wd_l2 * pi;
         const float mi = mc[i] * beta1 + beta3 * gi;
         const float vi = vc[i] * beta2 + omb2 * gi * gi;
         mc[i] = mi;
         vc[i] = vi;
-        float u = (mi * rbc1) / (std::sqrt(vi * rbc2) + eps);
-        if (decoupled) u = u + wd * pi;
+        const float u = (mi * rbc1) / (std::sqrt(vi * rbc2) + eps) + wd_decoupled * pi;
         su += u * u;
         sq += pi * pi;
       }
@@ -167,7 +166,7 @@ void lamb_fp32(std::vector<at::Tensor> p, std::vector<at::Tensor> g, std::vector
     }
   const float* rp = ratio.data();
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads(nc)) \
-    firstprivate(pp, mp, vp, ct, cs, cl, rp, rbc1, rbc2, eps, wd, decoupled)
+    firstprivate(pp, mp, vp, ct, cs, cl, rp, rbc1, rbc2, eps, wd_decoupled)
   for (int64_t c = 0; c < nc; ++c) {
     {
       float* pc = pp[ct[c]] + cs[c];
@@ -178,8 +177,7 @@ void lamb_fp32(std::vector<at::Tensor> p, std::vector<at::Tensor> g, std::vector
 #pragma omp simd
       for (int64_t i = 0; i < len; ++i) {
         const float pi = pc[i];
-        float u = (mc[i] * rbc1) / (std::sqrt(vc[i] * rbc2) + eps);
-        if (decoupled) u = u + wd * pi;
+        const float u = (mc[i] * rbc1) / (std::sqrt(vc[i] * rbc2) + eps) + wd_decoupled * pi;
         pc[i] = pi - r * u;
       }
     }
@@ -213,7 +211,7 @@ def _load():
             from torch.utils.cpp_extension import load_inline
 
             _module = load_inline(
-                name="fp16kit_cpu_lamb_v13",
+                name="fp16kit_cpu_lamb_v14",
                 cpp_sources=_SOURCE,
                 extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", "-march=native"],
                 extra_ldflags=["-fopenmp"],
