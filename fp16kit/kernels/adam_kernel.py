@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._rounding import round_to
+from ._chunks import chunk_span
+from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
 
@@ -63,15 +64,13 @@ def _adam_kernel(
     decay = tl.load(hp_ptr + 10).to(tl.float32)
     stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
     for c in range(pid, stop, tl.num_programs(0)):
-        t = tl.load(chunk_tensor + c)
-        offs = tl.load(chunk_start + c) + tl.arange(0, BLOCK)
-        mask = offs < tl.load(numels + t)
+        t, offs, mask = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK)
         p_ptr = tl.load(ptrs + t).to(tl.pointer_type(P_DTYPE))
         g_ptr = tl.load(ptrs + num_tensors + t).to(tl.pointer_type(G_DTYPE))
         m_ptr = tl.load(ptrs + 2 * num_tensors + t).to(tl.pointer_type(tl.float32))
         v_ptr = tl.load(ptrs + 3 * num_tensors + t).to(tl.pointer_type(tl.float32))
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv_scale
+        p = to_fp32(tl.load(p_ptr + offs, mask=mask, other=0.0))
+        g = to_fp32(tl.load(g_ptr + offs, mask=mask, other=0.0)) * inv_scale
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
         if L2_MODE:
