@@ -99,7 +99,8 @@ def cases_for(shapes: list[tuple[int, ...]], device: torch.device) -> list[tuple
                 torch._amp_foreach_non_finite_check_and_unscale_(g32, found, inv)),
         }),
         ("unscale fp16 -> fp32 masters", 6, {
-            "fp16kit (Triton: 1 pass; fallback: copy + unscale)": lambda: unscale_and_check(g16, inv, found, out=masters),
+            "fp16kit (Triton: 1 pass; fallback: copy + unscale)": lambda: (
+                unscale_and_check(g16, inv, found, out=masters)),
             "torch (_foreach_copy_ + unscale)": torch_cast_then_unscale,
         }),
         ("master copy fp32 -> fp16", 6, {
