@@ -49,6 +49,7 @@ class ChunkTable:
     num_tensors: int
     num_chunks: int
     block: int
+    aligned: bool  # every address is a multiple of 16 bytes: kernels may use 16-byte vector loads
 
 
 _tables: OrderedDict[tuple, ChunkTable] = OrderedDict()
@@ -103,6 +104,7 @@ def _build(lists: Sequence[Sequence[torch.Tensor]], block: int, device: torch.de
         num_tensors=num_tensors,
         num_chunks=n_chunks,
         block=block,
+        aligned=bool((ptrs % 16 == 0).all()),
     )
 
 

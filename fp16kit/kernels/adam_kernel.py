@@ -64,7 +64,7 @@ def _adam_kernel(
     decay = tl.load(hp_ptr + 10).to(tl.float32)
     stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK)
+        t, offs, mask, _ = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, False)
         p_ptr = tl.load(ptrs + t).to(tl.pointer_type(P_DTYPE))
         g_ptr = tl.load(ptrs + num_tensors + t).to(tl.pointer_type(G_DTYPE))
         m_ptr = tl.load(ptrs + 2 * num_tensors + t).to(tl.pointer_type(tl.float32))

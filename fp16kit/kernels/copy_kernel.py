@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span
+from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
@@ -28,18 +28,18 @@ def _copy_kernel(
     SRC_DTYPE: tl.constexpr,
     DST_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     for c in range(pid, num_chunks, tl.num_programs(0)):
-        t, offs, mask = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK)
-        src = tl.load(ptrs + t).to(tl.pointer_type(SRC_DTYPE))
-        dst = tl.load(ptrs + num_tensors + t).to(tl.pointer_type(DST_DTYPE))
-        x = tl.load(src + offs, mask=mask, other=0.0)
+        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
+        src = row_pointer(ptrs, 0, num_tensors, t, SRC_DTYPE, ALIGNED)
+        dst = row_pointer(ptrs, 1, num_tensors, t, DST_DTYPE, ALIGNED)
+        x = load_chunk(src, offs, mask, full)
         if SRC_DTYPE == DST_DTYPE:
-            tl.store(dst + offs, x, mask=mask)
+            store_chunk(dst, offs, x, mask, full)
         else:
-            tl.store(dst + offs, round_to(to_fp32(x), DST_DTYPE), mask=mask)
-
+            store_chunk(dst, offs, round_to(to_fp32(x), DST_DTYPE), mask, full)
 
 def launch_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """One launch for contiguous, non-empty pairs with one source dtype and one destination dtype."""
@@ -55,5 +55,6 @@ def launch_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Non
         SRC_DTYPE=triton_dtype(src[0].dtype),
         DST_DTYPE=triton_dtype(dst[0].dtype),
         BLOCK=table.block,
+        ALIGNED=table.aligned,
         num_warps=8,
     )

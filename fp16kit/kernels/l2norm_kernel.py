@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span
+from ._chunks import chunk_span, load_chunk, row_pointer
 from ._rounding import to_fp32
 from ._table import ChunkTable, chunk_table, num_programs, triton_dtype
 
@@ -35,14 +35,15 @@ def _sumsq_kernel(
     IN_DTYPE: tl.constexpr,
     CHECK: tl.constexpr,
     BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pre_scale = tl.load(pre_scale_ptr).to(tl.float32)
     bad = tl.zeros((BLOCK,), dtype=tl.int32)
     for c in range(pid, num_chunks, tl.num_programs(0)):
-        t, offs, mask = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK)
-        src = tl.load(ptrs + t).to(tl.pointer_type(IN_DTYPE))
-        x = to_fp32(tl.load(src + offs, mask=mask, other=0.0)) * pre_scale
+        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
+        src = row_pointer(ptrs, 0, 0, t, IN_DTYPE, ALIGNED)
+        x = to_fp32(load_chunk(src, offs, mask, full)) * pre_scale
         tl.store(partials_ptr + c, tl.sum(x * x, axis=0))
         if CHECK:
             bad = tl.maximum(bad, (mask & ~(tl.abs(x) < float("inf"))).to(tl.int32))
@@ -93,6 +94,7 @@ def launch_sumsq(
         IN_DTYPE=triton_dtype(tensors[0].dtype),
         CHECK=found_inf is not None,
         BLOCK=table.block,
+        ALIGNED=table.aligned,
         num_warps=8,
     )
     return partials, table

@@ -85,7 +85,7 @@ def _lamb_stage1_kernel(
     # found_inf set: zero iterations, nothing read or written.
     stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK)
+        t, offs, mask, _ = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, False)
         p_ptr = tl.load(ptrs + t).to(tl.pointer_type(P_DTYPE))
         g_ptr = tl.load(ptrs + num_tensors + t).to(tl.pointer_type(G_DTYPE))
         m_ptr = tl.load(ptrs + 2 * num_tensors + t).to(tl.pointer_type(tl.float32))
@@ -129,7 +129,7 @@ def _lamb_stage2_kernel(
     lr = tl.load(hp_ptr).to(tl.float32)
     stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK)
+        t, offs, mask, _ = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, False)
         p_ptr = tl.load(ptrs + t).to(tl.pointer_type(P_DTYPE))
         m_ptr = tl.load(ptrs + 2 * num_tensors + t).to(tl.pointer_type(tl.float32))
         v_ptr = tl.load(ptrs + 3 * num_tensors + t).to(tl.pointer_type(tl.float32))

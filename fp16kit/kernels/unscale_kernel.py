@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span
+from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
@@ -35,18 +35,19 @@ def _unscale_kernel(
     OUT_DTYPE: tl.constexpr,
     WITH_NORM: tl.constexpr,
     BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     inv_scale = tl.load(inv_scale_ptr).to(tl.float32)
     # Per-program flag, published with one atomic at the end instead of one per chunk.
     bad = tl.zeros((BLOCK,), dtype=tl.int32)
     for c in range(pid, num_chunks, tl.num_programs(0)):
-        t, offs, mask = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK)
-        src = tl.load(ptrs + t).to(tl.pointer_type(IN_DTYPE))
-        dst = tl.load(ptrs + num_tensors + t).to(tl.pointer_type(OUT_DTYPE))
-        y = to_fp32(tl.load(src + offs, mask=mask, other=0.0)) * inv_scale
+        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
+        src = row_pointer(ptrs, 0, num_tensors, t, IN_DTYPE, ALIGNED)
+        dst = row_pointer(ptrs, 1, num_tensors, t, OUT_DTYPE, ALIGNED)
+        y = to_fp32(load_chunk(src, offs, mask, full)) * inv_scale
         written = round_to(y, OUT_DTYPE)
-        tl.store(dst + offs, written, mask=mask)
+        store_chunk(dst, offs, written, mask, full)
         # `abs(v) < inf` is false for +-inf and for NaN (an ordered comparison).
         bad = tl.maximum(bad, (mask & ~(tl.abs(written.to(tl.float32)) < float("inf"))).to(tl.int32))
         if WITH_NORM:
@@ -83,6 +84,7 @@ def launch_unscale(
         OUT_DTYPE=triton_dtype(outputs[0].dtype),
         WITH_NORM=with_norm,
         BLOCK=table.block,
+        ALIGNED=table.aligned,
         num_warps=8,
     )
     return partials if with_norm else None

@@ -53,3 +53,18 @@ def test_tables_are_cached_by_address():
     assert _table.chunk_table([b]) is not t1
     assert t1.num_chunks == 1 + 2 and t1.chunk_counts.tolist() == [1, 2]
     assert t1.chunk_start.tolist() == [0, 0, _table.BLOCK]
+
+
+def test_misaligned_views_take_the_unaligned_kernels_and_stay_exact():
+    base = torch.randn(10001)
+    view = base[1:]  # contiguous, but 4 bytes past a 16-byte boundary
+    assert view.data_ptr() % 16 != 0
+    assert not _table.chunk_table([[view]]).aligned
+    assert _table.chunk_table([[base]]).aligned
+    found = torch.zeros(1)
+    expected = view * 0.5
+    unscale_and_check([view], 0.5, found)
+    assert torch.equal(view, expected) and not bool(found)
+    dst = torch.empty(10001, dtype=torch.float16)[1:]
+    copy_([dst], [view])
+    assert torch.equal(dst, view.half())
