@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span
+from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
@@ -51,6 +51,7 @@ def _adam_kernel(
     L2_MODE: tl.constexpr,
     DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     beta2 = tl.load(hp_ptr + 2).to(tl.float32)
@@ -64,15 +65,15 @@ def _adam_kernel(
     decay = tl.load(hp_ptr + 10).to(tl.float32)
     stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, _ = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, False)
-        p_ptr = tl.load(ptrs + t).to(tl.pointer_type(P_DTYPE))
-        g_ptr = tl.load(ptrs + num_tensors + t).to(tl.pointer_type(G_DTYPE))
-        m_ptr = tl.load(ptrs + 2 * num_tensors + t).to(tl.pointer_type(tl.float32))
-        v_ptr = tl.load(ptrs + 3 * num_tensors + t).to(tl.pointer_type(tl.float32))
-        p = to_fp32(tl.load(p_ptr + offs, mask=mask, other=0.0))
-        g = to_fp32(tl.load(g_ptr + offs, mask=mask, other=0.0)) * inv_scale
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
+        p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
+        g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
+        m_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
+        v_ptr = row_pointer(ptrs, 3, num_tensors, t, tl.float32, ALIGNED)
+        p = to_fp32(load_chunk(p_ptr, offs, mask, full))
+        g = to_fp32(load_chunk(g_ptr, offs, mask, full)) * inv_scale
+        m = load_chunk(m_ptr, offs, mask, full)
+        v = load_chunk(v_ptr, offs, mask, full)
         if L2_MODE:
             g = g + wd * p
         # torch.lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w).
@@ -83,12 +84,12 @@ def _adam_kernel(
             p = p * decay
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         p = p + neg_step_size * tl.div_rn(m, denom)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        tl.store(p_ptr + offs, round_to(p, P_DTYPE), mask=mask)
+        store_chunk(m_ptr, offs, m, mask, full)
+        store_chunk(v_ptr, offs, v, mask, full)
+        store_chunk(p_ptr, offs, round_to(p, P_DTYPE), mask, full)
         if HAS_MODEL:
-            model_ptr = tl.load(ptrs + 4 * num_tensors + t).to(tl.pointer_type(MODEL_DTYPE))
-            tl.store(model_ptr + offs, round_to(p, MODEL_DTYPE), mask=mask)
+            model_ptr = row_pointer(ptrs, 4, num_tensors, t, MODEL_DTYPE, ALIGNED)
+            store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
 
 
 def launch_adam(
@@ -123,5 +124,6 @@ def launch_adam(
         L2_MODE=l2_mode,
         DECOUPLED=decoupled,
         BLOCK=table.block,
+        ALIGNED=table.aligned,
         num_warps=8,
     )

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span
+from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 from .l2norm_kernel import segment_sums
@@ -73,6 +73,7 @@ def _lamb_stage1_kernel(
     L2_MODE: tl.constexpr,
     DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     beta1 = tl.load(hp_ptr + 1).to(tl.float32)
@@ -85,22 +86,22 @@ def _lamb_stage1_kernel(
     # found_inf set: zero iterations, nothing read or written.
     stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, _ = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, False)
-        p_ptr = tl.load(ptrs + t).to(tl.pointer_type(P_DTYPE))
-        g_ptr = tl.load(ptrs + num_tensors + t).to(tl.pointer_type(G_DTYPE))
-        m_ptr = tl.load(ptrs + 2 * num_tensors + t).to(tl.pointer_type(tl.float32))
-        v_ptr = tl.load(ptrs + 3 * num_tensors + t).to(tl.pointer_type(tl.float32))
-        p = to_fp32(tl.load(p_ptr + offs, mask=mask, other=0.0))
-        g = to_fp32(tl.load(g_ptr + offs, mask=mask, other=0.0))
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
+        p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
+        g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
+        m_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
+        v_ptr = row_pointer(ptrs, 3, num_tensors, t, tl.float32, ALIGNED)
+        p = to_fp32(load_chunk(p_ptr, offs, mask, full))
+        g = to_fp32(load_chunk(g_ptr, offs, mask, full))
+        m = load_chunk(m_ptr, offs, mask, full)
+        v = load_chunk(v_ptr, offs, mask, full)
         g = tl.div_rn(g * inv_scale, clip)
         if L2_MODE:
             g = g + wd * p
         m = m * beta1 + beta3 * g
         v = v * beta2 + one_minus_beta2 * g * g
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
+        store_chunk(m_ptr, offs, m, mask, full)
+        store_chunk(v_ptr, offs, v, mask, full)
         u = _lamb_update(m, v, p, mask, hp_ptr, DECOUPLED)
         tl.store(u_partials + c, tl.sum(u * u, axis=0))
         tl.store(p_partials + c, tl.sum(p * p, axis=0))
@@ -124,18 +125,19 @@ def _lamb_stage2_kernel(
     DECOUPLED: tl.constexpr,
     TRUST: tl.constexpr,
     BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     lr = tl.load(hp_ptr).to(tl.float32)
     stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, _ = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, False)
-        p_ptr = tl.load(ptrs + t).to(tl.pointer_type(P_DTYPE))
-        m_ptr = tl.load(ptrs + 2 * num_tensors + t).to(tl.pointer_type(tl.float32))
-        v_ptr = tl.load(ptrs + 3 * num_tensors + t).to(tl.pointer_type(tl.float32))
-        p = to_fp32(tl.load(p_ptr + offs, mask=mask, other=0.0))
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
+        p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
+        m_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
+        v_ptr = row_pointer(ptrs, 3, num_tensors, t, tl.float32, ALIGNED)
+        p = to_fp32(load_chunk(p_ptr, offs, mask, full))
+        m = load_chunk(m_ptr, offs, mask, full)
+        v = load_chunk(v_ptr, offs, mask, full)
         u = _lamb_update(m, v, p, mask, hp_ptr, DECOUPLED)
         ratio = lr
         if TRUST:
@@ -143,10 +145,10 @@ def _lamb_stage2_kernel(
             un = tl.sqrt_rn(tl.load(u_sumsq + t))
             ratio = tl.where((pn != 0.0) & (un != 0.0), lr * tl.div_rn(pn, un), lr)
         p = p - ratio * u
-        tl.store(p_ptr + offs, round_to(p, P_DTYPE), mask=mask)
+        store_chunk(p_ptr, offs, round_to(p, P_DTYPE), mask, full)
         if HAS_MODEL:
-            model_ptr = tl.load(ptrs + 4 * num_tensors + t).to(tl.pointer_type(MODEL_DTYPE))
-            tl.store(model_ptr + offs, round_to(p, MODEL_DTYPE), mask=mask)
+            model_ptr = row_pointer(ptrs, 4, num_tensors, t, MODEL_DTYPE, ALIGNED)
+            store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
 
 
 def launch_lamb(
@@ -184,6 +186,7 @@ def launch_lamb(
         L2_MODE=l2_mode,
         DECOUPLED=decoupled,
         BLOCK=table.block,
+        ALIGNED=table.aligned,
         num_warps=8,
     )
     u_sumsq, p_sumsq = segment_sums(u_partials, table), segment_sums(p_partials, table)
@@ -199,5 +202,6 @@ def launch_lamb(
         DECOUPLED=decoupled,
         TRUST=trust,
         BLOCK=table.block,
+        ALIGNED=table.aligned,
         num_warps=8,
     )

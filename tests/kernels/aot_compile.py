@@ -57,14 +57,16 @@ CASES = {
     "sumsq bf16 +check, aligned": (l2norm_kernel._sumsq_kernel,
                                    dict(IN_DTYPE=BF16, CHECK=True, BLOCK=4096, ALIGNED=True)),
     "segment sums": (l2norm_kernel._segment_sum_kernel, dict(BLOCK=1024)),
-    "lamb stage 1 (fp16 params, L2)": (lamb_kernel._lamb_stage1_kernel,
-                                       dict(P_DTYPE=F16, G_DTYPE=F16, L2_MODE=True, DECOUPLED=False, BLOCK=4096)),
+    "lamb stage 1 (fp16 params, L2)": (
+        lamb_kernel._lamb_stage1_kernel,
+        dict(P_DTYPE=F16, G_DTYPE=F16, L2_MODE=True, DECOUPLED=False, BLOCK=4096, ALIGNED=True)),
     "lamb stage 2 (fp32 masters -> bf16 model)": (
         lamb_kernel._lamb_stage2_kernel,
-        dict(P_DTYPE=F32, MODEL_DTYPE=BF16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=4096)),
+        dict(P_DTYPE=F32, MODEL_DTYPE=BF16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=4096, ALIGNED=True)),
     "adam (fp32 masters -> fp16 model)": (
         adam_kernel._adam_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, L2_MODE=False, DECOUPLED=True, BLOCK=4096)),
+        dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, L2_MODE=False, DECOUPLED=True, BLOCK=4096,
+             ALIGNED=True)),
 }
 
 

@@ -4,7 +4,8 @@ Triton compiles to PTX and a cubin with its bundled ptxas; no device is needed. 
 code that otherwise only runs in the interpreter here: a kernel that the interpreter accepts but the
 compiler rejects fails this test. On full chunks of 16-byte-aligned tables, the unscale, copy and
 norm kernels must use 16-byte vector loads (``ld.global.v4``), the precondition for reaching the memory
-roofline; without that the compiler emits one scalar load per element.
+roofline; without that the compiler emits one scalar load per element. The LAMB and Adam kernels are held to
+the same standard.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def test_every_kernel_compiles_for_sm90(compiled):
         ("unscale fp16->fp32 +norm, aligned", True, True),
         ("copy fp32->fp16, aligned", True, True),
         ("sumsq bf16 +check, aligned", True, False),
+        ("lamb stage 1 (fp16 params, L2)", True, True),
+        ("lamb stage 2 (fp32 masters -> bf16 model)", True, True),
+        ("adam (fp32 masters -> fp16 model)", True, True),
     ],
 )
 def test_aligned_full_chunks_use_vector_memory_ops(compiled, case, loads, stores):
