@@ -189,7 +189,7 @@ def test_o2_resumed_from_o3_state_stays_dynamic():
 def test_static_run_resumed_from_dynamic_state_keeps_its_static_scale():
     _initialized("O2")
     dynamic_state = roundtrip(amp.state_dict())
-    model, opt = _initialized("O2", loss_scale=128.0)
+    _, opt = _initialized("O2", loss_scale=128.0)
     with pytest.warns(RuntimeWarning, match=r"saved with dynamic loss scaling.*chose static"):
         amp.load_state_dict(dynamic_state)
     scaler = opt._amp_stash.session.scalers[0]
@@ -359,11 +359,12 @@ def test_scale_loss_unwraps_optimizer_wrappers(wrap):
 
 
 def test_scale_loss_with_a_wrapper_of_no_optimizer_names_the_problem():
-    model, opt = _initialized("O1")
+    model, _ = _initialized("O1")
     x, y = batch(0)
-    with pytest.raises(TypeError, match=r"amp.scale_loss: expected an optimizer.*\.optimizer"):
-        with amp.scale_loss(F.cross_entropy(model(x), y), PlainWrapper(object())):
-            pass
+    loss = F.cross_entropy(model(x), y)
+    with pytest.raises(TypeError, match=r"amp.scale_loss: expected an optimizer.*\.optimizer"), \
+            amp.scale_loss(loss, PlainWrapper(object())):
+        pass
 
 
 # ------------------------------------------------------------------------------------------- option errors
