@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fp16kit import amp
-from fp16kit.kernels import use_backend
+from fp16kit.kernels import Backend, select_backend, use_backend
 
 
 def _two_models(level, num_losses=2, verbosity=0):
@@ -150,6 +150,8 @@ def _fallback_marks():
 def test_o1_param_first_getting_a_grad_in_a_later_loss_matches_fp32(backend):
     reference_grads, reference_weights = _later_loss_run(use_amp=False)
     with use_backend(backend):
+        expected = Backend.TORCH if backend == "torch" else Backend.INTERPRETER
+        assert select_backend(torch.device("cpu")).backend is expected
         grads, weights = _later_loss_run(use_amp=True)
     # O1 runs the linears in fp16: agreement to fp16 accuracy (the bug gives 0, stale or ~1e19 values)
     for got, ref in zip(grads + weights, reference_grads + reference_weights):

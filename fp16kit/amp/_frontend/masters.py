@@ -32,8 +32,9 @@ bit for bit and writes them into the model. The saved masters are checked before
 a missing entry, a shape or dtype that differs from the master's, or an inf/NaN value raises an error
 naming the key and the param (group and index), and the optimizer, masters and model stay as they were.
 A checkpoint without masters (apex's, or one written at another opt level) re-derives them from the
-model parameters. Loading a model ``state_dict`` re-derives a master only where the loaded value differs
-from the master's rounding, so both load orders work.
+model parameters, with a warning (the masters' low bits are lost). Loading a model ``state_dict``
+re-derives a master only where the loaded value differs from the master's rounding, so both load orders
+work.
 
 ``optimizer.add_param_group`` after ``initialize`` is wrapped: a new group is planned like the groups at
 ``initialize`` (masters for low-precision params under master weights), and recorded in the stash only
@@ -47,6 +48,7 @@ reach the masters; :meth:`OptimizerStash.model_grads_bypassed_scale_loss` detect
 from __future__ import annotations
 
 import types
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -389,6 +391,15 @@ def _install_master_hooks(optimizer: torch.optim.Optimizer, stash: OptimizerStas
     def after_load(opt: torch.optim.Optimizer) -> None:
         saved, stash._loaded_masters = stash._loaded_masters, None
         if saved is None:
+            if stash.masters:
+                warnings.warn(
+                    f"optimizer.load_state_dict: the checkpoint has no fp32 master weights (no {MASTERS_KEY!r} "
+                    "entry: an apex checkpoint, or one written without master weights). The masters are rebuilt "
+                    "from the fp16/bf16 model parameters, so the bits below their precision are lost; load the "
+                    "model's state_dict as well (either order). Checkpoints written by fp16kit carry the masters.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             stash.resync_from_model(only_where_different=False)
             return
         with torch.no_grad():
