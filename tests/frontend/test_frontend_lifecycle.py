@@ -227,6 +227,24 @@ def test_invalid_loss_scale_in_amp_checkpoint_is_rejected_by_key(bad, fmt):
     assert [s.get_scale() for s in opt._amp_stash.session.scalers] == [S0, S0]
 
 
+@pytest.mark.parametrize(
+    ("path", "bad"),
+    [(("unskipped",), -1), (("unskipped",), 1.5), (("fp16kit", "growth_tracker"), float("nan")),
+     (("fp16kit", "consecutive_skips"), -3)],
+    ids=["negative", "fraction", "nan", "negative-skips"],
+)
+def test_invalid_counter_in_amp_checkpoint_is_rejected_by_key(path, bad):
+    _, opt = _initialized("O1")
+    saved = roundtrip(amp.state_dict())
+    entry = saved["loss_scaler0"]
+    for name in path[:-1]:
+        entry = entry[name]
+    entry[path[-1]] = bad
+    with pytest.raises(ValueError, match=r"state_dict\['loss_scaler0'\].*" + path[-1] + r".*not a count"):
+        amp.load_state_dict(saved)
+    assert opt._amp_stash.session.scalers[0].get_scale() == S0
+
+
 def _o2_checkpoint():
     model, opt = _initialized("O2")
     train_steps(model, opt, range(2))

@@ -15,6 +15,7 @@ newline (so ``print`` leaves a blank line after them), O3's does not: apex's qui
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -142,7 +143,7 @@ def _is_float_dtype(value: Any) -> bool:
 
 
 def _check_count(name: str, value: Any, minimum: int) -> None:
-    ok = (not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(_as_float(value))
+    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(_as_float(value))
           and value == int(value) and value >= minimum)
     if not ok:
         raise ValueError(f"amp.initialize: {name} must be a positive integer (>= {minimum}), got {name}={value!r}.")
@@ -151,7 +152,7 @@ def _check_count(name: str, value: Any, minimum: int) -> None:
 def _check_bound(name: str, value: Any, none_means: str) -> None:
     if value is None:
         return
-    ok = not isinstance(value, bool) and isinstance(value, int | float) and 0.0 < _as_float(value) <= FP32_MAX
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and 0.0 < _as_float(value) <= FP32_MAX
     if not ok:
         raise ValueError(
             f"amp.initialize: {name}={value!r} is out of range: it must be a number in (0, {FP32_MAX:.8g}] "
@@ -169,7 +170,7 @@ def check_frontend_args(*, num_losses: Any, verbosity: Any, cast_model_outputs: 
     _check_count("num_losses", num_losses, 1)
     _check_count("scale_window", scale_window, 1)
     _check_count("hysteresis", hysteresis, 1)
-    if isinstance(verbosity, bool) or not isinstance(verbosity, int):
+    if isinstance(verbosity, bool) or not isinstance(verbosity, numbers.Integral):
         raise ValueError(f"amp.initialize: verbosity must be an integer (0 silent, 1 apex's text), got {verbosity!r}.")
     if cast_model_outputs is not None and not _is_float_dtype(cast_model_outputs):
         raise ValueError(

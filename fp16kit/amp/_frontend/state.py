@@ -18,6 +18,7 @@ a resumed run continues bit-identically.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -101,50 +102,57 @@ def _mode(dynamic: bool) -> str:
     return "dynamic" if dynamic else "static"
 
 
-def _checked_scale(key: str, field: str, value: Any) -> float:
-    """``value`` as a loss scale from ``state_dict[key][field]``, or a ``ValueError`` naming both."""
-    ok = not isinstance(value, bool) and isinstance(value, int | float)
-    scale = math.nan
-    if ok:
-        try:
-            scale = float(value)
-        except OverflowError:
-            scale = math.inf
+def _number(value: Any) -> float:
+    """``value`` (a real number or a one-element tensor) as a float; NaN for anything else, inf past float."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _checked_scale(where: str, value: Any) -> float:
+    """``value`` as a loss scale read from ``where`` (e.g. ``state_dict['loss_scaler0']['loss_scale']``)."""
+    scale = _number(value)
     if not 0.0 < scale <= FP32_MAX:  # NaN fails too
         raise ValueError(
-            f"amp.load_state_dict: state_dict[{key!r}][{field!r}] = {value!r} is not a loss scale (a number in "
-            f"(0, {FP32_MAX:.8g}]): the checkpoint is corrupt. Nothing was loaded; resume from another checkpoint."
+            f"amp.load_state_dict: {where} = {value!r} is not a loss scale (a number in (0, {FP32_MAX:.8g}]): the "
+            "checkpoint is corrupt. Nothing was loaded; resume from another checkpoint."
         )
     return scale
 
 
-def _checked_count(key: str, field: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0 \
-            or value != int(value):
+def _checked_count(where: str, value: Any) -> int:
+    count = _number(value)
+    if not (math.isfinite(count) and count >= 0 and count == int(count)):
         raise ValueError(
-            f"amp.load_state_dict: state_dict[{key!r}][{field!r}] = {value!r} is not a count (an integer >= 0): "
-            f"the checkpoint is corrupt. Nothing was loaded."
+            f"amp.load_state_dict: {where} = {value!r} is not a count (an integer >= 0): the checkpoint is corrupt. "
+            "Nothing was loaded."
         )
-    return int(value)
+    return int(count)
 
 
 def _checked_entry(key: str, entry: Any) -> tuple[float, int, dict[str, Any] | None]:
     """Validate one ``loss_scalerN`` entry: ``(loss_scale, unskipped, fp16kit extras or None)``."""
+    where = f"state_dict[{key!r}]"
     if not isinstance(entry, Mapping) or "loss_scale" not in entry or "unskipped" not in entry:
         raise ValueError(
-            f"amp.load_state_dict: state_dict[{key!r}] must be a dict with 'loss_scale' and 'unskipped' (the output "
-            f"of amp.state_dict()), got {entry!r}. Nothing was loaded."
+            f"amp.load_state_dict: {where} must be a dict with 'loss_scale' and 'unskipped' (the output of "
+            f"amp.state_dict()), got {entry!r}. Nothing was loaded."
         )
-    scale = _checked_scale(key, "loss_scale", entry["loss_scale"])
-    unskipped = _checked_count(key, "unskipped", entry["unskipped"])
+    scale = _checked_scale(f"{where}['loss_scale']", entry["loss_scale"])
+    unskipped = _checked_count(f"{where}['unskipped']", entry["unskipped"])
     extra = entry.get("fp16kit")
     if extra is not None:
         if not isinstance(extra, Mapping) or "scale" not in extra:
-            raise ValueError(f"amp.load_state_dict: state_dict[{key!r}]['fp16kit'] must be a dict with 'scale'.")
-        _checked_scale(key, "fp16kit']['scale", extra["scale"])
+            raise ValueError(f"amp.load_state_dict: {where}['fp16kit'] must be a dict with 'scale'; nothing loaded.")
+        _checked_scale(f"{where}['fp16kit']['scale']", extra["scale"])
         for field in ("growth_tracker", "consecutive_skips", "hysteresis_tracker", "steps_skipped"):
             if field in extra:
-                _checked_count(key, f"fp16kit']['{field}", extra[field])
+                _checked_count(f"{where}['fp16kit'][{field!r}]", extra[field])
         extra = dict(extra)
     return scale, unskipped, extra
 
