@@ -321,20 +321,28 @@ def test_normal_o2_loops_never_see_the_warning():
 # ------------------------------------------------------------------------------------------- optimizer wrappers
 class AcceleratedOptimizerStandIn(torch.optim.Optimizer):
     """Shaped like accelerate's ``AcceleratedOptimizer``: an ``Optimizer`` subclass that never ran
-    ``Optimizer.__init__`` and delegates to ``self.optimizer``."""
+    ``Optimizer.__init__``, delegates to ``self.optimizer``, reloads the optimizer's own state dict when it is
+    built (accelerate's device placement) and zeroes grads with ``set_to_none=False`` by default."""
 
     def __init__(self, optimizer):  # no super().__init__(), as accelerate
         self.optimizer = optimizer
+        optimizer.load_state_dict(optimizer.state_dict())
 
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+
     def step(self, closure=None):
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none=None):
-        self.optimizer.zero_grad(set_to_none)
+        self.optimizer.zero_grad(set_to_none=bool(set_to_none))
 
 
 class PlainWrapper:
