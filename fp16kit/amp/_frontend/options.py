@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "FP32_MAX", "OPT_LEVELS", "Options", "check_frontend_args", "initial_scale", "maybe_print", "option_lines",
-    "select_opt_level",
+    "FP32_MAX", "OPT_LEVELS", "Options", "as_real", "check_frontend_args", "initial_scale", "maybe_print",
+    "option_lines", "select_opt_level",
 ]
 
 # the largest loss scale the fp32 scale tensor can hold
@@ -115,8 +115,8 @@ class Options:
                     "themselves should be FP32."
                 )
         elif name == "loss_scale" and value != "dynamic":
-            try:
-                value = _as_float(value)
+            try:  # strings too, as apex: loss_scale="128.0"
+                value = as_real(value) if isinstance(value, numbers.Real) else float(value)
             except (TypeError, ValueError):
                 raise ValueError(
                     f"loss_scale must be 'dynamic' or a number (anything float() accepts), got {value!r}."
@@ -130,8 +130,16 @@ class Options:
         self.values[name] = value
 
 
-def _as_float(value: Any) -> float:
-    """``float(value)``, with +-inf for integers too large for a float (``float(10**400)`` raises)."""
+def as_real(value: Any) -> float:
+    """A real number (or a one-element tensor) as a float, for range checks that name the option.
+
+    NaN for anything else (bools included: ``True`` is no loss scale), +-inf for integers too large for a
+    float (``float(10**400)`` raises ``OverflowError``), so that one ``lo < x <= hi`` test rejects them all.
+    """
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return math.nan
     try:
         return float(value)
     except OverflowError:
@@ -143,17 +151,15 @@ def _is_float_dtype(value: Any) -> bool:
 
 
 def _check_count(name: str, value: Any, minimum: int) -> None:
-    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(_as_float(value))
-          and value == int(value) and value >= minimum)
-    if not ok:
+    number = as_real(value)
+    if not (math.isfinite(number) and number == int(number) and number >= minimum):
         raise ValueError(f"amp.initialize: {name} must be a positive integer (>= {minimum}), got {name}={value!r}.")
 
 
 def _check_bound(name: str, value: Any, none_means: str) -> None:
     if value is None:
         return
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and 0.0 < _as_float(value) <= FP32_MAX
-    if not ok:
+    if not 0.0 < as_real(value) <= FP32_MAX:
         raise ValueError(
             f"amp.initialize: {name}={value!r} is out of range: it must be a number in (0, {FP32_MAX:.8g}] "
             f"(positive, finite, representable in fp32), or None for {none_means}."
@@ -180,7 +186,7 @@ def check_frontend_args(*, num_losses: Any, verbosity: Any, cast_model_outputs: 
     if not (isinstance(max_loss_scale, float) and max_loss_scale == math.inf):
         _check_bound("max_loss_scale", max_loss_scale, "no cap")
     if (min_loss_scale is not None and max_loss_scale is not None
-            and _as_float(min_loss_scale) > _as_float(max_loss_scale)):
+            and as_real(min_loss_scale) > as_real(max_loss_scale)):
         raise ValueError(
             f"amp.initialize: min_loss_scale={min_loss_scale!r} is larger than max_loss_scale={max_loss_scale!r}; "
             f"the dynamic loss scale lives in [min_loss_scale, max_loss_scale]."

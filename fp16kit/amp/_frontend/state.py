@@ -18,7 +18,6 @@ a resumed run continues bit-identically.
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 
 from ..loss_scaler import LossScaler
-from .options import FP32_MAX, Options, maybe_print
+from .options import FP32_MAX, Options, as_real, maybe_print
 
 __all__ = ["Session", "current_session", "load_amp_state", "save_amp_state", "set_current_session"]
 
@@ -102,21 +101,9 @@ def _mode(dynamic: bool) -> str:
     return "dynamic" if dynamic else "static"
 
 
-def _number(value: Any) -> float:
-    """``value`` (a real number or a one-element tensor) as a float; NaN for anything else, inf past float."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return math.nan
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
-
-
 def _checked_scale(where: str, value: Any) -> float:
     """``value`` as a loss scale read from ``where`` (e.g. ``state_dict['loss_scaler0']['loss_scale']``)."""
-    scale = _number(value)
+    scale = as_real(value)
     if not 0.0 < scale <= FP32_MAX:  # NaN fails too
         raise ValueError(
             f"amp.load_state_dict: {where} = {value!r} is not a loss scale (a number in (0, {FP32_MAX:.8g}]): the "
@@ -126,7 +113,7 @@ def _checked_scale(where: str, value: Any) -> float:
 
 
 def _checked_count(where: str, value: Any) -> int:
-    count = _number(value)
+    count = as_real(value)
     if not (math.isfinite(count) and count >= 0 and count == int(count)):
         raise ValueError(
             f"amp.load_state_dict: {where} = {value!r} is not a count (an integer >= 0): the checkpoint is corrupt. "
