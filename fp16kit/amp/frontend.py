@@ -90,7 +90,17 @@ def initialize(
     off; 1 = apex) tune the dynamic scaler.
 
     Errors: unknown ``opt_level`` (with the letter-O hint), contradicting overrides, a model already wrapped
-    in (Distributed)DataParallel or already initialized, fp16 parameters, the same optimizer twice.
+    in (Distributed)DataParallel or already initialized, fp16 parameters, the same optimizer twice, and any
+    option out of its range (each error names the option and the values it accepts: ``loss_scale`` in
+    ``(0, 3.4e38]`` or ``"dynamic"``, ``min_loss_scale``/``max_loss_scale`` likewise or None,
+    ``scale_window``/``hysteresis``/``num_losses`` integers >= 1, ...). All of these are raised before a
+    model or optimizer is changed. The first dynamic scale is ``2**16`` brought into
+    ``[min_loss_scale, max_loss_scale]``.
+
+    After ``initialize``: ``optimizer.add_param_group`` works as before (new low-precision params get fp32
+    masters under master weights; every new param's grads are unscaled and checked by ``scale_loss``; a
+    group the optimizer rejects leaves the optimizer and amp's state unchanged). See
+    docs/migrating-from-apex.md, "Lifecycle and checkpoints".
     """
     if not enabled:
         state.set_current_session(state.Session(None, verbosity, [], torch.float16))
@@ -102,8 +112,11 @@ def initialize(
             f"{low_precision_dtype}."
         )
     low = low_precision_dtype or torch.float16
-    if int(num_losses) != num_losses or num_losses < 1:
-        raise ValueError(f"num_losses must be a positive integer, got {num_losses!r}.")
+    options.check_frontend_args(
+        num_losses=num_losses, verbosity=verbosity, cast_model_outputs=cast_model_outputs,
+        min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale, scale_window=scale_window,
+        hysteresis=hysteresis,
+    )
 
     model_list, models_was_list = _as_list(models, nn.Module, "models")
     if optimizers is None:
@@ -137,6 +150,20 @@ def initialize(
                     if p.dtype == torch.float32:
                         fp32_values[id(p)] = p.detach().clone()
 
+    for opt in opt_list or []:
+        masters.check_optimizer_params(opt)
+    # the loss scalers before the first change to a model: every error above or here leaves the models as they were
+    device = _device_of(model_list)
+    dynamic = opts["loss_scale"] == "dynamic"
+    scalers = [
+        LossScaler(
+            init_scale=options.initial_scale(min_loss_scale, max_loss_scale) if dynamic else opts["loss_scale"],
+            growth_interval=int(scale_window), hysteresis=int(hysteresis), min_scale=min_loss_scale,
+            max_scale=max_loss_scale, dynamic=dynamic, device=device,
+        )
+        for _ in range(int(num_losses))
+    ]
+
     policy_dtype = low if opts["patch_torch_functions"] else None
     for model in model_list:
         if model_type is not None:
@@ -154,16 +181,6 @@ def initialize(
             casting.install_forward_hooks(model, input_dtype=None, output_dtype=cast_model_outputs, output_only=None,
                                           policy_dtype=None)
 
-    device = _device_of(model_list)
-    dynamic = opts["loss_scale"] == "dynamic"
-    scalers = [
-        LossScaler(
-            init_scale=min(2.0**16, max_loss_scale) if dynamic else opts["loss_scale"],
-            growth_interval=scale_window, hysteresis=hysteresis, min_scale=min_loss_scale,
-            max_scale=max_loss_scale, dynamic=dynamic, device=device,
-        )
-        for _ in range(int(num_losses))
-    ]
     session = state.Session(opts, verbosity, scalers, low)
     for opt in opt_list or []:
         had_state = len(opt.state) > 0
@@ -171,10 +188,40 @@ def initialize(
         if had_state and model_type is not None:  # recast pre-existing per-param state (apex's trick)
             opt.load_state_dict(opt.state_dict())
         stepping.install_step(opt, stash, disable_casts=bool(opts["patch_torch_functions"]))
-        if stash.masters:
+        if stash.master_weights:
             masters.resync_on_model_load(model_list, stash)
     state.set_current_session(session)
     return _mirror(model_list, models_was_list, opt_list, optimizers_was_list)
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """The optimizer ``amp.initialize`` processed, inside wrappers that expose it as ``.optimizer``.
+
+    accelerate's ``AcceleratedOptimizer`` (which the HF Trainer hands out), and wrappers of wrappers, keep the
+    real optimizer in ``.optimizer``; the wrapper itself has no amp stash. Stops at the first object that has
+    one (or that exposes no ``.optimizer``), and after 32 levels (a wrapper that points to itself).
+    """
+    for _ in range(32):
+        if getattr(optimizer, "_amp_stash", None) is not None:
+            return optimizer
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
+def _optimizer_list(optimizers: Any) -> list[torch.optim.Optimizer]:
+    """``scale_loss``'s ``optimizers`` argument (one, or a list/tuple, each possibly wrapped) as a list."""
+    items = list(optimizers) if isinstance(optimizers, list | tuple) else [optimizers]
+    out = [_unwrap(o) for o in items]
+    for o in out:
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError(
+                f"amp.scale_loss: expected an optimizer (or a list of them) returned by amp.initialize, got "
+                f"{type(o).__name__}; wrappers are followed through their .optimizer attribute."
+            )
+    return out
 
 
 def _session_of(optimizers: list[torch.optim.Optimizer]) -> state.Session | None:
@@ -200,7 +247,7 @@ def _session_of(optimizers: list[torch.optim.Optimizer]) -> state.Session | None
 @contextlib.contextmanager
 def scale_loss(
     loss: torch.Tensor,
-    optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer],
+    optimizers: Any,
     loss_id: int = 0,
     model: nn.Module | None = None,
     delay_unscale: bool = False,
@@ -217,8 +264,11 @@ def scale_loss(
     ``delay_unscale=True`` leaves the grads scaled so that several backward passes accumulate; the next
     ``scale_loss`` without it unscales the sum. Static scale 1.0 without master weights (O0, O3): yields
     ``loss.float()`` and does nothing else. ``model`` is accepted for apex compatibility and unused.
+
+    ``optimizers`` may be wrapped (accelerate's ``AcceleratedOptimizer``, as the HF Trainer hands out, or any
+    wrapper that exposes the optimizer as ``.optimizer``, nested too): the wrapped optimizer is used.
     """
-    opt_list = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    opt_list = _optimizer_list(optimizers)
     session = _session_of(opt_list)
     if session is None:
         raise RuntimeError(

@@ -88,7 +88,8 @@ def custom_fwd(fwd: Any = None, *, cast_inputs: torch.dtype | None = None) -> An
     """Decorator for the ``forward`` staticmethod of a ``torch.autograd.Function``.
 
     Records the caller's autocast state (enabled, dtype) on ``ctx`` for :func:`custom_bwd`. With
-    ``cast_inputs=dtype`` and an enabled region, floating (non-float64) tensor inputs are cast to ``dtype`` and
+    ``cast_inputs=dtype`` and an enabled region, floating (non-float64) tensor inputs, positional or keyword
+    (``Fn.apply(a, b=t)``; also inside lists/tuples), are cast to ``dtype`` and
     the forward runs inside :func:`~fp16kit.amp.disable_casts` (so it computes exactly in ``dtype``); the backward
     then also runs with casting disabled. Outside a region it runs as called.
     """
@@ -97,8 +98,8 @@ def custom_fwd(fwd: Any = None, *, cast_inputs: torch.dtype | None = None) -> An
     if fwd is None:
         return functools.partial(custom_fwd, cast_inputs=cast_inputs)
 
-    @functools.wraps(fwd)
-    def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ctx, args = args[0], args[1:]
         mode = _active()
         enabled = mode is not None and mode.enabled
         ctx._fp16kit_state = (enabled and cast_inputs is None, mode.dtype if mode is not None else torch.float16)
@@ -109,7 +110,41 @@ def custom_fwd(fwd: Any = None, *, cast_inputs: torch.dtype | None = None) -> An
         with disable_casts():
             return fwd(ctx, *args, **kwargs)
 
-    return forward
+    return _with_positional_signature_of(fwd, run)
+
+
+def _with_positional_signature_of(fwd: Any, run: Callable[[tuple[Any, ...], dict[str, Any]], Any]) -> Any:
+    """A function with ``fwd``'s positional parameters (names and defaults) that calls ``run(args, kwargs)``.
+
+    Why not a plain ``(ctx, *args, **kwargs)`` wrapper: ``torch.autograd.Function.apply`` (C++) binds keyword
+    arguments to the positional parameter names it reads from ``forward.__code__`` and calls ``forward`` with
+    positional arguments only. Behind a ``*args`` wrapper, ``Fn.apply(a, b=t)`` raised "forward() got an
+    unexpected keyword argument 'b'", though it works on an undecorated forward. With the same names, such a
+    keyword tensor arrives positionally and is cast like every other input. The function is generated from
+    the parameter names (``exec`` of a two-line ``def``, as ``dataclasses`` does), since only a real function's
+    ``__code__`` carries them; ``*args``/``**kwargs`` of a direct call are passed through.
+    """
+    code = getattr(fwd, "__code__", None)
+    if code is None:  # a callable object: no names to bind to, so keyword calls cannot reach it through apply
+
+        @functools.wraps(fwd)
+        def plain(*args: Any, **kwargs: Any) -> Any:
+            return run(args, kwargs)
+
+        return plain
+    names = code.co_varnames[: code.co_argcount]
+    if not all(n.isidentifier() and not n.startswith("_fp16kit_") for n in names):
+        raise TypeError(f"custom_fwd: cannot wrap {fwd!r}: unexpected parameter names {names}.")
+    head = "".join(f"{n}, " for n in names)
+    source = (
+        f"def forward({head}*_fp16kit_args, **_fp16kit_kwargs):\n"
+        f"    return _fp16kit_run(({head}) + _fp16kit_args, _fp16kit_kwargs)\n"
+    )
+    namespace: dict[str, Any] = {"_fp16kit_run": run}
+    exec(source, namespace)
+    forward = namespace["forward"]
+    forward.__defaults__ = fwd.__defaults__
+    return functools.update_wrapper(forward, fwd)
 
 
 def custom_bwd(bwd: _T) -> _T:

@@ -156,3 +156,56 @@ def test_custom_bwd_without_custom_fwd_and_bad_cast_inputs():
         Bad.apply(a).sum().backward()
     with pytest.raises(ValueError, match="cast_inputs"):
         custom_fwd(cast_inputs=torch.int32)
+
+
+class KeywordOp(torch.autograd.Function):
+    """``b`` and ``pair`` are meant to be passed by keyword (``KeywordOp.apply(a, b=t, pair=[u, v])``)."""
+
+    @staticmethod
+    @custom_fwd(cast_inputs=torch.float32)
+    def forward(ctx, a, b=None, pair=(), scale=2.0):
+        ctx.save_for_backward(a, b)
+        return a @ b * scale, (a.dtype, b.dtype, *(t.dtype for t in pair)), is_autocast_enabled()
+
+    @staticmethod
+    @custom_bwd
+    def backward(ctx, g, *_):
+        a, b = ctx.saved_tensors
+        return g @ b.t() * 2.0, a.t() @ g * 2.0, None, None
+
+
+@pytest.mark.parametrize("low", LOW, ids=IDS)
+def test_custom_fwd_cast_inputs_casts_keyword_tensors(low):
+    # a keyword call worked on an undecorated forward but raised "unexpected keyword argument" behind custom_fwd
+    a = torch.randn(3, 4).to(low).requires_grad_()
+    b = torch.randn(4, 2).to(low).requires_grad_()
+    pair = [torch.randn(2).to(low), torch.randn(2)]
+    with autocast(dtype=low):
+        out, dtypes, enabled = KeywordOp.apply(a, b=b, pair=pair)
+        out_pos, dtypes_pos, _ = KeywordOp.apply(a, b, pair)
+    assert dtypes == dtypes_pos == (torch.float32,) * 4 and not enabled
+    assert_bitwise_equal(out, a.detach().float() @ b.detach().float() * 2.0)
+    assert_bitwise_equal(out_pos, out)
+    out.sum().backward()
+    assert a.grad.dtype == low and b.grad.dtype == low
+    # outside a region: as called, keywords included
+    _, dtypes, _ = KeywordOp.apply(a.detach(), b=b.detach(), pair=pair, scale=1.0)
+    assert dtypes == (low, low, low, torch.float32)
+    assert KeywordOp.forward.__name__ == "forward" and KeywordOp.forward.__wrapped__.__name__ == "forward"
+
+
+@custom_fwd(cast_inputs=torch.float32)
+def _kwonly_forward(ctx, a, *, b, **extra):
+    return (a.dtype, b.dtype, *(t.dtype for t in extra.values()))
+
+
+def test_custom_fwd_cast_inputs_casts_keyword_only_tensors_of_a_direct_call():
+    # apply cannot pass keyword-only arguments (torch binds keywords to positional names), but a forward called
+    # directly (one Function's forward reusing another's) gets them as keywords: they are cast as well
+    class Ctx:
+        pass
+
+    a, b, c = torch.randn(2).half(), torch.randn(2).half(), torch.randn(2).bfloat16()
+    with autocast(dtype=torch.float16):
+        assert _kwonly_forward(Ctx(), a, b=b, c=c) == (torch.float32,) * 3
+    assert _kwonly_forward(Ctx(), a, b=b, c=c) == (torch.float16, torch.float16, torch.bfloat16)

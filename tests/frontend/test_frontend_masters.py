@@ -3,6 +3,7 @@ master_params for clipping."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from frontend_helpers import batch, make_model, train_steps
 from torch import nn
@@ -170,3 +171,50 @@ def test_a_failing_backward_leaves_the_earlier_grads_in_place():
     except KeyboardInterrupt:
         pass
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+
+
+def test_o2_every_param_group_gets_masters_and_steps_through_them():
+    # issue 9, mutation gap: masters made for the first param group only survived the suite (one group everywhere)
+    reference = make_model(batchnorm=False)
+    model = make_model(batchnorm=False)
+    groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.25}]
+    model, opt = amp.initialize(model, torch.optim.SGD(groups, lr=0.5), opt_level="O2", verbosity=0)
+    for group, layer in zip(opt.param_groups, (reference[0], reference[2])):
+        for q, r in zip(group["params"], layer.parameters()):
+            assert q.dtype == F32 and torch.equal(q, r)  # an fp32 master from the exact fp32 start, in each group
+    start = [[q.detach().clone() for q in g["params"]] for g in opt.param_groups]
+    x, y = batch(0)
+    with amp.scale_loss(F.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    grads = [[p.grad.float() / 65536.0 for p in layer.parameters()] for layer in (model[0], model[2])]
+    opt.step()
+    for group, s, g in zip(opt.param_groups, start, grads):
+        for q, q0, gq in zip(group["params"], s, g):
+            assert torch.equal(q, q0 - group["lr"] * gq)
+    for master, param in _pairs(model, opt):
+        assert torch.equal(master.to(F16), param)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "scale"),
+    [({"loss_scale": 128.0}, 128.0), ({"loss_scale": "dynamic", "max_loss_scale": 1024.0}, 1024.0)],
+    ids=["static", "dynamic"],
+)
+def test_o3_two_backwards_before_step_add_their_fp16_grads(kwargs, scale):
+    # issue 9, mutation gap: fp16 grad accumulation at O3 overwriting instead of adding survived the suite.
+    # Per element: first = fp16(fp32(g1) / S), then grad = fp16(fp32(g2) / S + fp32(first)) (one rounding each).
+    model = make_model(batchnorm=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O3", verbosity=0, **kwargs)
+    params = list(model.parameters())
+    scaled = [torch.autograd.grad(F.cross_entropy(model(x), y).float() * scale, params)
+              for x, y in (batch(0), batch(1))]
+    first = [(g.float() * (1 / scale)).half() for g in scaled[0]]
+    expected = [(g.float() * (1 / scale) + f.float()).half() for g, f in zip(scaled[1], first)]
+    for step in (0, 1):
+        x, y = batch(step)
+        with amp.scale_loss(F.cross_entropy(model(x), y), opt) as loss:
+            loss.backward()
+    for p, e in zip(params, expected):
+        assert p.grad.dtype == F16 and torch.equal(p.grad, e)
+    assert not all(torch.equal(e, f) for e, f in zip(expected, first))

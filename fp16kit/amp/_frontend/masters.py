@@ -28,13 +28,29 @@ device leaves the masters unchanged, so the copy rewrites the same bits and need
 
 Checkpoints: the optimizer's ``state_dict()`` carries the masters under ``"fp16kit_amp_masters"``
 (position in the flattened param groups -> fp32 tensor), and its ``load_state_dict()`` restores them
-bit for bit and writes them into the model. A checkpoint without masters (apex's, or one written at
-another opt level) re-derives them from the model parameters. Loading a model ``state_dict`` re-derives
-a master only where the loaded value differs from the master's rounding, so both load orders work.
+bit for bit and writes them into the model. The saved masters are checked before anything is loaded:
+a missing entry, a shape or dtype that differs from the master's, or an inf/NaN value raises an error
+naming the key and the param (group and index), and the optimizer, masters and model stay as they were.
+A checkpoint without masters (apex's, or one written at another opt level) re-derives them from the
+model parameters, with a warning (the masters' low bits are lost). Loading a model ``state_dict``
+re-derives a master only where the loaded value differs from the master's rounding, so both load orders
+work.
+
+``optimizer.add_param_group`` after ``initialize`` is wrapped: a new group is planned like the groups at
+``initialize`` (masters for low-precision params under master weights), and recorded in the stash only
+once the optimizer has accepted it.
+
+Trainers that call ``loss.backward()`` themselves leave gradients on the fp16 model params that never
+reach the masters; :meth:`OptimizerStash.model_grads_bypassed_scale_loss` detects it for ``step``
+(``stepping``), from the identity and version counter of each grad as ``scale_loss`` left it.
 """
 
 from __future__ import annotations
 
+import types
+import warnings
+import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -43,7 +59,7 @@ from torch import nn
 from ...kernels import copy_, unscale_and_check
 from .casting import LOW_DTYPES
 
-__all__ = ["MASTERS_KEY", "OptimizerStash", "make_stash", "resync_on_model_load"]
+__all__ = ["MASTERS_KEY", "OptimizerStash", "check_optimizer_params", "make_stash", "resync_on_model_load"]
 
 MASTERS_KEY = "fp16kit_amp_masters"
 
@@ -51,9 +67,10 @@ MASTERS_KEY = "fp16kit_amp_masters"
 class OptimizerStash:
     """What amp keeps per optimizer (attached as ``optimizer._amp_stash``)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, session: Any) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, session: Any, master_weights: bool = False) -> None:
         self.optimizer = optimizer
         self.session = session
+        self.master_weights = bool(master_weights)
         self.model: list[nn.Parameter] = []
         self.masters: list[nn.Parameter] = []
         self.direct: list[torch.Tensor] = []
@@ -65,6 +82,10 @@ class OptimizerStash:
         self.skip: Any = None
         self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._loaded_masters: dict[int, torch.Tensor] | None = None
+        # per model param: (weak ref to the grad tensor, its version) when amp last accounted for it (unscaled
+        # into the master, or zeroed by zero_grad); a grad that differs was made by a backward outside scale_loss
+        self._seen_grads: list[tuple[weakref.ref, int] | None] = []
+        self.warned_backward_outside_scale_loss = False
 
     # ------------------------------------------------------------------ backward plumbing
     def prepare(self) -> None:
@@ -112,6 +133,32 @@ class OptimizerStash:
                 p.grad = stashed
         _unscale_by_device(srcs, dsts, inv_scale, found_inf)
         _accumulate(adds)
+        self.mark_model_grads_seen()
+
+    def mark_model_grads_seen(self) -> None:
+        """Record the model grads as accounted for (see :meth:`model_grads_bypassed_scale_loss`)."""
+        self._seen_grads = [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in self.model]
+
+    def model_grads_bypassed_scale_loss(self) -> bool:
+        """True when no master has a grad but a model param holds one that no ``scale_loss`` unscaled.
+
+        That is what a ``loss.backward()`` outside ``amp.scale_loss`` leaves (HF Trainer / accelerate call it
+        themselves), or a last ``scale_loss`` with ``delay_unscale=True``: the optimizer steps the masters, which
+        have no grads, so nothing would change. A grad is "seen" if it is the same tensor at the same version
+        as when ``scale_loss`` unscaled it (or ``zero_grad`` zeroed it). Costs one look at the first master's grad
+        on the normal path.
+        """
+        if not self.masters or any(m.grad is not None for m in self.masters):
+            return False
+        seen = self._seen_grads
+        for i, p in enumerate(self.model):
+            grad = p.grad
+            if grad is None:
+                continue
+            mark = seen[i] if i < len(seen) else None
+            if mark is None or mark[0]() is not grad or mark[1] != grad._version:
+                return True
+        return False
 
     def drop_master_grads(self) -> None:
         """Master grads live from ``scale_loss`` exit to ``step``; clear them after (apex)."""
@@ -125,12 +172,6 @@ class OptimizerStash:
                     copy_(dst, src)
 
     # ------------------------------------------------------------------ checkpoints
-    def flat_index(self) -> dict[int, int]:
-        """id(master) -> position in the optimizer's flattened param groups (torch's state_dict indexing)."""
-        flat = [p for group in self.optimizer.param_groups for p in group["params"]]
-        ids = {id(m) for m in self.masters}
-        return {id(p): i for i, p in enumerate(flat) if id(p) in ids}
-
     def resync_from_model(self, only_where_different: bool) -> None:
         """Masters from the model params: all of them, or only where ``fp16(master) != model param``."""
         with torch.no_grad():
@@ -172,62 +213,198 @@ def _accumulate(adds: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                 acc.copy_(tmp + acc.float())
 
 
+def check_optimizer_params(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ``TypeError`` for a non-floating parameter (run by ``initialize`` before it changes anything)."""
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            _check_floating(p, f"param group {g}, index {i}")
+
+
+def _check_floating(p: Any, where: str) -> None:
+    if isinstance(p, torch.Tensor) and not p.is_floating_point():
+        raise TypeError(f"amp: optimizer parameters must be floating point, found {p.dtype} ({where}).")
+
+
+def _plan_group(params: list[Any], master_weights: bool, fp32_values: dict[int, torch.Tensor]) -> tuple[
+        list[Any], list[nn.Parameter], list[nn.Parameter], list[torch.Tensor]]:
+    """What a param group holds under amp, computed without changing anything.
+
+    Returns ``(group params, model params, their new masters, direct params)``: with ``master_weights`` each
+    low-precision param is replaced by a new fp32 master (from ``fp32_values[id(p)]``, the value before the
+    model was cast, when known; else from the param itself), every other tensor is updated as it is.
+    """
+    out: list[Any] = []
+    model: list[nn.Parameter] = []
+    new_masters: list[nn.Parameter] = []
+    direct: list[torch.Tensor] = []
+    for p in params:
+        if isinstance(p, torch.Tensor) and master_weights and p.dtype in LOW_DTYPES:
+            value = fp32_values.get(id(p))
+            master = nn.Parameter(value.clone() if value is not None else p.detach().float())
+            out.append(master)
+            model.append(p)
+            new_masters.append(master)
+        else:
+            out.append(p)
+            if isinstance(p, torch.Tensor):
+                direct.append(p)
+    return out, model, new_masters, direct
+
+
+def _record(stash: OptimizerStash, model: list[nn.Parameter], new_masters: list[nn.Parameter],
+            direct: list[torch.Tensor]) -> None:
+    stash.model += model
+    stash.masters += new_masters
+    stash.direct += direct
+    stash.direct_stash += [None] * len(direct)
+
+
 def make_stash(optimizer: torch.optim.Optimizer, session: Any, master_weights: bool,
                fp32_values: dict[int, torch.Tensor]) -> OptimizerStash:
     """Attach a stash to ``optimizer``; with ``master_weights`` swap low-precision params for fp32 masters.
 
     ``fp32_values`` maps ``id(param)`` to the parameter's value before the model was cast, so the masters
-    start from the exact fp32 initial weights (apex started them from the fp16 rounding).
+    start from the exact fp32 initial weights (apex started them from the fp16 rounding). Every param group
+    is processed, and ``optimizer.add_param_group`` is wrapped so that groups added later are too.
     """
-    stash = OptimizerStash(optimizer, session)
-    for group in optimizer.param_groups:
+    stash = OptimizerStash(optimizer, session, master_weights)
+    for g, group in enumerate(optimizer.param_groups):
         params = group["params"]
         for i, p in enumerate(params):
-            if not p.is_floating_point():
-                raise TypeError(f"amp.initialize: optimizer parameters must be floating point, found {p.dtype}.")
-            if master_weights and p.dtype in LOW_DTYPES:
-                value = fp32_values.get(id(p))
-                master = nn.Parameter(value.clone() if value is not None else p.detach().float())
-                params[i] = master
-                if p in optimizer.state:
-                    optimizer.state[master] = optimizer.state.pop(p)
-                stash.model.append(p)
-                stash.masters.append(master)
-            else:
-                stash.direct.append(p)
-    stash.direct_stash = [None] * len(stash.direct)
-    if stash.masters:
+            _check_floating(p, f"param group {g}, index {i}")
+        new, model, new_masters, direct = _plan_group(params, master_weights, fp32_values)
+        for p, master in zip(model, new_masters):
+            if p in optimizer.state:
+                optimizer.state[master] = optimizer.state.pop(p)
+        params[:] = new
+        _record(stash, model, new_masters, direct)
+    if master_weights:
         _install_master_hooks(optimizer, stash)
+    _install_add_param_group(optimizer, stash)
     optimizer._amp_stash = stash
     return stash
 
 
+def _install_add_param_group(optimizer: torch.optim.Optimizer, stash: OptimizerStash) -> None:
+    """``optimizer.add_param_group`` after ``initialize``, as apex supported it.
+
+    The new group goes through :func:`_plan_group` (fp32 masters for low-precision params under master
+    weights, which ``scale_loss`` unscales into and ``step`` writes back; every other param is unscaled and
+    checked in place), then through the optimizer's own ``add_param_group``. If that raises (e.g. a
+    validating optimizer rejecting ``lr=-5``), the group is taken out again if it was appended, the caller's
+    dict gets its params back, and amp's stash is not touched: the optimizer and amp are as before the call.
+    """
+    original = optimizer.add_param_group
+
+    def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, dict) or "params" not in param_group or isinstance(param_group["params"], set):
+            return original(param_group)  # torch's own errors for these
+        given = param_group["params"]
+        items = [given] if isinstance(given, torch.Tensor) else list(given)
+        named = [isinstance(x, tuple) and len(x) == 2 for x in items]
+        tensors = [x[1] if n else x for x, n in zip(items, named)]
+        for i, p in enumerate(tensors):
+            _check_floating(p, f"index {i} of the new param group")
+        if stash.master_weights:
+            taken = {id(p) for p in stash.model}
+            for i, p in enumerate(tensors):
+                if isinstance(p, torch.Tensor) and p.dtype in LOW_DTYPES:
+                    if id(p) in taken:
+                        raise ValueError(
+                            "some parameters appear in more than one parameter group: parameter "
+                            f"{i} of the new group already has an fp32 master in this optimizer (amp master "
+                            "weights); add each parameter once."
+                        )
+                    taken.add(id(p))
+        new, model, new_masters, direct = _plan_group(tensors, stash.master_weights, {})
+        param_group["params"] = [(x[0], t) if n else t for x, n, t in zip(items, named, new)]
+        count = len(optimizer.param_groups)
+        try:
+            original(param_group)
+        except BaseException:
+            del optimizer.param_groups[count:]
+            param_group["params"] = items
+            raise
+        _record(stash, model, new_masters, direct)
+
+    optimizer.add_param_group = types.MethodType(add_param_group, optimizer)  # type: ignore[method-assign]
+
+
+def _flat_positions(stash: OptimizerStash) -> list[tuple[int, nn.Parameter, int, int]]:
+    """``(position in the flattened param groups, master, group index, index in the group)`` per master."""
+    ids = {id(m) for m in stash.masters}
+    out = []
+    pos = 0
+    for g, group in enumerate(stash.optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if id(p) in ids:
+                out.append((pos, p, g, j))
+            pos += 1
+    return out
+
+
+def _check_saved_masters(stash: OptimizerStash, saved: Any) -> None:
+    """Every master of this optimizer has a finite fp32 tensor of its shape in ``saved``, or raise.
+
+    Runs before the optimizer's ``load_state_dict`` changes anything, so a rejected checkpoint leaves the
+    optimizer state, the masters and the model as they were.
+    """
+    where = f"optimizer.load_state_dict: checkpoint entry state_dict[{MASTERS_KEY!r}]"
+    if not isinstance(saved, Mapping):
+        raise TypeError(f"{where} must map param positions to fp32 tensors, got {type(saved).__name__}.")
+    for pos, master, g, j in _flat_positions(stash):
+        name = f"{where}[{pos}] (the master of param {pos} of the flattened param groups: group {g}, index {j})"
+        value = saved.get(pos)
+        if value is None:
+            raise RuntimeError(
+                f"{name} is missing: the checkpoint's fp32 master weights do not match this optimizer's parameters "
+                "(another model, other param groups or another opt level). Nothing was loaded."
+            )
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} is a {type(value).__name__}, expected a tensor. Nothing was loaded.")
+        if value.shape != master.shape or value.dtype != master.dtype:
+            raise ValueError(
+                f"{name} is a {value.dtype} tensor of shape {tuple(value.shape)}, but the parameter needs "
+                f"{master.dtype} of shape {tuple(master.shape)}: the checkpoint belongs to another model or param "
+                "group layout. Nothing was loaded."
+            )
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(
+                f"{name} holds inf/NaN values: the checkpoint is corrupt (written after a diverged step?). Nothing "
+                "was loaded; resume from an earlier checkpoint."
+            )
+
+
 def _install_master_hooks(optimizer: torch.optim.Optimizer, stash: OptimizerStash) -> None:
     def save(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        index = stash.flat_index()
-        state_dict[MASTERS_KEY] = {index[id(m)]: m.detach() for m in stash.masters}
+        state_dict[MASTERS_KEY] = {pos: m.detach() for pos, m, _, _ in _flat_positions(stash)}
         return state_dict
 
     def before_load(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         state_dict = dict(state_dict)  # never mutate the caller's dict
-        stash._loaded_masters = state_dict.pop(MASTERS_KEY, None)
+        saved = state_dict.pop(MASTERS_KEY, None)
+        if saved is not None:
+            _check_saved_masters(stash, saved)
+        stash._loaded_masters = saved
         return state_dict
 
     def after_load(opt: torch.optim.Optimizer) -> None:
         saved, stash._loaded_masters = stash._loaded_masters, None
         if saved is None:
+            if stash.masters:
+                warnings.warn(
+                    f"optimizer.load_state_dict: the checkpoint has no fp32 master weights (no {MASTERS_KEY!r} "
+                    "entry: an apex checkpoint, or one written without master weights). The masters are rebuilt "
+                    "from the fp16/bf16 model parameters, so the bits below their precision are lost; load the "
+                    "model's state_dict as well (either order). Checkpoints written by fp16kit carry the masters.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             stash.resync_from_model(only_where_different=False)
             return
-        index = stash.flat_index()
         with torch.no_grad():
-            for m in stash.masters:
-                value = saved.get(index[id(m)])
-                if value is None or value.shape != m.shape:
-                    raise RuntimeError(
-                        "optimizer.load_state_dict: the checkpoint's fp32 master weights do not match this "
-                        "optimizer's parameters (different model or param groups)."
-                    )
-                m.copy_(value)
+            for pos, master, _, _ in _flat_positions(stash):
+                master.copy_(saved[pos])
         stash.write_masters_to_model()
 
     optimizer.register_state_dict_post_hook(save)
@@ -236,12 +413,14 @@ def _install_master_hooks(optimizer: torch.optim.Optimizer, stash: OptimizerStas
 
 
 def resync_on_model_load(models: list[nn.Module], stash: OptimizerStash) -> None:
-    """Loading a model ``state_dict`` re-derives the masters that no longer round to the loaded params."""
-    mastered = {id(p) for p in stash.model}
+    """Loading a model ``state_dict`` re-derives the masters that no longer round to the loaded params.
+
+    Registered on every model of the ``initialize`` call (not only those with mastered params now): a group
+    added later with ``add_param_group`` may master any of their params.
+    """
 
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
         stash.resync_from_model(only_where_different=True)
 
     for model in models:
-        if any(id(p) in mastered for p in model.parameters()):
-            model.register_load_state_dict_post_hook(hook)
+        model.register_load_state_dict_post_hook(hook)

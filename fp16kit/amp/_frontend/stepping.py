@@ -15,12 +15,17 @@ static scale never skips, as in apex):
 
 ``step(closure)`` on a step that is to be skipped raises: the closure would recompute a loss whose
 gradients are thrown away.
+
+Under master weights, a ``step()`` that finds fp16 model grads no ``scale_loss`` has unscaled and no master
+grad (a trainer called ``loss.backward()`` itself) warns once per optimizer, naming ``amp.scale_loss``, and
+does nothing: no weight changes, fp32 params (batchnorm) included, instead of a silent partial step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -172,6 +177,9 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
             stash.found_inf = None
             stash.drop_master_grads()
             return None
+        if stash.model_grads_bypassed_scale_loss():
+            _warn_backward_outside_scale_loss(stash)
+            return None
         flag, stash.found_inf = stash.found_inf, None
         if flag is not None and closure is not None and float(flag[0]) != 0.0:
             raise RuntimeError(_CLOSURE_ON_SKIP)
@@ -199,7 +207,7 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
     # a bound method, as apex installed it: torch's LR schedulers re-wrap ``optimizer.step.__func__``
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
-    if stash.masters:
+    if stash.master_weights:
         original_zero_grad = optimizer.zero_grad
 
         def zero_grad(self: torch.optim.Optimizer, set_to_none: bool | None = None) -> None:
@@ -216,8 +224,26 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
                         p.grad.detach_()
                         p.grad.zero_()
             stash.drop_master_grads()
+            stash.mark_model_grads_seen()  # zeroed grads are not a backward outside scale_loss
 
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+
+
+_BACKWARD_OUTSIDE_SCALE_LOSS = (
+    "amp: optimizer.step() found gradients on the fp16 model parameters but none on the fp32 master weights "
+    "the optimizer updates, so this step changes no weight (and neither will the next ones). The backward ran "
+    "outside amp.scale_loss: a trainer that calls loss.backward() itself (HF Trainer, accelerate) or a last "
+    "scale_loss with delay_unscale=True. With master weights (O2) only amp.scale_loss moves the gradients into "
+    "the masters: run the backward as `with amp.scale_loss(loss, optimizer) as scaled_loss: "
+    "scaled_loss.backward()`, or use opt_level='O1' / torch autocast with a GradScaler under such a trainer. "
+    "(This warning is shown once per optimizer.)"
+)
+
+
+def _warn_backward_outside_scale_loss(stash: OptimizerStash) -> None:
+    if not stash.warned_backward_outside_scale_loss:
+        stash.warned_backward_outside_scale_loss = True
+        warnings.warn(_BACKWARD_OUTSIDE_SCALE_LOSS, RuntimeWarning, stacklevel=3)
 
 
 def _call(step: Any, closure: Any, args: tuple, kwargs: dict) -> Any:
