@@ -55,16 +55,21 @@ def save_png(report: Report, path: str | Path) -> Path:
     where = "" if len(visible) == 2 else " (edges past the axis)" if not visible else " (one edge past the axis)"
     ax.plot([], [], color="0.3", linestyle="--", label=f"{_NAMES[other]} normal range 2^{o_norm}..2^{o_top + 1}{where}")
     width = 0.8 / max(1, len(series))
+    peak = 1e-3
     for i, (kind, counts) in enumerate(series):
         total = counts.sum()
         if not total:
             continue
         keep = (x >= lo) & (x <= hi) & (counts > 0)
         share = 100.0 * counts[keep] / total
+        peak = max(peak, float(share.max()))
         label = {"param": "parameter gradients", "activation": "activation gradients"}[kind]
         ax.bar(x[keep] + 0.5 + (i - (len(series) - 1) / 2) * width, share, width=width, label=label,
                color=("#1f77b4" if kind == "param" else "#8c564b"), alpha=0.9)
     ax.set_yscale("log")
+    bottom = ax.get_ylim()[0]
+    ax.set_yticks([10.0**k for k in range(-9, 3) if 10.0**k >= bottom])  # no tick above 100%
+    ax.set_ylim(bottom, peak * 300)  # head room for the region names and the legend above the bars
     ax.set_xlim(lo, hi + 1)
     ax.set_xlabel(f"log2(|gradient| x loss scale 2^{s})   (bar k: values in [2^k, 2^(k+1)))")
     ax.set_ylabel("% of nonzero values")
@@ -74,7 +79,7 @@ def save_png(report: Report, path: str | Path) -> Path:
     ax.grid(True, axis="y", which="major", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(0.0, 0.93), fontsize=8)
 
-    names = [e.name if e.kind == "param" else f"{e.name} (act)" for e in report.entries if e.nonzero]
+    names = [e.name if e.kind == "param" else f"{e.name} {e.module} (out grad)" for e in report.entries if e.nonzero]
     rows = [report.primary.fractions(e.name) for e in report.entries if e.nonzero]
     if len(rows) > _MAX_BARS:  # the worst ones: most lost, then most subnormal
         order = sorted(range(len(rows)), key=lambda i: -(rows[i]["flush"] + rows[i]["overflow"] + rows[i]["subnormal"]
