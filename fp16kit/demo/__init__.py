@@ -66,15 +66,22 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo; returns the process exit code (0 on success, 2 on bad arguments or missing extras)."""
-    args = _parser().parse_args(argv)
+def extras_missing(command: str) -> bool:
+    """True (after saying what to install) when the ``demo`` extra is missing; ``command`` names the caller."""
     try:
         import matplotlib  # noqa: F401
         import sklearn  # noqa: F401
     except ImportError as exc:
-        print(f"python -m fp16kit demo needs the 'demo' extra ({exc.name} is missing): "
+        print(f"python -m fp16kit {command} needs the 'demo' extra ({exc.name} is missing): "
               'pip install "fp16kit[demo]"', file=sys.stderr)
+        return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; returns the process exit code (0 on success, 2 on bad arguments or missing extras)."""
+    args = _parser().parse_args(argv)
+    if extras_missing("demo"):
         return 2
     labels = [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = [r for r in labels if r not in RUNS]

@@ -18,7 +18,17 @@ classification and its rounding rule: ``fp16kit/doctor/_report.py``; how to read
 ``docs/doctor.md``.
 """
 
-from ._report import CLASSES, Entry, FormatReport, Report, classify, format_limits
+from ._report import CLASSES, Entry, FormatReport, Report, classify, format_limits, scale_exponent
 from ._watch import Watcher, watch
 
-__all__ = ["CLASSES", "Entry", "FormatReport", "Report", "Watcher", "classify", "format_limits", "watch"]
+__all__ = [
+    "CLASSES",
+    "Entry",
+    "FormatReport",
+    "Report",
+    "Watcher",
+    "classify",
+    "format_limits",
+    "scale_exponent",
+    "watch",
+]

@@ -58,6 +58,25 @@ def format_limits(dtype: torch.dtype) -> tuple[int, int, int]:
     return int(math.log2(fmt.min_subnormal)), fmt.min_exponent, math.floor(math.log2(fmt.max))
 
 
+def check_report_args(dtype: torch.dtype, keep: float, fp32_threshold: float) -> None:
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"doctor report: dtype must be torch.float16 or torch.bfloat16, got {dtype}.")
+    if not 0.0 < keep <= 1.0 or not 0.0 <= fp32_threshold < 1.0:
+        raise ValueError(f"doctor report: keep must be in (0, 1] and fp32_threshold in [0, 1); "
+                         f"got {keep} and {fp32_threshold}.")
+
+
+def scale_exponent(loss_scale: float) -> int:
+    """``k`` for ``loss_scale == 2^k``; anything else is an error (scaling must only shift exponents)."""
+    mantissa, k = math.frexp(float(loss_scale))
+    if not math.isfinite(loss_scale) or loss_scale <= 0 or mantissa != 0.5:
+        raise ValueError(
+            f"doctor report: loss_scale must be a positive power of two (so that scaling is exact and only "
+            f"shifts exponents); got {loss_scale}. Pass 2.0**k, e.g. {2.0 ** (k - 1) if loss_scale > 0 else 1.0:g}."
+        )
+    return k - 1
+
+
 def classify(exponents: np.ndarray, counts: np.ndarray, scale_exp: int, dtype: torch.dtype) -> dict[str, int]:
     """Counts per class (``CLASSES``) of values with binades ``exponents`` scaled by ``2^scale_exp``."""
     sub, norm, top = format_limits(dtype)
@@ -110,6 +129,7 @@ class FormatReport:
     keep: float
     keep_fp32: list[tuple[str, float]]  # (entry, lost share) above the threshold, worst first
     fp32_threshold: float
+    normal_at_max: float | None  # share of nonzero values normal at 2^max_scale_exp
 
     def fractions(self, name: str | None = None) -> dict[str, float]:
         """Fractions of nonzero values per class, for one entry or (``None``) all together."""
@@ -125,6 +145,7 @@ class FormatReport:
                 "max_loss_scale": None if self.max_scale_exp is None else 2.0**self.max_scale_exp,
                 "keep": self.keep,
                 "keep_range": None if self.keep_range is None else [2.0**s for s in self.keep_range],
+                "normal_at_max_loss_scale": self.normal_at_max,
             },
             "keep_fp32": {"threshold": self.fp32_threshold, "entries": dict(self.keep_fp32)},
         }
@@ -168,13 +189,34 @@ class Report:
         keep: float = 0.99,
         fp32_threshold: float = 0.01,
     ) -> None:
+        check_report_args(dtype, keep, fp32_threshold)
         self.entries = list(entries)
         self.dtype = dtype
+        self.keep, self.fp32_threshold = keep, fp32_threshold
         self.scale_exp = scale_exp
         self.scale_source = scale_source
         self.steps, self.samples, self.every = steps, samples, every
         self.exponents = np.arange(TRUE_MIN_EXP, TRUE_MAX_EXP + 1)
         self.formats = {d: self._for_format(d, keep, fp32_threshold) for d in (torch.float16, torch.bfloat16)}
+
+    def rescored(
+        self,
+        dtype: torch.dtype | None = None,
+        loss_scale: float | None = None,
+        *,
+        keep: float | None = None,
+        fp32_threshold: float | None = None,
+    ) -> Report:
+        """The same histograms judged for another format, loss scale (a power of two) or thresholds."""
+        return Report(
+            self.entries,
+            dtype=self.dtype if dtype is None else dtype,
+            scale_exp=self.scale_exp if loss_scale is None else scale_exponent(loss_scale),
+            scale_source=self.scale_source if loss_scale is None else "given",
+            steps=self.steps, samples=self.samples, every=self.every,
+            keep=self.keep if keep is None else keep,
+            fp32_threshold=self.fp32_threshold if fp32_threshold is None else fp32_threshold,
+        )
 
     @property
     def loss_scale(self) -> float:
@@ -196,7 +238,10 @@ class Report:
             if share > threshold:
                 lost.append((name, share))
         lost.sort(key=lambda item: -item[1])
-        return FormatReport(dtype, self.scale_exp, classes, total, s_max, keep_range, keep, lost, threshold)
+        at_max = None
+        if s_max is not None:
+            at_max = _fractions(classify(self.exponents, self.counts(), s_max, dtype))["normal"]
+        return FormatReport(dtype, self.scale_exp, classes, total, s_max, keep_range, keep, lost, threshold, at_max)
 
     @property
     def primary(self) -> FormatReport:

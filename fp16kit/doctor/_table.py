@@ -31,8 +31,8 @@ def _advice(f: FormatReport) -> str:
         return "no nonzero gradient seen"
     rng = (f"2^{f.keep_range[0]} .. 2^{f.keep_range[1]}" if f.keep_range is not None
            else "none (no scale keeps that share normal without overflow)")
-    return (f"largest without overflow {_pow2(f.max_scale_exp)}; keeping >= {100 * f.keep:g}% "
-            f"of values normal: {rng}")
+    return (f"largest without overflow {_pow2(f.max_scale_exp)} (keeps {_pct(f.normal_at_max or 0.0)} normal); "
+            f"keeping >= {100 * f.keep:g}% normal: {rng}")
 
 
 def format_report(r: Report) -> str:

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..kernels import exponent_histogram
 from ..kernels.histogram import MIN_EXP, NUM_BINS, ZERO_BIN
-from ._report import NUM_EXPONENTS, TRUE_MIN_EXP, Entry, Report
+from ._report import NUM_EXPONENTS, TRUE_MIN_EXP, Entry, Report, check_report_args, scale_exponent
 
 __all__ = ["Watcher", "watch"]
 
@@ -264,11 +264,7 @@ class Watcher:
 
         .. warning:: Reads the histograms back to the host (one sync), and the scaler's scale if asked.
         """
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"doctor report: dtype must be torch.float16 or torch.bfloat16, got {dtype}.")
-        if not 0.0 < keep <= 1.0 or not 0.0 <= fp32_threshold < 1.0:
-            raise ValueError(f"doctor report: keep must be in (0, 1] and fp32_threshold in [0, 1); "
-                             f"got {keep} and {fp32_threshold}.")
+        check_report_args(dtype, keep, fp32_threshold)
         source = self.scale_source
         if loss_scale is None:
             current = self._read_scale()
@@ -277,18 +273,13 @@ class Watcher:
             source = f"watched scaler ({source})" if self._scaler_given else "1 (no scaler watched)"
         else:
             source = "given"
-        mantissa, k = np.frexp(float(loss_scale))
-        if not np.isfinite(loss_scale) or loss_scale <= 0 or mantissa != 0.5:
-            raise ValueError(
-                f"doctor report: loss_scale must be a positive power of two (so that scaling is exact and only "
-                f"shifts exponents); got {loss_scale}. Pass 2.0**k, e.g. {2.0 ** (int(k) - 1):g}."
-            )
+        scale_exp = scale_exponent(loss_scale)
         acc = self._acc.cpu().numpy()
         entries = [
             Entry(name, kind, module, acc[i, :NUM_EXPONENTS].copy(), *(int(v) for v in acc[i, NUM_EXPONENTS:]))
             for i, (name, kind, module) in enumerate(zip(self._names, self._kinds, self._modules))
         ]
-        return Report(entries, dtype=dtype, scale_exp=int(k) - 1, scale_source=source, steps=self.steps,
+        return Report(entries, dtype=dtype, scale_exp=scale_exp, scale_source=source, steps=self.steps,
                       samples=self.samples, every=self.every, keep=keep, fp32_threshold=fp32_threshold)
 
 
