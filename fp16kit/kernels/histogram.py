@@ -113,6 +113,20 @@ def _plan(device: torch.device, items: list[torch.Tensor]) -> tuple[list[list[in
     return list(kernel.values()), list(rest.values())
 
 
+def upload(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of ``values`` (a list or a CPU tensor) on ``device``, without waiting for the device.
+
+    A plain ``.to("cuda")`` of a pageable CPU tensor makes torch synchronize the stream after the copy (a host
+    sync); a non-blocking copy from pinned memory does not (torch's pinned-memory cache keeps the buffer until
+    the copy is done). This matters because ``fp16kit.doctor`` histograms freshly allocated gradients, whose
+    address tables cannot always come from a cache.
+    """
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _rows(device: torch.device, idx: list[int]) -> torch.Tensor:
     """The output rows of a group as a device tensor, cached (a watcher calls with the same lists every time)."""
     key = (device, tuple(idx))
@@ -120,7 +134,7 @@ def _rows(device: torch.device, idx: list[int]) -> torch.Tensor:
     if rows is None:
         if len(_rows_cache) > 256:
             _rows_cache.clear()
-        rows = _rows_cache[key] = torch.tensor(idx, dtype=torch.int64).to(device)
+        rows = _rows_cache[key] = upload(idx, device)
     return rows
 
 
@@ -143,7 +157,7 @@ def exponent_bins(x: torch.Tensor) -> torch.Tensor:
 def _torch_histogram(tensors: list[torch.Tensor], rows: torch.Tensor, out: torch.Tensor) -> None:
     """The torch implementation for one dtype group: flat column indices, one ``index_put_`` with
     accumulation (``bincount`` would read its maximum back to the host)."""
-    numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64).to(out.device)
+    numels = upload([t.numel() for t in tensors], out.device)
     total = sum(t.numel() for t in tensors)
     bins = exponent_bins(torch.cat([t.reshape(-1) for t in tensors]))
     flat = torch.repeat_interleave(rows * NUM_BINS, numels, output_size=total) + bins

@@ -26,6 +26,7 @@ order, so results are deterministic.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -33,8 +34,8 @@ import triton
 import triton.language as tl
 
 from ._chunks import chunk_span, row_pointer
-from ._table import chunk_table, num_programs
-from .histogram import _FORMATS, MIN_EXP, NUM_BINS, ZERO_BIN
+from ._table import BLOCK, num_programs
+from .histogram import _FORMATS, MIN_EXP, NUM_BINS, ZERO_BIN, upload
 
 _PADDED_BINS = 512  # tl.histogram and tl.arange need a power of two
 
@@ -97,22 +98,54 @@ def _histogram_kernel(
         tl.atomic_add(out_ptr + row * NUM_BINS + cols, counts.to(tl.int64), mask=(cols < NUM_BINS) & (counts > 0))
 
 
+_tables: OrderedDict[tuple, tuple[torch.Tensor, int, bool]] = OrderedDict()
+
+
+def _chunk_map(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int, bool]:
+    """``(packed, num_chunks, aligned)``: the address table for one list, built on the host and uploaded
+    without a host sync, cached by addresses.
+
+    Not ``_table.chunk_table``: that one uploads with a blocking copy (a host sync on CUDA), which is fine for
+    parameters and optimizer state whose tables are built once, but the doctor histograms gradients that
+    autograd has just allocated, so a cache miss must not stall the step. ``packed`` holds
+    ``[ptrs | numels | chunk_start | chunk_tensor]`` (int64).
+    """
+    device = tensors[0].device
+    key = (device, tuple((t.data_ptr(), t.numel()) for t in tensors))
+    hit = _tables.get(key)
+    if hit is not None:
+        _tables.move_to_end(key)
+        return hit
+    ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+    numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+    counts = (numels + BLOCK - 1) // BLOCK
+    owners = torch.repeat_interleave(torch.arange(len(tensors)), counts)
+    starts = (torch.arange(owners.numel()) - (torch.cumsum(counts, 0) - counts)[owners]) * BLOCK
+    packed = torch.cat([ptrs, numels, starts, owners])
+    hit = (upload(packed, device), owners.numel(), bool((ptrs % 16 == 0).all()))
+    _tables[key] = hit
+    if len(_tables) > 64:
+        _tables.popitem(last=False)
+    return hit
+
+
 def launch_histogram(tensors: Sequence[torch.Tensor], rows: torch.Tensor, out: torch.Tensor) -> None:
     """One launch over contiguous, non-empty ``tensors`` of one dtype (fp16, bf16 or fp32).
 
     Adds tensor ``i``'s counts to row ``rows[i]`` of ``out`` (int64 ``[*, NUM_BINS]``, contiguous);
-    ``rows`` is an int64 tensor on the tensors' device.
+    ``rows`` is an int64 tensor on the tensors' device. No host sync.
     """
     int_dtype, exp_bits, mant_bits, bias = _FORMATS[tensors[0].dtype]
-    table = chunk_table([tensors])
+    packed, num_chunks, aligned = _chunk_map(tensors)
+    n = len(tensors)
     device = tensors[0].device
-    grid = (num_programs(device, table.num_chunks),)
+    grid = (num_programs(device, num_chunks),)
     _histogram_kernel[grid](
-        table.ptrs,
-        table.numels,
-        table.chunk_tensor,
-        table.chunk_start,
-        table.num_chunks,
+        packed[:n],
+        packed[n : 2 * n],
+        packed[2 * n + num_chunks :],
+        packed[2 * n : 2 * n + num_chunks],
+        num_chunks,
         rows,
         out,
         INT_DTYPE=tl.int16 if int_dtype == torch.int16 else tl.int32,
@@ -124,7 +157,7 @@ def launch_histogram(tensors: Sequence[torch.Tensor], rows: torch.Tensor, out: t
         ZERO_BIN=ZERO_BIN,
         NUM_BINS=NUM_BINS,
         PADDED_BINS=_PADDED_BINS,
-        BLOCK=table.block,
-        ALIGNED=table.aligned,
+        BLOCK=BLOCK,
+        ALIGNED=aligned,
         num_warps=8,
     )

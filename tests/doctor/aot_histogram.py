@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 from fp16kit.kernels import histogram_kernel as hk
 from fp16kit.kernels.histogram import _FORMATS, MIN_EXP, NUM_BINS, ZERO_BIN
 
-SIGNATURE = {"ptrs": "*i64", "numels": "*i64", "chunk_tensor": "*i32", "chunk_start": "*i64", "num_chunks": "i32",
+SIGNATURE = {"ptrs": "*i64", "numels": "*i64", "chunk_tensor": "*i64", "chunk_start": "*i64", "num_chunks": "i32",
              "rows_ptr": "*i64", "out_ptr": "*i64"}
 
 

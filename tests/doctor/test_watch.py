@@ -101,3 +101,28 @@ def test_apex_style_o2_run_is_watched_with_the_amp_scaler():
     report = w.report()
     assert w.samples == 2 and report.loss_scale == scaler.get_scale()
     assert sum(e.values for e in report.entries) == 2 * sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.gpu
+def test_no_cuda_sync_while_watching_on_a_gpu():
+    """torch's sync debug mode raises on any host sync: watching every step (compiled Triton kernel, tables
+    uploaded from pinned memory) must not trigger one, cache misses of fresh gradient buffers included."""
+    model = mlp().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, foreach=True)
+    scale = torch.full((1,), 2.0**10, device="cuda")
+    x, y = torch.randn(8, 16, device="cuda"), torch.randint(0, 4, (8,), device="cuda")
+    with doctor.watch(model, every=1, activations=True, scaler=scale) as w:
+        for step in range(5):
+            if step == 2:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.zero_grad(set_to_none=True)
+                (F.cross_entropy(model(x), y) * scale).backward()
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    report = w.report()
+    assert w.samples == 5 and report.loss_scale == 2.0**10
+    param_values = sum(p.numel() for p in model.parameters())
+    assert sum(e.values for e in report.entries if e.kind == "param") == 5 * param_values
