@@ -107,8 +107,8 @@ class Watcher:
         self._names = [n for n, _ in named] + [n for n, _ in self._leaves]
         self._kinds = ["param"] * len(named) + ["activation"] * len(self._leaves)
         self._modules = [self._owner(n) for n, _ in named] + [type(m).__name__ for _, m in self._leaves]
-        device = self._params[0].device if self._params else next(model.buffers(), torch.empty(0)).device
-        self._acc = torch.zeros(len(self._names), _WIDTH, dtype=torch.int64, device=device)
+        # created at the first sample, on the gradients' device (the model may move after watch() is called)
+        self._acc: torch.Tensor | None = None
         self._cols_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rows_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
         self.steps = 0  # training forwards seen
@@ -194,6 +194,8 @@ class Watcher:
         for i, t in enumerate(tensors):
             by_device.setdefault(t.device, []).append(i)
         for device, idx in by_device.items():
+            if self._acc is None:
+                self._acc = torch.zeros(len(self._names), _WIDTH, dtype=torch.int64, device=device)
             group = [tensors[i] for i in idx]
             counts = exponent_histogram(group)
             dest = [rows[i] for i in idx]
@@ -237,12 +239,15 @@ class Watcher:
     # ------------------------------------------------------------------ results
     def histograms(self) -> torch.Tensor:
         """The accumulated counts, int64 ``[entries, NUM_EXPONENTS + 3]`` on the device (unscaled exponents
-        ``TRUE_MIN_EXP..TRUE_MAX_EXP``, then zeros, infs, NaNs). No host sync."""
+        ``TRUE_MIN_EXP..TRUE_MAX_EXP``, then zeros, infs, NaNs). No host sync. Zeros on the CPU before the
+        first sample."""
+        if self._acc is None:
+            return torch.zeros(len(self._names), _WIDTH, dtype=torch.int64)
         return self._acc
 
     def reset(self) -> None:
         """Forget the accumulated histograms (and the sample count)."""
-        self._acc.zero_()
+        self._acc = None
         self.samples = 0
 
     def report(
@@ -274,7 +279,7 @@ class Watcher:
         else:
             source = "given"
         scale_exp = scale_exponent(loss_scale)
-        acc = self._acc.cpu().numpy()
+        acc = self.histograms().cpu().numpy()
         entries = [
             Entry(name, kind, module, acc[i, :NUM_EXPONENTS].copy(), *(int(v) for v in acc[i, NUM_EXPONENTS:]))
             for i, (name, kind, module) in enumerate(zip(self._names, self._kinds, self._modules))

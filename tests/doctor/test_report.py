@@ -177,6 +177,8 @@ def test_activation_gradients_per_module_and_accumulation_over_sampled_steps():
     with torch.no_grad():  # not a training step
         w.model(torch.ones(3), torch.ones(1))
     assert w.steps == 7
+    w.reset()
+    assert w.samples == 0 and int(w.histograms().sum()) == 0 and w.report(loss_scale=1.0).entries[0].values == 0
 
 
 def test_float64_and_float16_models():
