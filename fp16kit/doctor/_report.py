@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -96,7 +96,7 @@ class Entry:
     name: str
     kind: str  # "param" or "activation"
     module: str  # the module's class name
-    counts: np.ndarray  # int64 [NUM_EXPONENTS]: unscaled exponent TRUE_MIN_EXP + i
+    counts: np.ndarray = field(repr=False)  # int64 [NUM_EXPONENTS]: unscaled exponent TRUE_MIN_EXP + i
     zeros: int
     infs: int
     nans: int
