@@ -84,9 +84,10 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 
 def train_one(cfg: RunConfig, data: Digits, *, steps: int, batch_size: int, hidden: int, lr: float,
               optimizer: str, device: torch.device, scale_window: int, seed: int, progress: bool,
-              doctor_every: int | None = None) -> RunResult:
-    """Train one run. With ``doctor_every``, ``fp16kit.doctor`` watches it (parameter and activation gradients
-    every ``doctor_every`` steps, the run's loss scale divided out) and ``RunResult.doctor`` is its report."""
+              doctor_every: int | None = None, doctor_activations: bool = True) -> RunResult:
+    """Train one run. With ``doctor_every``, ``fp16kit.doctor`` watches it (parameter gradients, and activation
+    gradients unless ``doctor_activations`` is false, every ``doctor_every`` steps, the run's loss scale divided
+    out) and ``RunResult.doctor`` is its report."""
     from tqdm.auto import tqdm
 
     model = make_model(hidden, seed).to(device)
@@ -105,7 +106,7 @@ def train_one(cfg: RunConfig, data: Digits, *, steps: int, batch_size: int, hidd
     if doctor_every:
         from .. import doctor
 
-        watcher = doctor.watch(model, every=doctor_every, activations=True, scaler=scaler)
+        watcher = doctor.watch(model, every=doctor_every, activations=doctor_activations, scaler=scaler)
     start = time.perf_counter()
     model.train()
     with watcher or contextlib.nullcontext():

@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--out", type=Path, default=Path("fp16kit-doctor"), help="directory for the three files")
+    p.add_argument("--out", type=Path, default=Path("fp16kit-doctor"),
+                   help="directory for doctor.txt, doctor.json, doctor.png (and doctor-scaled.png)")
     p.add_argument("--opt-level", choices=("O0", "O1", "O2", "O3"), default="O0",
                    help="amp opt level of the watched run (O0: fp32 gradients, the ones a cast would change)")
     p.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16", help="format the report leads with")
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = train_one(RunConfig(args.opt_level, args.opt_level), data, steps=steps, batch_size=64, hidden=hidden,
                         lr=0.05, optimizer="sgd", device=device, scale_window=100, seed=args.seed, progress=False,
-                        doctor_every=args.every)
+                        doctor_every=args.every, doctor_activations=not args.no_activations)
     finally:
         torch.set_num_threads(threads)
     dtype = torch.float16 if args.dtype == "float16" else torch.bfloat16

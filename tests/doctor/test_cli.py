@@ -29,6 +29,15 @@ def test_doctor_command_writes_table_json_and_pictures(tmp_path, capsys):
         assert (out / name).read_bytes()[:8] == PNG
 
 
+def test_doctor_command_options(tmp_path, capsys):
+    out = tmp_path / "bf16"
+    args = ["doctor", "--quick", "--every", "30", "--no-activations", "--dtype", "bfloat16", "--loss-scale", "1024"]
+    assert cli_main([*args, "--out", str(out)]) == 0
+    data = json.loads((out / "doctor.json").read_text())
+    assert data["dtype"] == "bfloat16" and data["loss_scale"] == 1024.0 and data["samples"] == 2
+    assert {e["kind"] for e in data["entries"]} == {"param"}
+
+
 def test_doctor_command_rejects_a_scale_that_is_not_a_power_of_two(tmp_path, capsys):
     assert cli_main(["doctor", "--quick", "--every", "30", "--loss-scale", "3", "--out", str(tmp_path)]) == 2
     assert "power of two" in capsys.readouterr().err
