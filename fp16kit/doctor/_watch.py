@@ -182,10 +182,16 @@ class Watcher:
         return cached
 
     def _rows(self, rows: list[int], device: torch.device) -> torch.Tensor:
+        """Accumulator rows as a device tensor, cached. The usual cases (all parameters; one module) are a
+        range, made on the device; another subset is copied from the host once (a blocking copy on CUDA)."""
         key = (device, tuple(rows))
         t = self._rows_cache.get(key)
         if t is None:
-            t = self._rows_cache[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                t = torch.arange(rows[0], rows[0] + len(rows), dtype=torch.int64, device=device)
+            else:
+                t = torch.tensor(rows, dtype=torch.int64).to(device)
+            self._rows_cache[key] = t
         return t
 
     def _accumulate(self, rows: list[int], tensors: list[torch.Tensor]) -> None:

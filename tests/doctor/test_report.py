@@ -12,10 +12,13 @@ from fractions import Fraction
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from fp16kit import doctor
 from fp16kit.amp import LossScaler
+from fp16kit.numerics import strategies as fst
 
 F16 = torch.finfo(torch.float16)
 BF16 = torch.finfo(torch.bfloat16)
@@ -221,3 +224,59 @@ def test_bad_arguments():
         w.report(torch.float32)
     with pytest.raises(RuntimeError, match="already active"), w, w:
         pass
+
+
+def _binade_class(y: float, dtype) -> str:
+    sub, norm, top = doctor.format_limits(dtype)
+    e = math.frexp(abs(y))[1] - 1
+    return "flush" if e < sub else "subnormal" if e < norm else "normal" if e <= top else "overflow"
+
+
+def _cast_class(y: float, dtype) -> str:
+    from fp16kit.numerics.reference import round_to_format
+
+    r = float(round_to_format(torch.tensor(y, dtype=torch.float64), dtype))
+    if r == 0:
+        return "flush"
+    if math.isinf(r):
+        return "overflow"
+    return "subnormal" if abs(r) < torch.finfo(dtype).smallest_normal else "normal"
+
+
+def _documented_slice(y: float, doctor_class: str, cast_class: str, dtype) -> bool:
+    """The three slices the rounding rule names (fp16kit/doctor/_report.py)."""
+    fi = torch.finfo(dtype)
+    sub, norm, top = doctor.format_limits(dtype)
+    a = abs(y)
+    half_ulp_top = 2.0 ** (top - {torch.float16: 10, torch.bfloat16: 7}[dtype] - 1)
+    return (
+        (doctor_class, cast_class) == ("normal", "overflow") and fi.max + half_ulp_top <= a < 2.0 ** (top + 1)
+    ) or (
+        (doctor_class, cast_class) == ("flush", "subnormal") and 2.0 ** (sub - 1) < a < 2.0**sub
+    ) or (
+        (doctor_class, cast_class) == ("subnormal", "normal") and 2.0**norm - 2.0 ** (sub - 1) <= a < 2.0**norm
+    )
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    values=fst.float_tensors(torch.float32, edge_fraction=0.3, max_numel=200, exponent_range=(-40, 20)),
+    scale_exp=st.integers(-20, 30),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+)
+def test_report_matches_a_float64_reference_and_real_casts_outside_the_documented_slices(values, scale_exp, dtype):
+    flat = values.reshape(-1)
+    if flat.numel() == 0:
+        return
+    w, _ = run(flat.double().tolist())
+    got = w.report(dtype, loss_scale=2.0**scale_exp).formats[dtype].classes["p"]
+    want = dict.fromkeys(doctor.CLASSES, 0)
+    for x in flat.double().tolist():
+        if x == 0 or not math.isfinite(x):
+            continue
+        y = x * 2.0**scale_exp  # exact in float64
+        cls = _binade_class(y, dtype)
+        want[cls] += 1
+        cast = _cast_class(y, dtype)
+        assert cls == cast or _documented_slice(y, cls, cast, dtype), (x, scale_exp, cls, cast)
+    assert got == want
