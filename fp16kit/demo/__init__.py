@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op CPU threads during the runs (1 is fastest for this small model on a busy "
                         "machine, and makes the CPU numbers reproducible: reduction order depends on it)")
+    p.add_argument("--doctor-every", type=int, default=20,
+                   help="fp16kit.doctor watches the O2 run's gradients every N steps and writes its picture next to "
+                        "--out (<out>-doctor-O2.png); 0 turns it off")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -63,24 +66,31 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo; returns the process exit code (0 on success, 2 on bad arguments or missing extras)."""
-    args = _parser().parse_args(argv)
+def extras_missing(command: str) -> bool:
+    """True (after saying what to install) when the ``demo`` extra is missing; ``command`` names the caller."""
     try:
         import matplotlib  # noqa: F401
         import sklearn  # noqa: F401
     except ImportError as exc:
-        print(f"python -m fp16kit demo needs the 'demo' extra ({exc.name} is missing): "
+        print(f"python -m fp16kit {command} needs the 'demo' extra ({exc.name} is missing): "
               'pip install "fp16kit[demo]"', file=sys.stderr)
+        return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; returns the process exit code (0 on success, 2 on bad arguments or missing extras)."""
+    args = _parser().parse_args(argv)
+    if extras_missing("demo"):
         return 2
     labels = [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = [r for r in labels if r not in RUNS]
     if unknown or not labels:
         print(f"python -m fp16kit demo: unknown run(s) {unknown}; choose from {', '.join(RUNS)}.", file=sys.stderr)
         return 2
-    if min(args.steps, args.batch_size, args.hidden, args.scale_window, args.threads) < 1:
-        print("python -m fp16kit demo: --steps, --batch-size, --hidden, --scale-window and --threads must be >= 1.",
-              file=sys.stderr)
+    if min(args.steps, args.batch_size, args.hidden, args.scale_window, args.threads) < 1 or args.doctor_every < 0:
+        print("python -m fp16kit demo: --steps, --batch-size, --hidden, --scale-window and --threads must be >= 1 "
+              "(--doctor-every >= 0).", file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -114,7 +124,8 @@ def _run(args: argparse.Namespace, labels: list[str]) -> int:
     for label in labels:  # warm-up, not timed: lazy imports, kernel selection, allocator and CUDA start-up
         train_one(configs[label], data, steps=2, progress=False, **common)
     results = [
-        train_one(configs[label], data, steps=steps, progress=not args.no_progress, **common)
+        train_one(configs[label], data, steps=steps, progress=not args.no_progress,
+                  doctor_every=args.doctor_every if label == "O2" else None, **common)
         for label in labels
     ]
     print()
@@ -124,4 +135,11 @@ def _run(args: argparse.Namespace, labels: list[str]) -> int:
               "(the CPU has no allocator peak counter; on CUDA the column is torch.cuda.max_memory_allocated).")
     path = plot(results, args.out, title)
     print(f"\nplot: {path}")
+    watched = next((r for r in results if r.doctor is not None), None)
+    if watched is not None:
+        report = watched.doctor
+        doctor_path = report.save_png(Path(args.out).with_name(f"{Path(args.out).stem}-doctor-{watched.label}.png"))
+        fr = report.primary.fractions()
+        print(f"doctor ({watched.label}, {report.samples} sampled steps, fp16 at loss scale 2^{report.scale_exp}): "
+              + ", ".join(f"{c} {100 * fr[c]:.2f}%" for c in fr) + f" of nonzero gradients; picture: {doctor_path}")
     return 0

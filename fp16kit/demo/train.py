@@ -7,8 +7,10 @@ not inflated by a host sync per step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,6 +41,7 @@ class RunResult:
     seconds: float
     memory_bytes: int
     memory_kind: str  # "peak allocated" (CUDA) or "training state" (CPU)
+    doctor: Any = None  # the run's fp16kit.doctor report when it was watched (``doctor_every``)
 
 
 def make_model(hidden: int, seed: int) -> nn.Module:
@@ -80,7 +83,11 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 
 
 def train_one(cfg: RunConfig, data: Digits, *, steps: int, batch_size: int, hidden: int, lr: float,
-              optimizer: str, device: torch.device, scale_window: int, seed: int, progress: bool) -> RunResult:
+              optimizer: str, device: torch.device, scale_window: int, seed: int, progress: bool,
+              doctor_every: int | None = None, doctor_activations: bool = True) -> RunResult:
+    """Train one run. With ``doctor_every``, ``fp16kit.doctor`` watches it (parameter gradients, and activation
+    gradients unless ``doctor_activations`` is false, every ``doctor_every`` steps, the run's loss scale divided
+    out) and ``RunResult.doctor`` is its report."""
     from tqdm.auto import tqdm
 
     model = make_model(hidden, seed).to(device)
@@ -95,17 +102,23 @@ def train_one(cfg: RunConfig, data: Digits, *, steps: int, batch_size: int, hidd
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    watcher = None
+    if doctor_every:
+        from .. import doctor
+
+        watcher = doctor.watch(model, every=doctor_every, activations=doctor_activations, scaler=scaler)
     start = time.perf_counter()
     model.train()
-    for _ in tqdm(range(steps), desc=f"{cfg.label:>8}", disable=not progress, leave=True, dynamic_ncols=True):
-        idx = torch.randint(0, n, (batch_size,), generator=gen).to(device)
-        loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
-        opt.zero_grad()
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-        losses.append(loss.detach().float())
-        scales.append(scaler.scale.detach().clone())
+    with watcher or contextlib.nullcontext():
+        for _ in tqdm(range(steps), desc=f"{cfg.label:>8}", disable=not progress, leave=True, dynamic_ncols=True):
+            idx = torch.randint(0, n, (batch_size,), generator=gen).to(device)
+            loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
+            opt.zero_grad()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            losses.append(loss.detach().float())
+            scales.append(scaler.scale.detach().clone())
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
@@ -124,4 +137,5 @@ def train_one(cfg: RunConfig, data: Digits, *, steps: int, batch_size: int, hidd
         label=cfg.label, losses=loss_values, scales=scale_values, final_loss=sum(tail) / len(tail),
         accuracy=accuracy, skipped=session.steps_skipped(0), final_scale=scaler.get_scale(), seconds=seconds,
         memory_bytes=memory, memory_kind=kind,
+        doctor=None if watcher is None else watcher.report(cfg.low_precision_dtype or torch.float16),
     )

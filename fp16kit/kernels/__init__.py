@@ -6,6 +6,16 @@ Triton on CUDA, Triton's interpreter on CPU under ``TRITON_INTERPRET=1``, the to
 """
 
 from .backend import Backend, BackendChoice, select_backend, use_backend
+from .histogram import exponent_histogram
 from .ops import copy_, l2norm, unscale_and_check
 
-__all__ = ["Backend", "BackendChoice", "copy_", "l2norm", "select_backend", "unscale_and_check", "use_backend"]
+__all__ = [
+    "Backend",
+    "BackendChoice",
+    "copy_",
+    "exponent_histogram",
+    "l2norm",
+    "select_backend",
+    "unscale_and_check",
+    "use_backend",
+]

@@ -1,10 +1,12 @@
 """float64 reference implementations of every fp16kit kernel (the spec, readable and slow).
 
 ``kernels``: unscale-and-check, L2 norm, cast copy, and the exact rounding they use.
+``histogram``: the exponent histogram (numpy ``frexp``).
 ``optim``: LAMB (apex's FusedLAMB math) and Adam/AdamW.
 """
 
+from .histogram import exponent_histogram
 from .kernels import UnscaleResult, copy, l2norm, round_to_format, unscale_and_check
 from .optim import adam_step, global_grad_norm, lamb_step  # noqa: F401  (re-exported)
 
-__all__ = ["UnscaleResult", "copy", "l2norm", "round_to_format", "unscale_and_check"]
+__all__ = ["UnscaleResult", "copy", "exponent_histogram", "l2norm", "round_to_format", "unscale_and_check"]
