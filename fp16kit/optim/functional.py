@@ -125,6 +125,16 @@ def clip_factor(gnorm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     return torch.where(g > max_grad_norm, g / max_grad_norm, torch.ones_like(g))
 
 
+def bad_lr_flag(lrs: Sequence[Scalar], device: torch.device) -> torch.Tensor | None:
+    """float32 ``[1]``: 1 when any tensor learning rate is NaN, inf or negative, else 0 — computed on the
+    device (no sync); None when no lr is a tensor (host values are checked on the host, at step)."""
+    tensors = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
+    if not tensors:
+        return None
+    values = torch.cat([_scalar64("lr", lr, device) for lr in tensors])
+    return (~torch.isfinite(values) | (values < 0)).any().float().reshape(1)
+
+
 def advance_step(step: torch.Tensor, found_inf: torch.Tensor) -> None:
     """``step += 1`` unless ``found_inf`` is set — on the device."""
     step.add_((found_inf.reshape(step.shape) == 0).to(step.dtype))
@@ -223,6 +233,13 @@ def _pick(tensors: Sequence, rows: list[int]) -> list:
     return [tensors[i] for i in rows]
 
 
+def _bump_versions(*lists: Sequence[torch.Tensor | None]) -> None:
+    """Bump ``_version`` of tensors a kernel wrote through raw addresses (torch's in-place ops do it
+    themselves): autograd then detects a modified saved tensor, and autocast's weight cache a new weight.
+    Done whether or not ``found_inf`` skipped the write on the device: a spurious bump is harmless."""
+    torch.autograd.graph.increment_version([t for lst in lists for t in lst if t is not None])
+
+
 def _dispatch(
     kind: str,
     params: Sequence[torch.Tensor],
@@ -250,6 +267,7 @@ def _dispatch(
             row_models = _pick(models, rows)
             lists = (_pick(params, rows), _pick(grads, rows), _pick(exp_avgs, rows), _pick(exp_avg_sqs, rows))
             launch(*lists, None if row_models[0] is None else row_models, hp32, flag, **modes)
+            _bump_versions(lists[0], lists[2], lists[3], row_models)
     step_fn = fallback.lamb_ if kind == "lamb" else fallback.adam_
     for rows in rest_groups:
         p = _pick(params, rows)
@@ -257,6 +275,7 @@ def _dispatch(
         lists = (p, _pick(grads, rows), _pick(exp_avgs, rows), _pick(exp_avg_sqs, rows))
         if kind == "lamb" and _cpu_native.takes(*lists, _pick(models, rows)):
             _cpu_native.lamb_(*lists, hp, flag, **modes)
+            _bump_versions(lists[0], lists[2], lists[3], [])
             continue
         step_fn(*lists, _pick(models, rows), hp, flag, **modes)
 
@@ -302,6 +321,17 @@ def adam_update(
 
 # ---------------------------------------------------------------------------------------------------------
 # public functional API
+
+
+def _with_bad_lr(flag: torch.Tensor, lr: Scalar, device: torch.device, *, own: bool) -> torch.Tensor:
+    """The skip flag: ``flag``, raised where a tensor ``lr`` is NaN/inf/negative. Our own flag (``own``) is
+    raised in place, so the caller sees the skip; a caller's ``found_inf`` (a loss scaler's) is left alone."""
+    bad = bad_lr_flag([lr], device)
+    if bad is None:
+        return flag
+    if own:
+        return torch.maximum(flag, bad, out=flag)
+    return torch.maximum(flag.reshape(1), bad)
 
 
 def _check_lists(
@@ -404,7 +434,8 @@ def lamb_step_(
     flag = new_flag(device) if found_inf is None else found_inf
     inv64 = _scalar64("inv_scale", 1.0 if inv_scale is None else inv_scale, device)
     gnorm = check_and_norm(list(grads), inv64, flag)
-    advance_step(step, flag)
+    skip = _with_bad_lr(flag, lr, device, own=found_inf is None)
+    advance_step(step, skip)
     hp64 = lamb_hparams(
         lr=lr,
         betas=betas,
@@ -424,7 +455,7 @@ def lamb_step_(
         list(exp_avg_sqs),
         models,
         hp64,
-        flag,
+        skip,
         weight_decay=float(weight_decay),
         adam_w_mode=adam_w_mode,
         use_nvlamb=use_nvlamb,
@@ -471,7 +502,8 @@ def adam_step_(
     flag = new_flag(device) if found_inf is None else found_inf
     inv64 = _scalar64("inv_scale", 1.0 if inv_scale is None else inv_scale, device)
     check_and_norm(list(grads), inv64, flag)
-    advance_step(step, flag)
+    skip = _with_bad_lr(flag, lr, device, own=found_inf is None)
+    advance_step(step, skip)
     hp64 = adam_hparams(
         lr=lr,
         betas=betas,
@@ -489,7 +521,7 @@ def adam_step_(
         list(exp_avg_sqs),
         models,
         hp64,
-        flag,
+        skip,
         weight_decay=float(weight_decay),
         adam_w_mode=adam_w_mode,
     )
