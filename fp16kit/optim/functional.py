@@ -103,7 +103,11 @@ def _foreach_check_and_norm(
 
     ``|g|max * inv_scale`` overflows exactly when some ``g * inv_scale`` does (rounding is monotonic), so the
     flag equals the kernel's; the norm differs from the norm of scaled values by at most one rounding.
+    Empty grads are left out (``_foreach_norm`` has no inf-norm of an empty tensor; they add nothing).
     """
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=found_inf.device)
     sumsq, amax = [], []
     for rows in group_by([F64 if g.dtype == F64 else torch.float32 for g in grads]).values():
         chosen = [grads[i] for i in rows]

@@ -438,3 +438,19 @@ def test_lamb_fallback_unscale_and_clip_together(host_branch):
     )  # fmt: skip
     for got, want in zip(ps + ms, ref_p + ref_m):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------- found by the differential
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_zero_size_param_torch_backend(cls):
+    """A 0-size param with a grad crashed the torch backend's check pass (``_foreach_norm`` has no inf-norm of
+    an empty tensor) while the Triton path skipped it: found by tests/differential/test_optim_differential.py."""
+    empty = torch.nn.Parameter(torch.zeros(0))
+    empty.grad = torch.zeros(0)
+    params = [empty, *make_params([(3,)], torch.float32, 20)]
+    opt = cls(params, lr=0.01)
+    opt.step()
+    assert int(opt.param_groups[0]["step"]) == 1
+    assert cls([empty]).step() is None
