@@ -87,6 +87,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.hparam_skips: torch.Tensor | None = None
         super().__init__(params, defaults)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything (``torch.optim.Optimizer`` keeps only defaults, state and groups, so a deep copy or an
+        unpickled FusedLAMB lost ``adam_w_mode``, ``master_weights``, ... and failed at its first step); the
+        pending CUDA warnings (events cannot be copied) and the step-counter cache are left out."""
+        state = dict(self.__dict__)
+        state["_pending"] = []
+        state["_known_steps"] = {}
+        return state
+
     # -- param groups ---------------------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
