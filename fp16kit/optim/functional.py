@@ -427,6 +427,11 @@ def lamb_step_(
             inf/NaN, and when it is set (by that check or before the call) nothing at all changes —
             params, moments, model copies and ``step``.
 
+    A tensor ``lr`` that is NaN, inf or negative skips the step on the device in the same way (no host
+    sync); it raises the returned flag only when this call made the flag (a caller's loss-scaler
+    ``found_inf`` is left alone: ``step`` not advancing shows the skip). Host hyper-parameters are
+    validated (``ValueError``; ``eps`` must be >= 1.18e-38, see ``docs/optim.md``).
+
     Returns:
         The ``found_inf`` flag (the one passed in, or a new one): read it to learn whether the step was skipped.
     """
@@ -495,8 +500,8 @@ def adam_step_(
         p = p - (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
     A check pass over the grads raises ``found_inf`` on any inf/NaN first; when the flag is set nothing
-    changes (params, moments, model copies, ``step``). Arguments as :func:`lamb_step_` (no clipping).
-    Returns the ``found_inf`` flag.
+    changes (params, moments, model copies, ``step``). Arguments, validation and the tensor-``lr`` skip as
+    :func:`lamb_step_` (no clipping). Returns the ``found_inf`` flag.
     """
     fn = "adam_step_"
     check_hyperparams(fn, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
