@@ -480,3 +480,32 @@ def test_deepcopy_keeps_the_configuration(cls):
     twin.step()
     opt.step()
     assert_same_bits(bits(twin, twin_params), bits(opt, params))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_gpu_bad_tensor_lr_skips_without_a_sync(cls):
+    """On CUDA the tensor-lr check and the skip stay on the device; the "warn" report comes one step later."""
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params([(1000,), (5000,)], torch.float32, 22)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    lr = torch.full((1,), 0.01, device="cuda")
+    opt = cls(params, lr=lr)
+    opt.step()
+    before = bits(opt, params)
+    lr.fill_(float("nan"))
+    flag = torch.zeros(1, device="cuda")
+    opt.grad_scale, opt.found_inf = torch.ones(1, device="cuda"), flag
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    del opt.grad_scale, opt.found_inf
+    assert_same_bits(bits(opt, params), before)
+    assert int(opt.hparam_skips) == 1 and float(flag) == 0.0  # the scaler's flag is not raised
+    lr.fill_(0.01)
+    torch.cuda.synchronize()
+    with pytest.warns(RuntimeWarning, match="tensor learning rate"):
+        opt.step()  # the pending report of the skipped step
