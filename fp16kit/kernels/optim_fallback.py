@@ -9,21 +9,36 @@ The ``found_inf`` skip never syncs a GPU with the host. On CPU tensors the flag 
 tensor has no queue to drain): a set flag returns at once, a clear one runs the fast host path (in place,
 hyper-parameters as host numbers; Adam is ``torch.optim.Adam``'s own foreach sequence). Elsewhere every new
 value is computed out of place and committed with ``torch.where(found_inf != 0, old, new)``, which keeps
-old values bit for bit even when the new ones are NaN. ``host_branch`` overrides the choice (tests
-exercise the masked path on CPU).
+old values bit for bit even when the new ones are NaN. ``host_branch`` overrides the choice, per call or
+for a block (:func:`masked_commits`): tests exercise the masked path on CPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["adam_", "lamb_"]
+__all__ = ["adam_", "lamb_", "masked_commits"]
+
+_forced_host_branch: list[bool] = []
+
+
+@contextlib.contextmanager
+def masked_commits() -> Iterator[None]:
+    """Within the block, every call takes the masked (off-CPU) path, on CPU tensors too (for tests)."""
+    _forced_host_branch.append(False)
+    try:
+        yield
+    finally:
+        _forced_host_branch.pop()
 
 
 def _skip(found_inf: torch.Tensor, host_branch: bool | None) -> bool | torch.Tensor:
     """``True``/``False`` decided on the host, or a 0-dim bool tensor for masked commits."""
+    if host_branch is None and _forced_host_branch:
+        host_branch = _forced_host_branch[-1]
     if host_branch is None:
         host_branch = found_inf.device.type == "cpu"
     flag = found_inf.reshape(()) != 0

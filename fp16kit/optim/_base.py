@@ -6,15 +6,23 @@ The step skeleton (``FusedOptimizer.step``)::
     inv     = 1 / optimizer.grad_scale            (set by a GradScaler; 1 without one)
     flag    = optimizer.found_inf                 (set by a GradScaler; else a fresh zeroed flag)
     gnorm   = check-and-norm pass over all grads  (raises flag on any inf/NaN: one read of the grads)
-    for each group: step += (flag == 0); the subclass's update (a no-op on the device when flag is set)
+    skip    = flag, or a tensor lr that is NaN/inf/negative (device arithmetic: the scaler's flag is not raised)
+    for each group: step += (skip == 0); the subclass's update (a no-op on the device when skip is set)
 
-Nothing here reads a device value on the host, except the ``on_nonfinite="raise"`` policy when no scaler
-provides ``found_inf``.
+Validation (``docs/optim.md``): host hyper-parameters of every group are checked at every step (a scheduler
+or a hand edit may have changed them) and raise naming the group and key; every row (param, grad, moments,
+master) is checked for shape/dtype/device/layout before a kernel sees its addresses; checkpoints are
+checked in ``load_state_dict`` (``_checkpoint.py``) and a rejected load or ``add_param_group`` leaves the
+optimizer as it was.
+
+Nothing here reads a device value on the host, except the ``on_nonfinite="raise"`` policy (and, on CPU
+tensors, which have no queue to drain, the "warn" policy).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +31,9 @@ import torch
 
 from fp16kit.kernels._checks import check_flag, common_device
 
+from . import _checkpoint
 from . import functional as F
-from ._validate import check_param_tensor, check_sparse_grad
+from ._validate import check_param_tensor, check_row, check_step_value, naming_group
 
 __all__ = ["FusedOptimizer"]
 
@@ -51,6 +60,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     # fp16kit's GradScaler then passes a zeroed found_inf and lets our norm pass detect inf/NaN.
     _fp16kit_checks_inf = True
     _name = "FusedOptimizer"
+    # The per-param state tensors shaped like the param (besides the optional fp32 "master").
+    _moment_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -69,21 +80,61 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.set_grad_none = bool(set_grad_none)
         self.master_weights = bool(master_weights)
         self.on_nonfinite = on_nonfinite
-        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._pending: list[tuple[Any, torch.Tensor, str]] = []
+        self._known_steps: dict[int, weakref.ref] = {}  # step counters made or checked here, by id
+        #: Steps skipped on the device because a tensor hyper-parameter (``lr``) was NaN, inf or negative:
+        #: a one-element int64 tensor on the params' device (None until a group has a tensor lr).
+        self.hparam_skips: torch.Tensor | None = None
         super().__init__(params, defaults)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything (``torch.optim.Optimizer`` keeps only defaults, state and groups, so a deep copy or an
+        unpickled FusedLAMB lost ``adam_w_mode``, ``master_weights``, ... and failed at its first step); the
+        pending CUDA warnings (events cannot be copied) and the step-counter cache are left out."""
+        state = dict(self.__dict__)
+        state["_pending"] = []
+        state["_known_steps"] = {}
+        return state
 
     # -- param groups ---------------------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (validated: dense real float params, valid hyper-parameters)."""
+        """Add a group (validated: dense real float params, valid hyper-parameters).
+
+        Everything is checked before the group is added: a rejected group leaves ``param_groups`` and the
+        state as they were.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"{self._name}.add_param_group: expected a dict, got {type(param_group).__name__}.")
+        params = param_group.get("params")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError(f"{self._name}: a param group's params must be an ordered sequence, not a set.")
+        elif params is not None:
+            params = list(params)
+        param_group["params"] = params
+        index = len(self.param_groups)
+        for i, p in enumerate(params or []):
+            check_param_tensor(self._name, i, p, group=index)
+        with naming_group(index):
+            self._check_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        for i, p in enumerate(group["params"]):
-            check_param_tensor(self._name, i, p)
-        self._check_group(group)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def _check_groups(self) -> None:
+        """Host hyper-parameters of every group (edited after construction?), and host step counters."""
+        for gi, group in enumerate(self.param_groups):
+            with naming_group(gi):
+                self._check_group(group)
+            step = group.get("step")
+            known = self._known_steps.get(id(step))
+            if step is not None and not (known is not None and known() is step):
+                # a number, or a tensor installed by hand: read once (a sync on a GPU, only when it changed)
+                value = step.reshape(-1)[0] if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+                check_step_value(self._name, gi, float(value))
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear grads; ``set_to_none`` defaults to the constructor's ``set_grad_none`` (apex semantics)."""
@@ -104,15 +155,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         return state
 
     def _collect(self) -> list[_Rows]:
-        """Rows of every group (params without a grad are left out)."""
+        """Rows of every group (params without a grad are left out), each checked (``check_row``)."""
         out = []
-        for group in self.param_groups:
+        moment_keys = self._moment_keys
+        for gi, group in enumerate(self.param_groups):
             rows = _Rows()
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                check_sparse_grad(self._name, i, p.grad)
                 state = self._state_for(p)
+                check_row(self._name, gi, i, p, p.grad, state, moment_keys)
                 master = state.get("master")
                 rows.params.append(p if master is None else master)
                 rows.models.append(None if master is None else p)
@@ -132,6 +184,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             group["step"] = step
         return step
 
+    def _own_step(self, group: dict[str, Any], device: torch.device) -> torch.Tensor:
+        step = self._group_step(group, device)
+        if id(step) not in self._known_steps:
+            self._known_steps[id(step)] = weakref.ref(step)
+        return step
+
     def master_params(self) -> list[torch.Tensor]:
         """The tensors the optimizer updates: fp32 masters where they exist, else the params themselves."""
         out = []
@@ -142,18 +200,45 @@ class FusedOptimizer(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint, keeping the saved dtypes: fp32 moments and masters stay fp32 for fp16 params
-        (``torch.optim.Optimizer`` would cast them to the param dtype, losing bits)."""
-        super().load_state_dict(state_dict)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for idx, p in zip(saved_ids, params):
-            for key, value in state_dict["state"].get(idx, {}).items():
-                if isinstance(value, torch.Tensor):
-                    self.state[p][key] = value.detach().to(p.device, copy=True)
+        """Load a checkpoint: validated, then committed (``_checkpoint.py``); on any error nothing changes.
+
+        Keeps fp32 moments and masters fp32 for fp16/bf16 params (``torch.optim.Optimizer`` would cast them
+        to the param dtype, losing bits). Accepts ``torch.optim.Adam``/``AdamW`` checkpoints (missing fp16kit
+        keys come from the defaults; AMSGrad or ``maximize`` fail here). Rejects state that does not fit the
+        params and NaN/inf/negative moments or step counters, naming the group, param and key. With
+        ``master_weights=True``, masters missing from the checkpoint are rebuilt from the params (warning).
+        One host read for the values (loading is not on the hot path).
+        """
+        fn = self._name
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError(f"{fn}.load_state_dict: expected a dict with 'state' and 'param_groups' (a state_dict()).")
+        saved_groups = state_dict["param_groups"]
+        groups = _checkpoint.import_groups(
+            fn, saved_groups, self.defaults, adam_w_mode=bool(getattr(self, "adam_w_mode", True))
+        )
+        old_groups, old_state = self.param_groups, self.state
+        try:
+            super().load_state_dict({**state_dict, "param_groups": groups})
+            state = _checkpoint.restore_state(
+                fn,
+                self.param_groups,
+                saved_groups,
+                state_dict["state"],
+                moment_keys=self._moment_keys,
+                master_weights=self.master_weights,
+            )
+            _checkpoint.check_state(fn, self.param_groups, state, self._moment_keys)
+            for gi, group in enumerate(self.param_groups):
+                with naming_group(gi):
+                    self._check_group(group)
+        except BaseException:
+            self.param_groups, self.state = old_groups, old_state
+            raise
+        self.state.clear()
+        self.state.update(state)
         for group in self.param_groups:
             if group["params"] and "step" in group:
-                self._group_step(group, group["params"][0].device)
+                self._own_step(group, group["params"][0].device)
 
     # -- step -----------------------------------------------------------------------------------------------
 
@@ -175,12 +260,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         Under a GradScaler (``optimizer.grad_scale``/``optimizer.found_inf`` set by it) the grads are
         unscaled inside the step and a set ``found_inf`` makes the step a no-op on the device. Without a
         scaler, a non-finite grad skips the step and then warns, raises or stays silent per ``on_nonfinite``.
+        A tensor ``lr`` that is NaN, inf or negative skips the step on the device too (``hparam_skips``
+        counts these; reported per ``on_nonfinite``; the scaler's ``found_inf`` is not raised).
+
+        Raises ValueError (before anything changes) for invalid host hyper-parameters in any group, a grad
+        or state tensor that does not match its param, or a step counter that is NaN or negative.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._flush_warnings()
+        self._check_groups()
         all_rows = self._collect()
         device = common_device(
             self._name, [p for rows in all_rows for p in rows.params], [g for rows in all_rows for g in rows.grads]
@@ -195,12 +286,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         else:
             check_flag(f"{self._name}.step", found_inf, device)
         grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], inv64, found_inf)
+        bad_hp = F.bad_lr_flag([g["lr"] for g in self.param_groups], device)
+        skip = found_inf if bad_hp is None else torch.maximum(found_inf.reshape(1), bad_hp)
         for group, rows in zip(self.param_groups, all_rows):
-            step = self._group_step(group, device)
-            F.advance_step(step, found_inf)
-            self._update_group(group, rows, step, inv64, found_inf, grad_norm)
+            step = self._own_step(group, device)
+            F.advance_step(step, skip)
+            self._update_group(group, rows, step, inv64, skip, grad_norm)
+        if bad_hp is not None:
+            if self.hparam_skips is None or self.hparam_skips.device != device:
+                self.hparam_skips = torch.zeros(1, dtype=torch.int64, device=device)
+            self.hparam_skips.add_(bad_hp.to(torch.int64))
+            self._report(bad_hp, self._hparam_message())
         if own_flag:
-            self._handle_nonfinite(found_inf)
+            self._report(found_inf, self._message())
         return loss
 
     # -- non-finite grads without a scaler ------------------------------------------------------------------
@@ -211,29 +309,38 @@ class FusedOptimizer(torch.optim.Optimizer):
             f"counter are unchanged). Use a GradScaler for fp16 training, or lower the learning rate."
         )
 
-    def _handle_nonfinite(self, found_inf: torch.Tensor) -> None:
+    def _hparam_message(self) -> str:
+        return (
+            f"{self._name}: a tensor learning rate is NaN, inf or negative; the step was skipped on the device "
+            f"(params, state and step counters are unchanged; optimizer.hparam_skips counts such steps). Check "
+            f"the learning-rate schedule."
+        )
+
+    def _report(self, flag: torch.Tensor, message: str) -> None:
+        """Act on a skip flag per ``on_nonfinite``: nothing, a warning (on CUDA one step later, no sync),
+        or a RuntimeError (reads the flag: one sync per step on a GPU)."""
         if self.on_nonfinite == "skip":
             return
-        if self.on_nonfinite == "raise" or found_inf.device.type != "cuda":
+        if self.on_nonfinite == "raise" or flag.device.type != "cuda":
             # A CPU tensor is read without any queue to drain; elsewhere "raise" is a documented sync.
-            if bool(found_inf.reshape(())):
+            if bool(flag.reshape(())):
                 if self.on_nonfinite == "raise":
-                    raise RuntimeError(self._message())
-                warnings.warn(self._message(), RuntimeWarning, stacklevel=3)
+                    raise RuntimeError(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
             return
         # "warn" on CUDA: copy the flag to pinned host memory without a sync; look at it next step.
-        host = torch.empty(1, dtype=found_inf.dtype, pin_memory=True)
-        host.copy_(found_inf.reshape(1), non_blocking=True)
+        host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
+        host.copy_(flag.reshape(1), non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append((event, host))
+        self._pending.append((event, host, message))
 
     def _flush_warnings(self) -> None:
         """Warn for earlier skipped steps whose flag has reached the host (never waits)."""
         still = []
-        for event, host in self._pending:
+        for event, host, message in self._pending:
             if not event.query():
-                still.append((event, host))
+                still.append((event, host, message))
             elif bool(host[0] != 0):
-                warnings.warn(self._message(), RuntimeWarning, stacklevel=3)
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
         self._pending = still

@@ -27,8 +27,9 @@ class FusedAdam(FusedOptimizer):
     One fused pass reads g, p, m, v and writes p, m, v (and the rounded model copy in master-weights
     mode), after a read-only check pass over the grads that detects inf/NaN. Constructor as apex's
     FusedAdam (``capturable`` is accepted and ignored: every step is already device-side and sync-free);
-    ``master_weights`` and ``on_nonfinite`` as in :class:`fp16kit.optim.FusedLAMB`. ``amsgrad=True``
-    raises RuntimeError.
+    ``master_weights``, ``on_nonfinite`` and validation as in :class:`fp16kit.optim.FusedLAMB`.
+    ``amsgrad=True`` raises RuntimeError. ``load_state_dict`` accepts ``torch.optim.Adam``/``AdamW``
+    checkpoints (``docs/optim.md``).
     """
 
     _name = "FusedAdam"

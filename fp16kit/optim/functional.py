@@ -103,7 +103,11 @@ def _foreach_check_and_norm(
 
     ``|g|max * inv_scale`` overflows exactly when some ``g * inv_scale`` does (rounding is monotonic), so the
     flag equals the kernel's; the norm differs from the norm of scaled values by at most one rounding.
+    Empty grads are left out (``_foreach_norm`` has no inf-norm of an empty tensor; they add nothing).
     """
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=found_inf.device)
     sumsq, amax = [], []
     for rows in group_by([F64 if g.dtype == F64 else torch.float32 for g in grads]).values():
         chosen = [grads[i] for i in rows]
@@ -123,6 +127,16 @@ def clip_factor(gnorm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     if max_grad_norm <= 0:
         return torch.ones_like(g)
     return torch.where(g > max_grad_norm, g / max_grad_norm, torch.ones_like(g))
+
+
+def bad_lr_flag(lrs: Sequence[Scalar], device: torch.device) -> torch.Tensor | None:
+    """float32 ``[1]``: 1 when any tensor learning rate is NaN, inf or negative, else 0 — computed on the
+    device (no sync); None when no lr is a tensor (host values are checked on the host, at step)."""
+    tensors = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
+    if not tensors:
+        return None
+    values = torch.cat([_scalar64("lr", lr, device) for lr in tensors])
+    return (~torch.isfinite(values) | (values < 0)).any().float().reshape(1)
 
 
 def advance_step(step: torch.Tensor, found_inf: torch.Tensor) -> None:
@@ -223,6 +237,13 @@ def _pick(tensors: Sequence, rows: list[int]) -> list:
     return [tensors[i] for i in rows]
 
 
+def _bump_versions(*lists: Sequence[torch.Tensor | None]) -> None:
+    """Bump ``_version`` of tensors a kernel wrote through raw addresses (torch's in-place ops do it
+    themselves): autograd then detects a modified saved tensor, and autocast's weight cache a new weight.
+    Done whether or not ``found_inf`` skipped the write on the device: a spurious bump is harmless."""
+    torch.autograd.graph.increment_version([t for lst in lists for t in lst if t is not None])
+
+
 def _dispatch(
     kind: str,
     params: Sequence[torch.Tensor],
@@ -250,6 +271,7 @@ def _dispatch(
             row_models = _pick(models, rows)
             lists = (_pick(params, rows), _pick(grads, rows), _pick(exp_avgs, rows), _pick(exp_avg_sqs, rows))
             launch(*lists, None if row_models[0] is None else row_models, hp32, flag, **modes)
+            _bump_versions(lists[0], lists[2], lists[3], row_models)
     step_fn = fallback.lamb_ if kind == "lamb" else fallback.adam_
     for rows in rest_groups:
         p = _pick(params, rows)
@@ -257,6 +279,7 @@ def _dispatch(
         lists = (p, _pick(grads, rows), _pick(exp_avgs, rows), _pick(exp_avg_sqs, rows))
         if kind == "lamb" and _cpu_native.takes(*lists, _pick(models, rows)):
             _cpu_native.lamb_(*lists, hp, flag, **modes)
+            _bump_versions(lists[0], lists[2], lists[3], [])
             continue
         step_fn(*lists, _pick(models, rows), hp, flag, **modes)
 
@@ -302,6 +325,17 @@ def adam_update(
 
 # ---------------------------------------------------------------------------------------------------------
 # public functional API
+
+
+def _with_bad_lr(flag: torch.Tensor, lr: Scalar, device: torch.device, *, own: bool) -> torch.Tensor:
+    """The skip flag: ``flag``, raised where a tensor ``lr`` is NaN/inf/negative. Our own flag (``own``) is
+    raised in place, so the caller sees the skip; a caller's ``found_inf`` (a loss scaler's) is left alone."""
+    bad = bad_lr_flag([lr], device)
+    if bad is None:
+        return flag
+    if own:
+        return torch.maximum(flag, bad, out=flag)
+    return torch.maximum(flag.reshape(1), bad)
 
 
 def _check_lists(
@@ -393,6 +427,11 @@ def lamb_step_(
             inf/NaN, and when it is set (by that check or before the call) nothing at all changes —
             params, moments, model copies and ``step``.
 
+    A tensor ``lr`` that is NaN, inf or negative skips the step on the device in the same way (no host
+    sync); it raises the returned flag only when this call made the flag (a caller's loss-scaler
+    ``found_inf`` is left alone: ``step`` not advancing shows the skip). Host hyper-parameters are
+    validated (``ValueError``; ``eps`` must be >= 1.18e-38, see ``docs/optim.md``).
+
     Returns:
         The ``found_inf`` flag (the one passed in, or a new one): read it to learn whether the step was skipped.
     """
@@ -404,7 +443,8 @@ def lamb_step_(
     flag = new_flag(device) if found_inf is None else found_inf
     inv64 = _scalar64("inv_scale", 1.0 if inv_scale is None else inv_scale, device)
     gnorm = check_and_norm(list(grads), inv64, flag)
-    advance_step(step, flag)
+    skip = _with_bad_lr(flag, lr, device, own=found_inf is None)
+    advance_step(step, skip)
     hp64 = lamb_hparams(
         lr=lr,
         betas=betas,
@@ -424,7 +464,7 @@ def lamb_step_(
         list(exp_avg_sqs),
         models,
         hp64,
-        flag,
+        skip,
         weight_decay=float(weight_decay),
         adam_w_mode=adam_w_mode,
         use_nvlamb=use_nvlamb,
@@ -460,8 +500,8 @@ def adam_step_(
         p = p - (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
     A check pass over the grads raises ``found_inf`` on any inf/NaN first; when the flag is set nothing
-    changes (params, moments, model copies, ``step``). Arguments as :func:`lamb_step_` (no clipping).
-    Returns the ``found_inf`` flag.
+    changes (params, moments, model copies, ``step``). Arguments, validation and the tensor-``lr`` skip as
+    :func:`lamb_step_` (no clipping). Returns the ``found_inf`` flag.
     """
     fn = "adam_step_"
     check_hyperparams(fn, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -471,7 +511,8 @@ def adam_step_(
     flag = new_flag(device) if found_inf is None else found_inf
     inv64 = _scalar64("inv_scale", 1.0 if inv_scale is None else inv_scale, device)
     check_and_norm(list(grads), inv64, flag)
-    advance_step(step, flag)
+    skip = _with_bad_lr(flag, lr, device, own=found_inf is None)
+    advance_step(step, skip)
     hp64 = adam_hparams(
         lr=lr,
         betas=betas,
@@ -489,7 +530,7 @@ def adam_step_(
         list(exp_avg_sqs),
         models,
         hp64,
-        flag,
+        skip,
         weight_decay=float(weight_decay),
         adam_w_mode=adam_w_mode,
     )

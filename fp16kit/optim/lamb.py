@@ -53,6 +53,11 @@ class FusedLAMB(FusedOptimizer):
     GradScaler pass ``grad_scale``/``found_inf`` instead of unscaling the grads: the step unscales them
     in its first pass, takes the global norm of the unscaled values, and skips on the device when
     ``found_inf`` is set (the step counter included). Nothing syncs with the host.
+
+    Validation (``docs/optim.md``): hyper-parameters are checked at every step too (``ValueError`` naming
+    ``param_groups[i]['key']``); a tensor ``lr`` that is NaN, inf or negative skips the step on the device
+    (counted in ``hparam_skips``, reported per ``on_nonfinite``); grads and state that do not fit their
+    params, and corrupt checkpoints, raise before anything changes.
     """
 
     _name = "FusedLAMB"

@@ -160,51 +160,94 @@ def lamb_budgets(
     return err_p, err_m + U32 * new_m.abs(), err_v + U32 * new_v.abs()
 
 
+def clip_terms(grads: Sequence[torch.Tensor], max_grad_norm: float) -> tuple[float, float, float]:
+    """``(gnorm, clip, delta_clip)`` of unscaled float64 grads: the float64 global norm, apex's clip divisor
+    and the relative error bound of an fp32 evaluation of the clip (a norm of n squares plus 4 roundings)."""
+    gnorm = global_grad_norm(grads)
+    clip = gnorm / max_grad_norm if 0 < max_grad_norm < gnorm else 1.0
+    delta_clip = gamma(max(1, sum(g.numel() for g in grads)), torch.float32) + 4 * U32
+    return gnorm, clip, delta_clip
+
+
+def check_lamb_lists(
+    p0: Sequence[torch.Tensor],
+    g: Sequence[torch.Tensor],
+    m0: Sequence[torch.Tensor],
+    v0: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    ms: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+    *,
+    hp: dict,
+    max_grad_norm: float,
+    norm: tuple[float, float, float],
+    adam_w_mode: bool,
+    use_nvlamb: bool,
+) -> None:
+    """One group's LAMB step results (``targets``: the updated tensors; ``ms``, ``vs``) against the float64
+    reference from the state before (float64 ``p0``, unscaled ``g``, ``m0``, ``v0``), within the budgets.
+
+    ``hp`` holds lr, betas, eps, weight_decay, bias_correction, grad_averaging and the step number;
+    ``norm`` is :func:`clip_terms` of the grads of *all* groups."""
+    gnorm, clip, delta_clip = norm
+    ref_p, ref_m, ref_v = lamb_step(
+        p0,
+        g,
+        m0,
+        v0,
+        max_grad_norm=max_grad_norm,
+        global_norm=gnorm,
+        adam_w_mode=adam_w_mode,
+        use_nvlamb=use_nvlamb,
+        **hp,
+    )
+    for i, target in enumerate(targets):
+        err_p, err_m, err_v = lamb_budgets(
+            p0[i],
+            g[i],
+            m0[i],
+            v0[i],
+            ref_m[i],
+            ref_v[i],
+            hp=hp,
+            clip=clip,
+            delta_clip=delta_clip,
+            adam_w_mode=adam_w_mode,
+            use_nvlamb=use_nvlamb,
+        )
+        assert_within(target, ref_p[i], _stored_budget(err_p, ref_p[i], target.dtype), f"param {i}")
+        assert_within(ms[i], ref_m[i], err_m, f"exp_avg {i}")
+        assert_within(vs[i], ref_v[i], err_v, f"exp_avg_sq {i}")
+
+
 def lamb_step_and_check(opt, *, inv_scale: float = 1.0) -> None:
     """Run ``opt.step()`` (a FusedLAMB) and check every updated tensor against the float64 reference
     computed from the state just before the step."""
     snap = _snapshot(opt, inv_scale)
-    grads = [g for items in snap for g in items["g"]]
-    gnorm = global_grad_norm(grads)
     maxn = float(opt.defaults["max_grad_norm"])
-    clip = gnorm / maxn if 0 < maxn < gnorm else 1.0
-    delta_clip = gamma(max(1, sum(g.numel() for g in grads)), torch.float32) + 4 * U32
+    norm = clip_terms([g for items in snap for g in items["g"]], maxn)
     opt.step()
     for group, items in zip(opt.param_groups, snap):
         if not items["params"]:
             continue
         hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "grad_averaging")}
         hp["step"] = int(group["step"].item())
-        ref_p, ref_m, ref_v = lamb_step(
+        targets = [_updated_tensor(opt, p) for p in items["params"]]
+        check_lamb_lists(
             items["p"],
             items["g"],
             items["m"],
             items["v"],
-            step=hp["step"],
+            targets,
+            [opt.state[p]["exp_avg"] for p in items["params"]],
+            [opt.state[p]["exp_avg_sq"] for p in items["params"]],
+            hp=hp,
             max_grad_norm=maxn,
-            global_norm=gnorm,
+            norm=norm,
             adam_w_mode=opt.adam_w_mode,
             use_nvlamb=opt.use_nvlamb,
-            **{k: v for k, v in hp.items() if k != "step"},
         )
-        for i, p in enumerate(items["params"]):
-            err_p, err_m, err_v = lamb_budgets(
-                items["p"][i],
-                items["g"][i],
-                items["m"][i],
-                items["v"][i],
-                ref_m[i],
-                ref_v[i],
-                hp=hp,
-                clip=clip,
-                delta_clip=delta_clip,
-                adam_w_mode=opt.adam_w_mode,
-                use_nvlamb=opt.use_nvlamb,
-            )
-            target = _updated_tensor(opt, p)
-            assert_within(target, ref_p[i], _stored_budget(err_p, ref_p[i], target.dtype), f"param {i}")
-            assert_within(opt.state[p]["exp_avg"], ref_m[i], err_m, f"exp_avg {i}")
-            assert_within(opt.state[p]["exp_avg_sq"], ref_v[i], err_v, f"exp_avg_sq {i}")
+        for i, (p, target) in enumerate(zip(items["params"], targets)):
             if target is not p:  # master-weights mode: the model param is the rounded master, bit for bit
                 assert torch.equal(p.detach(), target.to(p.dtype)), f"model copy {i} is not round(master)"
 
@@ -216,7 +259,7 @@ def adam_budget(
     of the update, the moments' own errors (absolute magnitudes, since ``m`` may cancel) carried through."""
     b1, b2 = hp["betas"]
     t = hp["step"]
-    bc1, bc2 = 1 - b1**t, 1 - b2**t
+    bc1, bc2 = (1 - b1**t, 1 - b2**t) if hp.get("bias_correction", True) else (1.0, 1.0)
     den = torch.sqrt(new_v) / math.sqrt(bc2) + hp["eps"]
     step_size = hp["lr"] / bc1
     a_m = b1 * m0.abs() + (1 - b1) * (g.abs() + hp["weight_decay"] * p0.abs())
@@ -224,20 +267,56 @@ def adam_budget(
     return K * U32 * (p0.abs() + upd + step_size * a_m / den)
 
 
-def adam_step_and_check(opt, *, adam_w_mode: bool) -> None:
+def check_adam_lists(
+    p0: Sequence[torch.Tensor],
+    g: Sequence[torch.Tensor],
+    m0: Sequence[torch.Tensor],
+    v0: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    ms: Sequence[torch.Tensor] | None,
+    vs: Sequence[torch.Tensor] | None,
+    *,
+    hp: dict,
+    adam_w_mode: bool,
+) -> None:
+    """One group's Adam step results against the float64 reference from the state before (as
+    :func:`check_lamb_lists`). Moments (when given) within K roundings of their absolute magnitudes: with
+    the L2 penalty, ``g + wd p`` may cancel, so the budget is in the operands' magnitudes, not the result's."""
+    ref_p, ref_m, ref_v = adam_step(p0, g, m0, v0, adam_w_mode=adam_w_mode, **hp)
+    b1, b2 = hp["betas"]
+    wd = hp["weight_decay"] if not adam_w_mode else 0.0
+    for i, target in enumerate(targets):
+        budget = adam_budget(p0[i], ref_m[i], ref_v[i], g[i], m0[i], hp)
+        assert_within(target, ref_p[i], _stored_budget(budget, ref_p[i], target.dtype), f"param {i}")
+        if ms is None:
+            continue
+        a_g = g[i].abs() + wd * p0[i].abs()
+        err_m = K * U32 * (b1 * m0[i].abs() + (1 - b1) * a_g)
+        err_v = K * U32 * (b2 * v0[i] + (1 - b2) * a_g**2)
+        assert_within(ms[i], ref_m[i], err_m, f"exp_avg {i}")
+        assert_within(vs[i], ref_v[i], err_v, f"exp_avg_sq {i}")
+
+
+def adam_step_and_check(opt, *, adam_w_mode: bool, inv_scale: float = 1.0) -> None:
     """Run ``opt.step()`` (a FusedAdam) and check it against the float64 reference from the state before."""
-    snap = _snapshot(opt, 1.0)
+    snap = _snapshot(opt, inv_scale)
     opt.step()
     for group, items in zip(opt.param_groups, snap):
         if not items["params"]:
             continue
-        hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction")}
         hp["step"] = int(group["step"].item())
-        ref_p, ref_m, ref_v = adam_step(items["p"], items["g"], items["m"], items["v"], adam_w_mode=adam_w_mode, **hp)
-        for i, p in enumerate(items["params"]):
-            budget = adam_budget(items["p"][i], ref_m[i], ref_v[i], items["g"][i], items["m"][i], hp)
-            target = _updated_tensor(opt, p)
-            assert_within(target, ref_p[i], _stored_budget(budget, ref_p[i], target.dtype), f"param {i}")
+        check_adam_lists(
+            items["p"],
+            items["g"],
+            items["m"],
+            items["v"],
+            [_updated_tensor(opt, p) for p in items["params"]],
+            [opt.state[p]["exp_avg"] for p in items["params"]],
+            [opt.state[p]["exp_avg_sq"] for p in items["params"]],
+            hp=hp,
+            adam_w_mode=adam_w_mode,
+        )
 
 
 def bits(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:

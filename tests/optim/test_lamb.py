@@ -43,7 +43,7 @@ SHAPES = st.lists(
     grad_averaging=st.booleans(),
     bias_correction=st.booleans(),
     betas=st.sampled_from([(0.9, 0.999), (0.5, 0.9), (0.0, 0.99)]),
-    eps=st.sampled_from([1e-6, 1e-8, 0.0]),
+    eps=st.sampled_from([1e-6, 1e-8, 1e-30]),
     max_grad_norm=st.sampled_from([0.0, 0.5, 1.0, 1e4]),
     grad_exp=st.integers(-6, 3),
     zero=st.sampled_from(["none", "param", "grad", "both"]),
@@ -69,8 +69,6 @@ def test_matches_reference(
     zp = (0,) if zero in ("param", "both") else ()
     zg = (0,) if zero in ("grad", "both") else ()
     params = make_params(shapes, dtype, seed, grad_scale=2.0**grad_exp, zero_params=zp, zero_grads=zg)
-    if eps == 0.0 and zero in ("grad", "both"):
-        eps = 1e-6  # 0/0: apex produces NaN too; not a case the reference defines
     opt = FusedLAMB(
         params,
         lr=lr,
