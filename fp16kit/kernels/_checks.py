@@ -10,10 +10,14 @@ __all__ = [
     "FLOAT_DTYPES",
     "KERNEL_DTYPES",
     "check_flag",
+    "check_outputs",
+    "check_overlaps",
     "check_pairs",
     "check_scalar_tensor",
     "check_tensor_list",
     "common_device",
+    "resolve_inputs",
+    "same_view",
 ]
 
 #: dtypes the Triton kernels handle natively; float64 tensors go to the torch path in float64 math.
@@ -72,13 +76,18 @@ def check_pairs(fn: str, a_name: str, a: Sequence[torch.Tensor], b_name: str, b:
             )
 
 
-def check_flag(fn: str, found_inf: torch.Tensor, device: torch.device | None, name: str = "found_inf") -> None:
-    """``found_inf`` (or another accumulator): a one-element float32 tensor on the tensors' device."""
+def check_flag(
+    fn: str, found_inf: torch.Tensor, device: torch.device | None, name: str = "found_inf", *, float64_ok: bool = False
+) -> None:
+    """``found_inf`` (or another accumulator): a one-element float32 tensor on the tensors' device
+    (``float64_ok``: float64 accepted too, for accumulators that should not round to fp32)."""
+    kind = "float32 or float64" if float64_ok else "float32"
     if not isinstance(found_inf, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a one-element float32 tensor, e.g. torch.zeros(1, device=...).")
-    if found_inf.numel() != 1 or found_inf.dtype != torch.float32:
+        raise TypeError(f"{fn}: {name} must be a one-element {kind} tensor, e.g. torch.zeros(1, device=...).")
+    ok = found_inf.dtype == torch.float32 or (float64_ok and found_inf.dtype == torch.float64)
+    if found_inf.numel() != 1 or not ok:
         raise ValueError(
-            f"{fn}: {name} must be a one-element float32 tensor; got dtype {found_inf.dtype} "
+            f"{fn}: {name} must be a one-element {kind} tensor; got dtype {found_inf.dtype} "
             f"with {found_inf.numel()} elements."
         )
     if device is not None and found_inf.device != device:
@@ -94,3 +103,175 @@ def check_scalar_tensor(fn: str, name: str, value: torch.Tensor, device: torch.d
         )
     if device is not None and value.device != device:
         raise ValueError(f"{fn}: {name} is on {value.device} but the tensors are on {device}; move it there.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory layout: which tensors may share memory. Two kernel programs run on different chunks at the same time, so
+# any element that one pair writes and another pair reads or writes is a race; only the exact in-place pair (the
+# same view read and written element by element by one program) is safe.
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` address exactly the same elements in the same order (an in-place pair)."""
+    return (
+        a is b
+        or (
+            a.data_ptr() == b.data_ptr()
+            and a.element_size() == b.element_size()
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+        )
+    )
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements between the first and one past the last element ``t`` can address (non-empty ``t``)."""
+    if t.is_contiguous():
+        return t.numel()
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense (contiguous up to a permutation, e.g. channels_last): every byte of its span is
+    one of its elements, so a span overlap is a real overlap."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for n, s in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n > 1), key=lambda p: p[1]):
+        if s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _provably_no_internal_overlap(t: torch.Tensor) -> bool:
+    """Sorted by stride, each stride exceeds the largest offset the smaller dimensions reach: every index maps to
+    its own element (slices, transposes and permutations pass; stride-0 expansions fail)."""
+    reach = 0
+    for n, s in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n > 1), key=lambda p: p[1]):
+        if s <= reach:
+            return False
+        reach += (n - 1) * s
+    return True
+
+
+def _element_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Sorted byte addresses of ``t``'s elements (the exact check for layouts the span test cannot decide)."""
+    index = torch.arange(_extent(t), dtype=torch.int64)
+    offsets = torch.as_strided(index, t.shape, t.stride()).reshape(-1)
+    return torch.sort(offsets * t.element_size() + t.data_ptr()).values
+
+
+def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Some byte belongs to an element of ``a`` and to an element of ``b``."""
+    if _is_dense(a) and _is_dense(b):
+        return True  # the spans overlap (the caller checked) and dense tensors own every byte of their span
+    starts_a, starts_b = _element_bytes(a), _element_bytes(b)
+    size_a, size_b = a.element_size(), b.element_size()
+    # For each element of b, the last element of a starting before b's element ends; they overlap iff it ends
+    # after b's element starts (all elements of a have the same size, so no earlier one can reach further).
+    pos = torch.searchsorted(starts_a, starts_b + size_b) - 1
+    ok = pos >= 0
+    return bool((starts_a[pos.clamp(min=0)] + size_a > starts_b)[ok].any())
+
+
+def _internal_overlap(t: torch.Tensor) -> bool:
+    if t.is_contiguous() or _provably_no_internal_overlap(t):
+        return False
+    starts = _element_bytes(t)
+    return bool((starts[1:] - starts[:-1] < t.element_size()).any())
+
+
+def check_outputs(fn: str, name: str, outputs: Sequence[torch.Tensor]) -> None:
+    """Outputs the kernels may write: no negative-bit views, no internal overlap (stride-0 expanded views)."""
+    for i, t in enumerate(outputs):
+        if t.is_neg():
+            raise ValueError(
+                f"{fn}: {name}[{i}] is a negative-bit view (e.g. complex.conj().imag): its memory holds the "
+                f"negated values, and the kernels write raw memory. Write into a plain tensor and copy the "
+                f"result back (t.copy_(result)), or pass t.resolve_neg() and use that as the destination."
+            )
+        if t.numel() > 1 and _internal_overlap(t):
+            raise ValueError(
+                f"{fn}: {name}[{i}] has internal overlap (shape {tuple(t.shape)}, strides {t.stride()}, e.g. an "
+                f"expanded view): several of its elements share memory, so writing it is ill-defined. "
+                f"Pass a tensor that owns its elements, e.g. t.contiguous() or t.clone()."
+            )
+
+
+def resolve_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inputs with the negative bit resolved (a copy, only for such views): the kernels read raw memory."""
+    if any(t.is_neg() for t in tensors):
+        return [t.resolve_neg() if t.is_neg() else t for t in tensors]
+    return tensors
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + _extent(t) * t.element_size()
+
+
+def check_overlaps(
+    fn: str,
+    out_name: str,
+    outputs: Sequence[torch.Tensor],
+    in_name: str | None = None,
+    inputs: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """Every written element is written once and read by no other pair.
+
+    Allowed: ``outputs[i]`` the same view as ``inputs[i]`` (in place), and inputs sharing memory with each
+    other (reads). Rejected: an output that overlaps another output (a repeated output, also the same tensor
+    twice in an in-place list) or any input other than its own exact in-place pair (partial overlap).
+
+    Cost: one byte span per non-empty tensor and a sort, O(n log n); only spans that overlap are examined
+    further, element by element when a layout is not dense (e.g. ``x[0::2]`` and ``x[1::2]`` share a span but
+    no element, and are allowed).
+    """
+    spans = [(*_span(t), 1, i) for i, t in enumerate(outputs) if t.numel()]
+    if inputs is not None:
+        spans += [(*_span(t), 0, i) for i, t in enumerate(inputs) if t.numel()]
+    if len(spans) < 2:
+        return
+    spans.sort()
+    # Sweep: a cluster is a run of spans that overlap one another transitively; only inside one can tensors share
+    # memory. Clusters are almost always single spans (or an in-place pair), so this is linear after the sort.
+    cluster = [spans[0]]
+    end = spans[0][1]
+    for span in spans[1:]:
+        if span[0] < end:
+            cluster.append(span)
+            end = max(end, span[1])
+            continue
+        if len(cluster) > 1:
+            _check_cluster(fn, out_name, outputs, in_name, inputs, cluster)
+        cluster, end = [span], span[1]
+    if len(cluster) > 1:
+        _check_cluster(fn, out_name, outputs, in_name, inputs, cluster)
+
+
+def _check_cluster(fn, out_name, outputs, in_name, inputs, cluster) -> None:
+    written = [s for s in cluster if s[2] == 1]
+    for a_start, a_end, _, i in written:
+        a = outputs[i]
+        for b_start, b_end, is_out, j in cluster:
+            if (is_out and j <= i) or not (a_start < b_end and b_start < a_end):
+                continue  # each pair of outputs once; spans apart
+            b = outputs[j] if is_out else inputs[j]
+            if not is_out and j == i and same_view(a, b):
+                continue  # in place
+            if not _elements_overlap(a, b):
+                continue
+            if is_out:
+                what = "is the same memory as" if same_view(a, b) else "overlaps"
+                raise ValueError(
+                    f"{fn}: {out_name}[{i}] {what} {out_name}[{j}]; every output element must be written once "
+                    f"(two kernel programs would race on it, and backends would disagree). Pass each tensor once, "
+                    f"or clone the duplicate."
+                )
+            kind = "partially overlaps" if j == i else ("is" if same_view(a, b) else "overlaps")
+            raise ValueError(
+                f"{fn}: {out_name}[{i}] {kind} {in_name}[{j}] in memory; an output may share memory only with "
+                f"its own input, as the identical view (in place). Otherwise the kernels would read values "
+                f"already overwritten. Write into separate tensors (e.g. {in_name}[{j}].clone() as the input)."
+            )
