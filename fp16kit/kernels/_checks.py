@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 
@@ -10,11 +11,10 @@ __all__ = [
     "FLOAT_DTYPES",
     "KERNEL_DTYPES",
     "check_flag",
-    "check_outputs",
-    "check_overlaps",
     "check_pairs",
     "check_scalar_tensor",
     "check_tensor_list",
+    "check_writes",
     "common_device",
     "resolve_inputs",
     "same_view",
@@ -182,23 +182,19 @@ def _internal_overlap(t: torch.Tensor) -> bool:
     return bool((starts[1:] - starts[:-1] < t.element_size()).any())
 
 
-def check_outputs(fn: str, name: str, outputs: Sequence[torch.Tensor]) -> None:
-    """Outputs the kernels may write: no negative-bit views, no internal overlap (stride-0 expanded views)."""
-    for i, t in enumerate(outputs):
-        if t.numel() == 0:
-            continue  # nothing is written
-        if t.is_neg():
-            raise ValueError(
-                f"{fn}: {name}[{i}] is a negative-bit view (e.g. complex.conj().imag): its memory holds the "
-                f"negated values, and the kernels write raw memory. Write into a plain tensor and copy the "
-                f"result back (t.copy_(result)), or pass t.resolve_neg() and use that as the destination."
-            )
-        if t.numel() > 1 and _internal_overlap(t):
-            raise ValueError(
-                f"{fn}: {name}[{i}] has internal overlap (shape {tuple(t.shape)}, strides {t.stride()}, e.g. an "
-                f"expanded view): several of its elements share memory, so writing it is ill-defined. "
-                f"Pass a tensor that owns its elements, e.g. t.contiguous() or t.clone()."
-            )
+def _output_problem(fn: str, name: str, i: int, t: torch.Tensor) -> None:
+    if t.is_neg():
+        raise ValueError(
+            f"{fn}: {name}[{i}] is a negative-bit view (e.g. complex.conj().imag): its memory holds the "
+            f"negated values, and the kernels write raw memory. Write into a plain tensor and copy the "
+            f"result back (t.copy_(result)), or pass t.resolve_neg() and use that as the destination."
+        )
+    if not t.is_contiguous() and t.numel() > 1 and _internal_overlap(t):
+        raise ValueError(
+            f"{fn}: {name}[{i}] has internal overlap (shape {tuple(t.shape)}, strides {t.stride()}, e.g. an "
+            f"expanded view): several of its elements share memory, so writing it is ill-defined. "
+            f"Pass a tensor that owns its elements, e.g. t.contiguous() or t.clone()."
+        )
 
 
 def resolve_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -208,34 +204,56 @@ def resolve_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return tensors
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + _extent(t) * t.element_size()
+def _spans(
+    tensors: Sequence[torch.Tensor], tag: int, spans: list[tuple[int, int, int, int]], fn: str = "", name: str = ""
+) -> None:
+    """Append ``(first byte, one past the last byte, tag, index)`` for each non-empty tensor; with ``name``
+    (outputs), also reject negative-bit views and internal overlap. One plain loop with the fewest tensor
+    method calls: this runs on every call, for every tensor."""
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if not n:
+            continue
+        start = t.data_ptr()
+        if t.is_contiguous():
+            end = start + n * t.element_size()
+        else:
+            if name:
+                _output_problem(fn, name, i, t)
+            end = start + _extent(t) * t.element_size()
+        if name and t.is_neg():
+            _output_problem(fn, name, i, t)
+        spans.append((start, end, tag, i))
 
 
-def check_overlaps(
+def check_writes(
     fn: str,
     out_name: str,
     outputs: Sequence[torch.Tensor],
     in_name: str | None = None,
     inputs: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """Every written element is written once and read by no other pair.
+    """Outputs the kernels may write, alone and together with the inputs (``ValueError`` otherwise).
 
-    Allowed: ``outputs[i]`` the same view as ``inputs[i]`` (in place), and inputs sharing memory with each
-    other (reads). Rejected: an output that overlaps another output (a repeated output, also the same tensor
-    twice in an in-place list) or any input other than its own exact in-place pair (partial overlap).
+    Each non-empty output: no negative bit (``complex.conj().imag``), no internal overlap (stride-0 expanded
+    views). Together: every written element is written once and read by no other pair. Allowed: ``outputs[i]``
+    the same view as ``inputs[i]`` (in place), and inputs sharing memory with each other (reads). Rejected: an
+    output that overlaps another output (a repeated output, also the same tensor twice in an in-place list) or
+    any input other than its own exact in-place pair (partial overlap).
 
     Cost: one byte span per non-empty tensor and a sort, O(n log n); only spans that overlap are examined
-    further, element by element when a layout is not dense (e.g. ``x[0::2]`` and ``x[1::2]`` share a span but
-    no element, and are allowed).
+    further, element by element when a layout is not dense (``x[0::2]`` and ``x[1::2]`` share a span but no
+    element, and are allowed).
     """
-    spans = [(*_span(t), 1, i) for i, t in enumerate(outputs) if t.numel()]
+    spans: list[tuple[int, int, int, int]] = []
+    _spans(outputs, 1, spans, fn, out_name)
     if inputs is not None:
-        spans += [(*_span(t), 0, i) for i, t in enumerate(inputs) if t.numel()]
+        _spans(inputs, 0, spans)
     if len(spans) < 2:
         return
     spans.sort()
+    if all(a[1] <= b[0] for a, b in pairwise(spans)):
+        return  # the common case: no two spans overlap
     # Sweep: a cluster is a run of spans that overlap one another transitively; only inside one can tensors share
     # memory. Clusters are almost always single spans (or an in-place pair), so this is linear after the sort.
     cluster = [spans[0]]

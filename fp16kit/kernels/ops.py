@@ -1,7 +1,7 @@
 """Public multi-tensor operations: validate, pick a backend, launch once per dtype group.
 
 Each function takes whole lists of tensors. Layouts are validated first, the same way on every backend
-(``_checks.check_outputs`` / ``check_overlaps``: no output shared with another pair, docs/kernels.md).
+(``_checks.check_writes``: no output shared with another pair, docs/kernels.md).
 Contiguous fp16/bf16/fp32 tensors go to the Triton kernels (one launch per dtype combination, via a cached
 address table) when the backend is Triton or the Triton interpreter; non-contiguous or float64 tensors, and
 every tensor when the backend is the torch fallback, go to ``fp16kit.kernels.fallback``. No function syncs
@@ -18,11 +18,10 @@ from . import fallback
 from ._checks import (
     KERNEL_DTYPES,
     check_flag,
-    check_outputs,
-    check_overlaps,
     check_pairs,
     check_scalar_tensor,
     check_tensor_list,
+    check_writes,
     common_device,
     resolve_inputs,
 )
@@ -149,11 +148,9 @@ def unscale_and_check(
     if device is None:
         return
     if out is None:
-        check_outputs(fn, "tensors", outputs)
-        check_overlaps(fn, "tensors", outputs)
+        check_writes(fn, "tensors", outputs)
     else:
-        check_outputs(fn, "out", outputs)
-        check_overlaps(fn, "out", outputs, "tensors", inputs)
+        check_writes(fn, "out", outputs, "tensors", inputs)
         inputs = resolve_inputs(inputs)
     scale = _device_scalar(fn, "inv_scale", inv_scale, device)
     flag = found_inf.reshape(1)
@@ -252,8 +249,7 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     device = common_device(fn, dsts, srcs)
     if device is None:
         return
-    check_outputs(fn, "dst", dsts)
-    check_overlaps(fn, "dst", dsts, "src", srcs)
+    check_writes(fn, "dst", dsts, "src", srcs)
     srcs = resolve_inputs(srcs)
     kernel_groups, rest_groups = _plan(device, srcs, dsts)
     if kernel_groups:
