@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fp16kit.kernels import _table, copy_, l2norm, unscale_and_check
 from fp16kit.numerics import assert_bitwise_equal, reference
+from fp16kit.numerics import strategies as fst
 
 BACKENDS = [pytest.param("interpreter", marks=pytest.mark.interpreter), "torch"]
 
@@ -306,3 +309,19 @@ def test_float64_unscale_uses_the_float64_scale(backend, inv_scale):
     ref32 = reference.unscale_and_check([x32], inv_scale)
     unscale_and_check([x32], inv_scale, torch.zeros(1))
     assert_bitwise_equal(x32, ref32.outputs[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), inv_scale=fst.scales(min_exp=-24, max_exp=8))
+def test_float64_unscale_matches_reference_for_any_scale(backend, data, inv_scale):
+    """Hypothesis: float64 tensors with edge values, any scale, in place or into any float dtype: bit-exact."""
+    out_dtype = data.draw(st.sampled_from([None, torch.float64, torch.float32, torch.float16, torch.bfloat16]))
+    x = data.draw(fst.float_tensors(torch.float64, edges=fst.EDGE_CLASSES, scale=inv_scale, cast_to=out_dtype,
+                                    exponent_range=(-60, 60)))
+    ref = reference.unscale_and_check([x], inv_scale, None if out_dtype is None else [out_dtype])
+    found = torch.zeros(1)
+    got = x.clone() if out_dtype is None else torch.empty(x.shape, dtype=out_dtype)
+    unscale_and_check([got] if out_dtype is None else [x], inv_scale, found, out=None if out_dtype is None else [got])
+    assert_bitwise_equal(got, ref.outputs[0])
+    assert bool(found) == ref.found_inf
