@@ -266,8 +266,13 @@ def values(t: torch.Tensor) -> torch.Tensor:
 
 
 @SETTINGS
-@given(sc=scenarios(), inv_scale=st.sampled_from([0.5, 2.0**-14, 0.1, 3.0, 1 / 3]), with_norm=st.booleans())
-def test_unscale_and_check(sc, inv_scale, with_norm):
+@given(
+    sc=scenarios(),
+    inv_scale=st.sampled_from([0.5, 2.0**-14, 0.1, 3.0, 1 / 3]),
+    with_norm=st.booleans(),
+    scale_as_tensor=st.booleans(),
+)
+def test_unscale_and_check(sc, inv_scale, with_norm, scale_as_tensor):
     probe = Built(sc)
     outs = probe.outputs if probe.outputs is not None else probe.inputs
     in_values = [values(x) for x in probe.inputs]
@@ -276,7 +281,8 @@ def test_unscale_and_check(sc, inv_scale, with_norm):
     def call(b: Built):
         found = torch.zeros(1)
         sq = torch.zeros(1, dtype=torch.float64) if with_norm else None
-        unscale_and_check(b.inputs, inv_scale, found, out=b.outputs, sq_norm=sq)
+        scale = torch.tensor([inv_scale], dtype=torch.float64) if scale_as_tensor else inv_scale
+        unscale_and_check(b.inputs, scale, found, out=b.outputs, sq_norm=sq)
         return found, sq
 
     (bt, vt, et), (bi, vi, _) = run_both(sc, call)
