@@ -325,3 +325,20 @@ def test_float64_unscale_matches_reference_for_any_scale(backend, data, inv_scal
     unscale_and_check([got] if out_dtype is None else [x], inv_scale, found, out=None if out_dtype is None else [got])
     assert_bitwise_equal(got, ref.outputs[0])
     assert bool(found) == ref.found_inf
+
+
+def test_float64_narrows_to_fp16_and_bf16_with_one_rounding(backend):
+    """float64 -> fp16/bf16 rounds once (the reference), not twice through fp32 as ``Tensor.copy_`` does: e.g.
+    ``1 + 2^-11 + 2^-40`` is above the fp16 tie, so it rounds up to ``1 + 2^-10`` (torch's cast gives 1.0)."""
+    x = torch.tensor([1 + 2**-11 + 2**-40, -(1 + 2**-8 + 2**-41), 65519.999, 1e300, -1e-300, 2.0**-25 + 2**-60],
+                     dtype=torch.float64)
+    for dtype in (torch.float16, torch.bfloat16):
+        want = reference.copy([x], [dtype])[0]
+        dst = torch.empty(x.shape, dtype=dtype)
+        copy_([dst], [x])
+        assert_bitwise_equal(dst, want, what=f"copy_ float64 -> {dtype}")
+        out = torch.empty(x.shape, dtype=dtype)
+        unscale_and_check([x], 1.0, torch.zeros(1), out=[out])
+        assert_bitwise_equal(out, want, what=f"unscale float64 -> {dtype}")
+    assert float(reference.copy([x], [torch.float16])[0][0]) == 1 + 2**-10 != float(x[:1].half())
+    assert float(reference.copy([x], [torch.bfloat16])[0][1]) == -(1 + 2**-7) != float(x[1:2].bfloat16())
