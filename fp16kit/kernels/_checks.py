@@ -113,14 +113,11 @@ def check_scalar_tensor(fn: str, name: str, value: torch.Tensor, device: torch.d
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` and ``b`` address exactly the same elements in the same order (an in-place pair)."""
-    return (
-        a is b
-        or (
-            a.data_ptr() == b.data_ptr()
-            and a.element_size() == b.element_size()
-            and a.shape == b.shape
-            and a.stride() == b.stride()
-        )
+    return a is b or (
+        a.data_ptr() == b.data_ptr()
+        and a.element_size() == b.element_size()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
     )
 
 
@@ -256,23 +253,28 @@ def check_writes(
         return  # the common case: no two spans overlap
     # Sweep: a cluster is a run of spans that overlap one another transitively; only inside one can tensors share
     # memory. Clusters are almost always single spans (or an in-place pair), so this is linear after the sort.
+    # The violation reported is the one with the smallest indices, not the first in address order, so the message
+    # does not depend on where the allocator put the tensors (the same error on every backend and every run).
+    found: list[tuple[int, int, int, str]] = []
     cluster = [spans[0]]
     end = spans[0][1]
-    for span in spans[1:]:
+    for span in [*spans[1:], (1 << 65, 1 << 65, 0, -1)]:  # a sentinel past every address closes the last one
         if span[0] < end:
             cluster.append(span)
             end = max(end, span[1])
             continue
         if len(cluster) > 1:
-            _check_cluster(fn, out_name, outputs, in_name, inputs, cluster)
+            found += _cluster_violations(fn, out_name, outputs, in_name, inputs, cluster)
         cluster, end = [span], span[1]
-    if len(cluster) > 1:
-        _check_cluster(fn, out_name, outputs, in_name, inputs, cluster)
+    if found:
+        raise ValueError(min(found)[3])
 
 
-def _check_cluster(fn, out_name, outputs, in_name, inputs, cluster) -> None:
-    written = [s for s in cluster if s[2] == 1]
-    for a_start, a_end, _, i in written:
+def _cluster_violations(fn, out_name, outputs, in_name, inputs, cluster) -> list[tuple[int, int, int, str]]:
+    """``(output index, 0 for another output / 1 for an input, other index, message)`` for each pair in one cluster
+    of overlapping spans that really shares memory against the rules."""
+    found = []
+    for a_start, a_end, _, i in (s for s in cluster if s[2] == 1):
         a = outputs[i]
         for b_start, b_end, is_out, j in cluster:
             if (is_out and j <= i) or not (a_start < b_end and b_start < a_end):
@@ -284,14 +286,17 @@ def _check_cluster(fn, out_name, outputs, in_name, inputs, cluster) -> None:
                 continue
             if is_out:
                 what = "is the same memory as" if same_view(a, b) else "overlaps"
-                raise ValueError(
+                message = (
                     f"{fn}: {out_name}[{i}] {what} {out_name}[{j}]; every output element must be written once "
                     f"(two kernel programs would race on it, and backends would disagree). Pass each tensor once, "
                     f"or clone the duplicate."
                 )
-            kind = "partially overlaps" if j == i else ("is" if same_view(a, b) else "overlaps")
-            raise ValueError(
-                f"{fn}: {out_name}[{i}] {kind} {in_name}[{j}] in memory; an output may share memory only with "
-                f"its own input, as the identical view (in place). Otherwise the kernels would read values "
-                f"already overwritten. Write into separate tensors (e.g. {in_name}[{j}].clone() as the input)."
-            )
+            else:
+                kind = "partially overlaps" if j == i else ("is" if same_view(a, b) else "overlaps")
+                message = (
+                    f"{fn}: {out_name}[{i}] {kind} {in_name}[{j}] in memory; an output may share memory only with "
+                    f"its own input, as the identical view (in place). Otherwise the kernels would read values "
+                    f"already overwritten. Write into separate tensors (e.g. {in_name}[{j}].clone() as the input)."
+                )
+            found.append((i, 0 if is_out else 1, j, message))
+    return found

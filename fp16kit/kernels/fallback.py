@@ -90,7 +90,11 @@ def _unscale_group(
     (narrowing, float64 math whose scale must not be rounded to fp32, or when the unrounded squares are
     needed) the products are formed in the math dtype, then copied out."""
     math = _math_dtype(inputs[0].dtype)
-    widening = outputs[0].dtype == torch.float32 and math == torch.float32
+    if in_place and outputs[0].dtype != inputs[0].dtype:
+        in_place = False  # e.g. a bf16 view of fp16 grads: the products must be formed before anything is written
+        widening = False
+    else:
+        widening = outputs[0].dtype == torch.float32 and math == torch.float32
     if not with_norm and math == torch.float32 and (in_place or widening):
         scale32 = inv_scale.to(torch.float32)
         if not in_place:

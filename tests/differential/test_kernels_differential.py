@@ -3,9 +3,10 @@
 Hypothesis draws a *scenario*: a few raw byte buffers and tensors carved out of them with ``as_strided``, in
 every float dtype (fp64 included) and adversarial layouts: contiguous slices at any offset (16-byte aligned or
 not), transposed, strided, stride-0 expanded, channels_last, 0-size, negative-bit views; outputs that are their
-own input (in place), another output, another input, or a partially overlapping or interleaved piece of the same
-buffer, in dtypes that reinterpret each other's bytes. The scenario is built afresh for each backend and the
-operation (``unscale_and_check``, ``copy_``, ``l2norm``) runs on both. Then:
+own input (in place, also read as the other 16-bit format), another output, another input, or a partially
+overlapping or interleaved piece of the same buffer, in dtypes that reinterpret each other's bytes. The scenario
+is built afresh for each backend and the operation (``unscale_and_check``, ``copy_``, ``l2norm``) runs on both.
+Then:
 
 - both raise, with the same error class and message, and leave every buffer untouched; or both succeed, with
   bit-identical outputs, the same ``found_inf``, and every byte outside the outputs untouched;
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.interpreter
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LAYOUTS = ("flat",) * 5 + ("transposed", "strided", "expanded", "channels_last", "empty")
+HALF_WIDTH = {torch.float16: torch.bfloat16, torch.bfloat16: torch.float16}
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -127,9 +129,11 @@ def scenarios(draw, *, with_outputs: bool | None = None) -> Scenario:
     if with_outputs:
         outputs = []
         for i, spec in enumerate(inputs):
-            kind = draw(st.sampled_from(["new"] * 5 + ["in_place"] * 3 + ["other_input", "repeat"]))
+            kind = draw(st.sampled_from(["new"] * 5 + ["in_place"] * 3 + ["other_input", "repeat", "reinterpret"]))
             same_shape = [j for j, s in enumerate(inputs) if s.shape == spec.shape]
-            if kind == "in_place":
+            if kind == "reinterpret" and spec.dtype in HALF_WIDTH:  # in place, read as the other 16-bit format
+                outputs.append(Spec(spec.buffer, HALF_WIDTH[spec.dtype], spec.layout, spec.shape, spec.offset))
+            elif kind == "in_place":
                 outputs.append(("in", i))
             elif kind == "other_input" and len(same_shape) > 1:
                 outputs.append(("in", draw(st.sampled_from([j for j in same_shape if j != i]))))

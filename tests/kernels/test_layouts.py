@@ -342,3 +342,28 @@ def test_float64_narrows_to_fp16_and_bf16_with_one_rounding(backend):
         assert_bitwise_equal(out, want, what=f"unscale float64 -> {dtype}")
     assert float(reference.copy([x], [torch.float16])[0][0]) == 1 + 2**-10 != float(x[:1].half())
     assert float(reference.copy([x], [torch.bfloat16])[0][1]) == -(1 + 2**-7) != float(x[1:2].bfloat16())
+
+
+def test_in_place_pair_of_another_dtype_with_the_same_width(backend):
+    """``out[i]`` may be ``tensors[i]``'s memory viewed as another dtype of the same width (fp16 grads written back
+    as bf16): every element is read before it is written, on both backends."""
+    torch.manual_seed(6)
+    x = torch.randn(5000).half()
+    expected = reference.unscale_and_check([x.clone()], 0.5, [torch.bfloat16]).outputs[0]
+    unscale_and_check([x], 0.5, torch.zeros(1), out=[x.view(torch.bfloat16)])
+    assert_bitwise_equal(x.view(torch.bfloat16), expected)
+    y = torch.randn(5000).half()
+    expected = reference.copy([y.clone()], [torch.bfloat16])[0]
+    copy_([y.view(torch.bfloat16)], [y])
+    assert_bitwise_equal(y.view(torch.bfloat16), expected)
+
+
+def test_the_reported_violation_does_not_depend_on_addresses(backend):
+    """Several violations: the one with the smallest indices is reported, wherever the allocator put the tensors
+    (so both backends, and every run, give the same message)."""
+    buf = torch.zeros(100)
+    high, low = buf[50:60], buf[0:10]  # the second pair lies first in memory
+    with pytest.raises(ValueError, match=r"tensors\[0\] is the same memory as tensors\[1\]"):
+        unscale_and_check([high, high, low, low], 0.5, torch.zeros(1))
+    with pytest.raises(ValueError, match=r"dst\[0\] is src\[1\] in memory"):
+        copy_([high, low, torch.zeros(10)], [low, high, low])
