@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ChunkTable", "chunk_table", "group_by", "num_programs", "triton_dtype"]
+__all__ = ["ChunkTable", "chunk_table", "group_by", "num_programs", "triton_dtype", "verify_rows"]
 
 #: Elements per chunk. Large blocks suit both targets: on a GPU 4096 elements keep every warp busy
 #: with 16-32 B per thread per tensor; in the interpreter the cost is per program and per loop
@@ -56,26 +56,57 @@ _tables: OrderedDict[tuple, ChunkTable] = OrderedDict()
 
 
 def chunk_table(lists: Sequence[Sequence[torch.Tensor]], block: int = BLOCK) -> ChunkTable:
-    """The (cached) table for parallel lists of contiguous, non-empty tensors on one device.
+    """The (cached) table for parallel lists of contiguous tensors on one device.
 
-    All lists have the same length and tensor ``t`` has the same number of elements in each list.
+    All lists have the same length, tensor ``t`` has the same number of elements in each list, and each list
+    has one dtype. A kernel walks ``numels[t]`` elements from every row's address: these conditions are what
+    keeps it inside the tensors' storage, so they are verified (:func:`verify_rows`) whenever a table is built;
+    the cache key holds every tensor's address, size, dtype and contiguity, so a hit was verified too.
     """
     first = lists[0]
     device = first[0].device
     key = (
         device,
         block,
-        tuple((t.data_ptr(), t.numel(), t.dtype) for tensors in lists for t in tensors),
+        tuple((t.data_ptr(), t.numel(), t.dtype, t.is_contiguous()) for tensors in lists for t in tensors),
     )
     table = _tables.get(key)
     if table is not None:
         _tables.move_to_end(key)
         return table
+    verify_rows(lists, device)
     table = _build(lists, block, device)
     _tables[key] = table
     if len(_tables) > _CACHE_SIZE:
         _tables.popitem(last=False)
     return table
+
+
+def verify_rows(lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> None:
+    """What the address table relies on, checked before any launch: parallel lists of equal length; tensor ``t``
+    has the same number of elements in every list; one dtype per list; one device; contiguous tensors. A
+    violation is a bug in the caller (the public ops route other layouts to the torch fallback), reported as a
+    ``ValueError`` instead of a kernel reading or writing outside a tensor."""
+    first = lists[0]
+    for r, tensors in enumerate(lists):
+        if len(tensors) != len(first):
+            raise ValueError(f"address table: list {r} has {len(tensors)} tensors but list 0 has {len(first)}.")
+        dtype = tensors[0].dtype if tensors else None
+        for t, (x, ref) in enumerate(zip(tensors, first)):
+            problem = None
+            if x.numel() != ref.numel():
+                problem = f"has {x.numel()} elements but list 0's tensor has {ref.numel()}"
+            elif x.dtype != dtype:
+                problem = f"has dtype {x.dtype} but the list's dtype is {dtype}"
+            elif x.device != device:
+                problem = f"is on {x.device}, not {device}"
+            elif not x.is_contiguous():
+                problem = f"is not contiguous (strides {x.stride()})"
+            if problem:
+                raise ValueError(
+                    f"address table: list {r}, tensor {t} {problem}; a kernel would address memory outside it. "
+                    f"Route such tensors to the torch fallback, or fix the caller's pairing."
+                )
 
 
 def _build(lists: Sequence[Sequence[torch.Tensor]], block: int, device: torch.device) -> ChunkTable:

@@ -3,7 +3,7 @@
 Same contracts as the Triton kernels (see ``fp16kit.kernels``), built from ``torch._foreach_*`` ops so
 that a list still costs a handful of launches, and with no host sync: flags and norms stay tensors.
 They also serve tensors the Triton kernels do not take (non-contiguous, float64), so they accept any
-strided layout; float64 tensors are computed in float64.
+strided layout; float64 tensors are computed in float64 (scale included: it is not rounded to fp32).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from ._checks import same_view
 
 __all__ = ["copy_", "flag_nonfinite_", "scaled", "sumsq_per_tensor", "unscale"]
 
@@ -51,44 +53,97 @@ def unscale(
     outputs: Sequence[torch.Tensor],
     inv_scale: torch.Tensor,
     found_inf: torch.Tensor,
-    sq_norm: torch.Tensor | None,
-) -> None:
-    """``outputs[i] = round(math(inputs[i]) * inv_scale)``; flag and sum of squares as the kernel does.
+    with_norm: bool,
+) -> torch.Tensor | None:
+    """``outputs[i] = round(math(inputs[i]) * inv_scale)``; flag as the kernel does; with ``with_norm`` returns
+    the float64 sum of the squares of the unrounded products (a 1-element tensor).
 
-    One dtype pair per call. Fewest passes that keep the contract's single fp32 multiply:
-    in place, ``_foreach_mul_`` computes in fp32 (opmath) and rounds once; into a destination at
-    least as wide as fp32, an exact widening copy then an in-place multiply; otherwise (narrowing,
-    or when the unrounded squares are needed) the fp32 products are formed, then copied out.
+    One dtype pair per call. Whether a pair is in place is decided per pair (``outputs[i]`` the same view as
+    ``inputs[i]``): a list may mix both, e.g. when the amp frontend unscales a parameter's grad into its own
+    master for some params and in place for others.
     """
     if not inputs:
-        return
-    in_place = inputs[0].data_ptr() == outputs[0].data_ptr()
-    widening = outputs[0].dtype in (torch.float32, torch.float64) and outputs[0].dtype == _math_dtype(inputs[0].dtype)
-    if sq_norm is None and (in_place or widening):
-        # torch's fused op: one pass that multiplies in fp32 opmath (one rounding) and checks the inputs.
+        return None
+    in_place = [same_view(x, y) for x, y in zip(inputs, outputs)]
+    if all(in_place) or not any(in_place):
+        return _unscale_group(inputs, outputs, in_place[0], inv_scale, found_inf, with_norm)
+    sums = []
+    for flag in (True, False):
+        idx = [i for i, p in enumerate(in_place) if p is flag]
+        sums.append(
+            _unscale_group([inputs[i] for i in idx], [outputs[i] for i in idx], flag, inv_scale, found_inf, with_norm)
+        )
+    return sums[0] + sums[1] if with_norm else None
+
+
+def _unscale_group(
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    in_place: bool,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    with_norm: bool,
+) -> torch.Tensor | None:
+    """All pairs in place, or none. Fewest passes that keep the contract's single multiply in the math dtype:
+    for fp32 math, in place, ``_amp_foreach_non_finite_check_and_unscale_`` multiplies in fp32 (opmath) and
+    rounds once; into an fp32 destination, an exact widening copy then that in-place multiply. Otherwise
+    (narrowing, float64 math whose scale must not be rounded to fp32, or when the unrounded squares are
+    needed) the products are formed in the math dtype, then copied out."""
+    math = _math_dtype(inputs[0].dtype)
+    if in_place and outputs[0].dtype != inputs[0].dtype:
+        in_place = False  # e.g. a bf16 view of fp16 grads: the products must be formed before anything is written
+        widening = False
+    else:
+        widening = outputs[0].dtype == torch.float32 and math == torch.float32
+    if not with_norm and math == torch.float32 and (in_place or widening):
+        scale32 = inv_scale.to(torch.float32)
         if not in_place:
             torch._foreach_copy_(list(outputs), list(inputs))  # exact widening
-        torch._amp_foreach_non_finite_check_and_unscale_(list(outputs), found_inf, inv_scale)
-        if _may_overflow(inv_scale):  # a finite input can still overflow after the multiply
+        torch._amp_foreach_non_finite_check_and_unscale_(list(outputs), found_inf, scale32)
+        if _may_overflow(scale32):  # a finite input can still overflow after the multiply
             flag_nonfinite_(outputs, found_inf)
-        return
+        return None
     ys = scaled(inputs, inv_scale)
-    torch._foreach_copy_(list(outputs), ys)
-    if sq_norm is not None:
-        sq_norm.add_(sumsq_per_tensor(ys).sum().float().reshape(sq_norm.shape))
+    torch._foreach_copy_(list(outputs), _narrowable(ys, outputs[0].dtype))
     flag_nonfinite_(outputs, found_inf)
+    return sumsq_per_tensor(ys).sum().reshape(1) if with_norm else None
 
 
 def sumsq_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """fp32 (fp64 for fp64 input) sum of squares of each tensor, accumulated in fp32 or wider."""
+    """float64 sum of squares of each tensor (the fp32 products' squares never overflow or underflow there).
+
+    fp16/bf16/fp32 values square into float64's range (|y| <= 3.4e38 gives y^2 <= 1.2e77; the smallest fp32
+    subnormal squares to 2e-90), so the sum is exact to float64 rounding for every finite input. float64 inputs
+    can square out of range only when their norm is above 1.3e154 or all below 1.5e-154, and then the fp32
+    norm the caller returns is inf or 0 anyway.
+    """
     if not tensors:
-        return torch.zeros(0)
-    math = _math_dtype(tensors[0].dtype)
-    norms = torch._foreach_norm(list(tensors), 2, dtype=math)
-    return torch.stack(norms).square()
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float64)).square()
+
+
+def _round_to_odd_fp32(y: torch.Tensor) -> torch.Tensor:
+    """float64 -> fp32 rounded *to odd*: truncate, then set the last bit if anything was cut off.
+
+    Rounding to odd at fp32 (24 bits) and then to nearest even at fp16/bf16 (11/8 bits, 2+ bits fewer) equals one
+    round-to-nearest-even from float64, which torch's own float64 -> fp16/bf16 conversion is not: it rounds to
+    nearest at fp32 first, so ``1 + 2^-11 + 2^-40`` becomes the tie ``1 + 2^-11`` and then 1.0 instead of
+    ``1 + 2^-10``. inf and NaN pass through; values beyond fp32's range become its largest finite value (odd),
+    which still rounds to inf in the narrow format.
+    """
+    t = y.float()
+    t = torch.where(t.double().abs() > y.abs(), torch.nextafter(t, torch.zeros_like(t)), t)  # toward zero
+    return torch.where(t.double() != y, (t.view(torch.int32) | 1).view(torch.float32), t)
+
+
+def _narrowable(tensors: Sequence[torch.Tensor], dst_dtype: torch.dtype) -> list[torch.Tensor]:
+    """``tensors`` ready for a ``copy_`` into ``dst_dtype`` with a single correct rounding (see above)."""
+    if tensors and tensors[0].dtype == torch.float64 and dst_dtype in (torch.float16, torch.bfloat16):
+        return [_round_to_odd_fp32(t) for t in tensors]
+    return list(tensors)
 
 
 def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for the whole list."""
+    """``dst[i].copy_(src[i])`` for the whole list, except that float64 -> fp16/bf16 rounds once, correctly."""
     if dst:
-        torch._foreach_copy_(list(dst), list(src))
+        torch._foreach_copy_(list(dst), _narrowable(src, dst[0].dtype))

@@ -1,9 +1,12 @@
 """Triton kernel and launcher: multi-tensor sum of squares, one fp32 partial per chunk.
 
-Math: for chunk ``c`` of tensor ``t``, ``partials[c] = sum((fp32(x) * pre_scale)^2)`` over the chunk,
-reduced as a tree inside the block in fp32 (fp16 inputs are widened first, so squares of values
-above 256 do not overflow). The caller sums the partials (deterministically, in a fixed order) into
-the global and per-tensor norms. With ``found_inf`` given, a non-finite input raises it to 1.
+Math: for chunk ``c`` of tensor ``t``, ``y = fp32(x) * pre_scale`` (one fp32 rounding, as the reference) and
+``partials[c] = sum(float64(y)^2)`` over the chunk, reduced as a tree inside the block in float64. Squares of
+fp32 values cannot overflow or underflow in float64 (``|y| <= 3.4e38`` squares to ``<= 1.2e77``; the smallest
+fp32 subnormal to ``2e-90``), so norms of finite values are right over fp32's whole range, where fp32 squares
+would overflow above a norm of 1.8e19 and vanish below 1e-19. The caller sums the partials (deterministically,
+in a fixed order) into the global and per-tensor norms. With ``found_inf`` given, a non-finite ``y`` raises it
+to 1: a large but finite norm never does.
 
 A second, tiny kernel sums each tensor's chunk partials in order (deterministic, no atomics, no host
 sync), giving per-tensor sums of squares; LAMB's trust ratios reuse it.
@@ -44,7 +47,8 @@ def _sumsq_kernel(
         t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
         src = row_pointer(ptrs, 0, 0, t, IN_DTYPE, ALIGNED)
         x = to_fp32(load_chunk(src, offs, mask, full)) * pre_scale
-        tl.store(partials_ptr + c, tl.sum(x * x, axis=0))
+        x64 = x.to(tl.float64)
+        tl.store(partials_ptr + c, tl.sum(x64 * x64, axis=0))
         if CHECK:
             bad = tl.maximum(bad, (mask & ~(tl.abs(x) < float("inf"))).to(tl.int32))
     if CHECK:
@@ -57,7 +61,7 @@ def _segment_sum_kernel(partials_ptr, counts_ptr, first_ptr, out_ptr, num_tensor
     for t in range(pid, num_tensors, tl.num_programs(0)):
         first = tl.load(first_ptr + t)
         count = tl.load(counts_ptr + t)
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK,), dtype=partials_ptr.dtype.element_ty)
         for s in range(0, count, BLOCK):
             offs = s + tl.arange(0, BLOCK)
             acc += tl.load(partials_ptr + first + offs, mask=offs < count, other=0.0)
@@ -65,8 +69,9 @@ def _segment_sum_kernel(partials_ptr, counts_ptr, first_ptr, out_ptr, num_tensor
 
 
 def segment_sums(partials: torch.Tensor, table: ChunkTable) -> torch.Tensor:
-    """Per-tensor totals of per-chunk values (chunks of a tensor are adjacent in the table)."""
-    out = torch.empty(table.num_tensors, dtype=torch.float32, device=partials.device)
+    """Per-tensor totals of per-chunk values (chunks of a tensor are adjacent in the table), in the partials'
+    dtype (float32 for LAMB's update norms, float64 for ``l2norm``)."""
+    out = torch.empty(table.num_tensors, dtype=partials.dtype, device=partials.device)
     grid = (num_programs(partials.device, table.num_tensors),)
     _segment_sum_kernel[grid](partials, table.chunk_counts, table.first_chunk, out, table.num_tensors, BLOCK=1024)
     return out
@@ -77,10 +82,10 @@ def launch_sumsq(
     pre_scale: torch.Tensor,
     found_inf: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ChunkTable]:
-    """One launch over contiguous, non-empty ``tensors`` of one dtype: per-chunk sums of squares."""
+    """One launch over contiguous, non-empty ``tensors`` of one dtype: per-chunk float64 sums of squares."""
     table = chunk_table([tensors])
     device = tensors[0].device
-    partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
+    partials = torch.empty(table.num_chunks, dtype=torch.float64, device=device)
     grid = (num_programs(device, table.num_chunks),)
     _sumsq_kernel[grid](
         table.ptrs,

@@ -1,9 +1,11 @@
 """Public multi-tensor operations: validate, pick a backend, launch once per dtype group.
 
-Each function takes whole lists of tensors. Contiguous fp16/bf16/fp32 tensors go to the Triton kernels
-(one launch per dtype combination, via a cached address table) when the backend is Triton or the Triton
-interpreter; non-contiguous or float64 tensors, and every tensor when the backend is the torch
-fallback, go to ``fp16kit.kernels.fallback``. No function syncs with the host.
+Each function takes whole lists of tensors. Layouts are validated first, the same way on every backend
+(``_checks.check_writes``: no output shared with another pair, docs/kernels.md).
+Contiguous fp16/bf16/fp32 tensors go to the Triton kernels (one launch per dtype combination, via a cached
+address table) when the backend is Triton or the Triton interpreter; non-contiguous or float64 tensors, and
+every tensor when the backend is the torch fallback, go to ``fp16kit.kernels.fallback``. No function syncs
+with the host. Every tensor a call writes has its ``_version`` bumped.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from ._checks import (
     check_pairs,
     check_scalar_tensor,
     check_tensor_list,
+    check_writes,
     common_device,
+    resolve_inputs,
 )
 from .backend import Backend, select_backend
 
@@ -29,11 +33,13 @@ _KERNEL_DTYPES = frozenset(KERNEL_DTYPES)
 
 
 def _device_scalar(fn: str, name: str, value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A Python float becomes a one-element fp32 tensor on ``device`` (a fill, not a host sync)."""
+    """A Python float becomes a one-element float64 tensor on ``device`` (a fill, not a host sync): float64
+    tensors are scaled by the value itself, the others by its round-to-nearest fp32 (``.to(float32)`` in the
+    kernel and the fallback), exactly as ``fp16kit.numerics.reference`` rounds it."""
     if isinstance(value, torch.Tensor):
         check_scalar_tensor(fn, name, value, device)
         return value.reshape(1)
-    return torch.full((1,), float(value), dtype=torch.float32, device=device)
+    return torch.full((1,), float(value), dtype=torch.float64, device=device)
 
 
 def _plan(
@@ -81,6 +87,13 @@ def _scatter(dst: torch.Tensor, chosen: list[int], values: torch.Tensor) -> None
         dst[torch.tensor(chosen, device=dst.device)] = values
 
 
+def _bump(written: list[torch.Tensor]) -> None:
+    """Record an in-place write for autograd and caches (e.g. autocast's weight cache), as torch's own in-place
+    ops do: the Triton kernels write raw memory, which torch cannot see. Bumping twice is harmless, so the
+    torch fallback's writes (which bump already) are not told apart."""
+    torch.autograd.graph.increment_version(written)
+
+
 def unscale_and_check(
     tensors: Sequence[torch.Tensor],
     inv_scale: float | torch.Tensor,
@@ -93,11 +106,11 @@ def unscale_and_check(
 
     For every element ``x`` of ``tensors[i]``::
 
-        y = fp32(x) * inv_scale                 # float64 math for float64 tensors
+        y = fp32(x) * fp32(inv_scale)            # float64 math (and scale) for float64 tensors
         w = round_to_nearest_even(y, dtype of the destination)
         destination[i] = w                       # ``out[i]`` if given, else ``tensors[i]`` in place
         found_inf = 1 if any w is inf or NaN      # never cleared: zero it before the first call
-        sq_norm += sum(y * y)                      # only when ``sq_norm`` is given
+        sq_norm += sum(y * y)                      # only when ``sq_norm`` is given; accumulated in float64
 
     Args:
         tensors: floating tensors (fp16, bf16, fp32, fp64; dtypes may be mixed), all on one device.
@@ -105,13 +118,23 @@ def unscale_and_check(
             tensor is read by the kernel, so a scale that lives on the GPU costs no host sync.
         found_inf: one-element float32 tensor on that device; raised to 1, never lowered.
         out: optional destinations of any float dtype, paired with ``tensors`` by position (e.g. fp16
-            model grads unscaled into fp32 master grads). ``out=None`` writes in place.
-        sq_norm: optional one-element float32 tensor that accumulates the squared L2 norm of the
+            model grads unscaled into fp32 master grads). ``out=None`` writes in place. Each pair is in
+            place exactly when ``out[i]`` is the same view as ``tensors[i]``; a list may mix both.
+        sq_norm: optional one-element float32 or float64 tensor that accumulates the squared L2 norm of the
             unscaled values ``y`` (before rounding to the destination dtype), so gradient clipping and
-            LAMB's global norm cost no second read of the gradients.
+            LAMB's global norm cost no second read of the gradients. The sum is formed in float64 (no
+            overflow or underflow for finite ``y``) and added once, so an fp32 ``sq_norm`` is off by one
+            rounding of the float64 result (inf only when ``sum(y*y)`` exceeds fp32's range, about a norm of
+            1.8e19; ``found_inf`` is never raised by that).
+
+    Raises:
+        ValueError: an output that overlaps another output or another pair's input (only the exact in-place
+            view is allowed), an output with internal overlap (stride-0 expanded view) or with the negative
+            bit (``complex.conj().imag``), on every backend. Inputs with the negative bit are resolved.
 
     Checking the *written* value catches inputs that are already inf/NaN as well as finite values
     that overflow only after scaling (``inv_scale > 1``) or after the cast (fp32 -> fp16 ``out``).
+    Every written tensor's ``_version`` is bumped (``found_inf`` and the outputs).
     """
     fn = "unscale_and_check"
     inputs = check_tensor_list(fn, "tensors", tensors)
@@ -121,13 +144,18 @@ def unscale_and_check(
     device = common_device(fn, inputs, outputs)
     check_flag(fn, found_inf, device)
     if sq_norm is not None:
-        check_flag(fn, sq_norm, device, name="sq_norm")
+        check_flag(fn, sq_norm, device, name="sq_norm", float64_ok=True)
     if device is None:
         return
+    if out is None:
+        check_writes(fn, "tensors", outputs)
+    else:
+        check_writes(fn, "out", outputs, "tensors", inputs)
+        inputs = resolve_inputs(inputs)
     scale = _device_scalar(fn, "inv_scale", inv_scale, device)
     flag = found_inf.reshape(1)
 
-    kernel_groups, rest_groups = _plan(device, inputs, None if outputs is inputs else outputs)
+    kernel_groups, rest_groups = _plan(device, inputs, None if out is None else outputs)
     partials = []
     if kernel_groups:
         from .unscale_kernel import launch_unscale
@@ -137,9 +165,12 @@ def unscale_and_check(
             if p is not None:
                 partials.append(p)
     for idx in rest_groups:
-        fallback.unscale(_pick(inputs, idx), _pick(outputs, idx), scale, flag, sq_norm)
+        p = fallback.unscale(_pick(inputs, idx), _pick(outputs, idx), scale, flag, sq_norm is not None)
+        if p is not None:
+            partials.append(p)
     if sq_norm is not None and partials:
-        sq_norm.add_(torch.cat(partials).sum().reshape(sq_norm.shape))
+        sq_norm.add_(torch.cat(partials).sum().reshape(sq_norm.shape))  # float64 sum, one rounding into sq_norm
+    _bump([found_inf, *outputs] if sq_norm is None else [found_inf, sq_norm, *outputs])
 
 
 def l2norm(
@@ -151,20 +182,26 @@ def l2norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """fp32 L2 norm of a whole list of tensors, optionally with each tensor's own norm.
 
-    Math: ``norm = sqrt(sum_i sum_j (fp32(x_ij) * pre_scale)^2)``. Squares are accumulated in fp32
-    (fp16 inputs are widened first, so fp16 values above 256 do not overflow), per block of 4096
-    elements as a tree, then over blocks in a fixed order: results are deterministic run to run.
+    Math: ``y = fp32(x) * fp32(pre_scale)`` (float64 for float64 tensors), ``norm = sqrt(sum y^2)``. The
+    squares are formed and summed in float64 (per block of 4096 elements as a tree, then over blocks in a fixed
+    order: results are deterministic run to run) and the root is rounded once to fp32. So for every finite
+    input the result is within 1 ulp (fp32) of the exact norm of the ``y``: no overflow for values near fp32's
+    maximum, no underflow for subnormals; it is inf only when the norm itself exceeds fp32's maximum.
 
     Args:
         tensors: floating tensors on one device (dtypes may be mixed).
         per_tensor: also return the 1-D fp32 tensor of per-tensor norms, as ``(global, per_tensor)``.
         pre_scale: multiply every element by this first (e.g. ``inv_scale`` to get the norm of
             unscaled gradients); Python float or one-element device tensor.
-        found_inf: optional one-element float32 flag raised to 1 if any scaled element is inf/NaN.
+        found_inf: optional one-element float32 flag raised to 1 if any scaled element ``y`` is inf/NaN;
+            never by a large finite norm.
 
     Returns:
         A 0-dim fp32 tensor on the tensors' device (``(global, per_tensor)`` with ``per_tensor``).
         An empty list gives 0 (on the CPU).
+
+    Inputs are only read; a negative-bit view (``complex.conj().imag``) is read as raw memory, which has the
+    same squares and the same non-finite elements.
     """
     fn = "l2norm"
     items = check_tensor_list(fn, "tensors", tensors)
@@ -177,7 +214,7 @@ def l2norm(
     scale = _device_scalar(fn, "pre_scale", 1.0 if pre_scale is None else pre_scale, device)
     flag = None if found_inf is None else found_inf.reshape(1)
 
-    sumsq = torch.zeros(len(items), dtype=torch.float32, device=device)
+    sumsq = torch.zeros(len(items), dtype=torch.float64, device=device)
     kernel_groups, rest_groups = _plan(device, items)
     if kernel_groups:
         from .l2norm_kernel import launch_sumsq, segment_sums
@@ -187,18 +224,23 @@ def l2norm(
             _scatter(sumsq, idx, segment_sums(partials, table))
     for idx in rest_groups:
         ys = fallback.scaled(_pick(items, idx), scale)
-        _scatter(sumsq, idx, fallback.sumsq_per_tensor(ys).float())
+        _scatter(sumsq, idx, fallback.sumsq_per_tensor(ys))
         if flag is not None:
             fallback.flag_nonfinite_(ys, flag)  # ys are our own temporaries
-    total = sumsq.sum().sqrt()
-    return (total, sumsq.sqrt()) if per_tensor else total
+    if found_inf is not None:
+        _bump([found_inf])
+    total = sumsq.sum().sqrt().float()
+    return (total, sumsq.sqrt().float()) if per_tensor else total
 
 
 def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for whole lists: one launch per (source, destination) dtype pair.
 
     Casts round to nearest even, bit-identical to ``Tensor.copy_`` (e.g. fp32 master weights into
-    fp16/bf16 model params). ``dst[i]`` and ``src[i]`` must have the same shape.
+    fp16/bf16 model params). ``dst[i]`` and ``src[i]`` must have the same shape. A destination may be the same
+    view as its own source; it may not overlap another destination or another source, nor have internal
+    overlap or the negative bit (``ValueError``, every backend). Sources with the negative bit are resolved.
+    Every destination's ``_version`` is bumped.
     """
     fn = "copy_"
     dsts = check_tensor_list(fn, "dst", dst)
@@ -207,6 +249,8 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     device = common_device(fn, dsts, srcs)
     if device is None:
         return
+    check_writes(fn, "dst", dsts, "src", srcs)
+    srcs = resolve_inputs(srcs)
     kernel_groups, rest_groups = _plan(device, srcs, dsts)
     if kernel_groups:
         from .copy_kernel import launch_copy
@@ -215,3 +259,4 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
             launch_copy(_pick(dsts, idx), _pick(srcs, idx))
     for idx in rest_groups:
         fallback.copy_(_pick(dsts, idx), _pick(srcs, idx))
+    _bump(dsts)

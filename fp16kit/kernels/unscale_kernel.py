@@ -4,7 +4,8 @@ Math, per element ``x`` of every tensor:  ``y = fp32(x) * inv_scale``; ``out = r
 ``found_inf`` is raised to 1 when any written ``out`` is inf/NaN. Checking the written value covers
 every case: a non-finite input stays non-finite after scaling, and a finite input that overflows
 after scaling (``inv_scale > 1``) or after the cast (fp32 -> fp16) is caught too.
-With ``WITH_NORM`` each chunk also writes ``sum(y * y)`` (fp32, tree-reduced) into ``partials[c]``.
+With ``WITH_NORM`` each chunk also writes ``sum(float64(y)^2)`` (tree-reduced in float64, where squares of fp32
+values neither overflow nor underflow) into ``partials[c]``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def _unscale_kernel(
         # `abs(v) < inf` is false for +-inf and for NaN (an ordered comparison).
         bad = tl.maximum(bad, (mask & ~(tl.abs(written.to(tl.float32)) < float("inf"))).to(tl.int32))
         if WITH_NORM:
-            tl.store(partials_ptr + c, tl.sum(tl.where(mask, y * y, 0.0), axis=0))
+            y64 = tl.where(mask, y, 0.0).to(tl.float64)
+            tl.store(partials_ptr + c, tl.sum(y64 * y64, axis=0))
     tl.atomic_max(found_inf_ptr, tl.max(bad, axis=0).to(tl.float32))
 
 
@@ -64,11 +66,11 @@ def launch_unscale(
 ) -> torch.Tensor | None:
     """One launch for contiguous, non-empty ``inputs`` of one dtype and ``outputs`` of one dtype.
 
-    Returns the per-chunk partial sums of squares (fp32, one per chunk) when ``with_norm``.
+    Returns the per-chunk partial sums of squares (float64, one per chunk) when ``with_norm``.
     """
     table = chunk_table([inputs, outputs])
     device = inputs[0].device
-    partials = torch.empty(table.num_chunks if with_norm else 1, dtype=torch.float32, device=device)
+    partials = torch.empty(table.num_chunks if with_norm else 1, dtype=torch.float64, device=device)
     grid = (num_programs(device, table.num_chunks),)
     _unscale_kernel[grid](
         table.ptrs,

@@ -24,10 +24,12 @@ I64_PTRS = {"ptrs", "numels", "chunk_start", "counts_ptr", "first_ptr"}
 I32_PTRS = {"chunk_tensor"}
 
 
-def signature(fn, constexprs):
+def signature(fn, constexprs, overrides=None):
     sig = {}
     for p in fn.params:
-        if p.is_constexpr:
+        if overrides and p.name in overrides:
+            sig[p.name] = overrides[p.name]
+        elif p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name in INT_ARGS:
             sig[p.name] = "i32"
@@ -43,11 +45,16 @@ def signature(fn, constexprs):
 
 
 F16, BF16, F32 = tl.float16, tl.bfloat16, tl.float32
+#: the launchers' real pointer types where they are not fp32: the scale is a float64 scalar for Python floats,
+#: and norm partials are float64 (docs/kernels.md, "Norm range").
+F64_SCALE = {"inv_scale_ptr": "*fp64", "pre_scale_ptr": "*fp64"}
+F64_PARTIALS = {"partials_ptr": "*fp64", "out_ptr": "*fp64"}
 CASES = {
     "unscale fp32 in place, aligned": (unscale_kernel._unscale_kernel,
                                        dict(IN_DTYPE=F32, OUT_DTYPE=F32, WITH_NORM=False, BLOCK=4096, ALIGNED=True)),
     "unscale fp16->fp32 +norm, aligned": (unscale_kernel._unscale_kernel,
-                                          dict(IN_DTYPE=F16, OUT_DTYPE=F32, WITH_NORM=True, BLOCK=4096, ALIGNED=True)),
+                                          dict(IN_DTYPE=F16, OUT_DTYPE=F32, WITH_NORM=True, BLOCK=4096, ALIGNED=True),
+                                          {**F64_SCALE, **F64_PARTIALS}),
     "unscale fp32->bf16, unaligned": (unscale_kernel._unscale_kernel,
                                       dict(IN_DTYPE=F32, OUT_DTYPE=BF16, WITH_NORM=False, BLOCK=4096, ALIGNED=False)),
     "copy fp32->fp16, aligned": (copy_kernel._copy_kernel,
@@ -55,8 +62,10 @@ CASES = {
     "copy bf16->bf16, unaligned": (copy_kernel._copy_kernel,
                                    dict(SRC_DTYPE=BF16, DST_DTYPE=BF16, BLOCK=4096, ALIGNED=False)),
     "sumsq bf16 +check, aligned": (l2norm_kernel._sumsq_kernel,
-                                   dict(IN_DTYPE=BF16, CHECK=True, BLOCK=4096, ALIGNED=True)),
+                                   dict(IN_DTYPE=BF16, CHECK=True, BLOCK=4096, ALIGNED=True),
+                                   {**F64_SCALE, **F64_PARTIALS}),
     "segment sums": (l2norm_kernel._segment_sum_kernel, dict(BLOCK=1024)),
+    "segment sums fp64": (l2norm_kernel._segment_sum_kernel, dict(BLOCK=1024), F64_PARTIALS),
     "lamb stage 1 (fp16 params, L2)": (
         lamb_kernel._lamb_stage1_kernel,
         dict(P_DTYPE=F16, G_DTYPE=F16, L2_MODE=True, DECOUPLED=False, BLOCK=4096, ALIGNED=True)),
@@ -73,9 +82,9 @@ CASES = {
 def main() -> None:
     target = GPUTarget("cuda", int(sys.argv[1]) if len(sys.argv) > 1 else 90, 32)
     out = {}
-    for name, (fn, constexprs) in CASES.items():
+    for name, (fn, constexprs, *overrides) in CASES.items():
         try:
-            src = ASTSource(fn=fn, signature=signature(fn, constexprs), constexprs=constexprs)
+            src = ASTSource(fn=fn, signature=signature(fn, constexprs, *overrides), constexprs=constexprs)
             ptx = triton.compile(src, target=target, options={"num_warps": 8}).asm["ptx"]
             out[name] = {
                 "ok": True,

@@ -51,7 +51,7 @@ def test_bad_flags_and_scales(backend):
         unscale_and_check([torch.ones(2)], 1.0, 0.0)
     with pytest.raises(ValueError, match="inv_scale must be a Python float or a one-element floating tensor"):
         unscale_and_check([torch.ones(2)], torch.ones(2), torch.zeros(1))
-    with pytest.raises(ValueError, match="sq_norm must be a one-element float32 tensor"):
+    with pytest.raises(ValueError, match="sq_norm must be a one-element float32 or float64 tensor"):
         unscale_and_check([torch.ones(2)], 1.0, torch.zeros(1), sq_norm=torch.zeros(3))
 
 
