@@ -301,7 +301,6 @@ def test_soak_scaler_rejects_invalid_new_scale(bad):
     assert all(torch.isfinite(t).all() for t in run.tensors())
 
 
-@pytest.mark.xfail(strict=True, reason="needs amp O2 to give a param group added after amp.initialize fp32 masters")
 @pytest.mark.parametrize("optimizer", ["adam", "lamb"])
 def test_soak_o2_param_group_added_after_initialize(optimizer):
     """At O2 the optimizer steps fp32 masters only; a group added mid-run (an fp16 param, as the model's) must

@@ -137,14 +137,9 @@ def _later_loss_run(use_amp: bool):
     return grads, [p.detach().clone() for p in model.parameters()]
 
 
-def _fallback_marks():
-    # the kernel-level fix lives in fp16kit/kernels/fallback.py (issue 9, another branch)
-    return pytest.mark.xfail(strict=True, reason="needs the per-pair fallback fix (trust-kernels)")
-
-
 @pytest.mark.parametrize(
     "backend",
-    [pytest.param("torch", marks=_fallback_marks()), pytest.param("auto", marks=pytest.mark.interpreter)],
+    ["torch", pytest.param("auto", marks=pytest.mark.interpreter)],
     ids=["fallback", "interpreter"],
 )
 def test_o1_param_first_getting_a_grad_in_a_later_loss_matches_fp32(backend):

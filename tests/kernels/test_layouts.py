@@ -225,15 +225,8 @@ def test_autocast_weight_cache_sees_a_master_copy_into_the_weights(backend):
     assert float(before[0, 0]) == 16.0 and float(after[0, 0]) == 32.0
 
 
-OPTIM_BUMP = pytest.mark.xfail(
-    strict=True,
-    reason="fp16kit/kernels/adam_kernel.py (owned by the optim work) writes params without bumping _version; "
-    "remove this mark when launch_adam (or fp16kit.optim) calls torch.autograd.graph.increment_version",
-)
-
-
 @pytest.mark.parametrize(
-    "backend", [pytest.param("interpreter", marks=[pytest.mark.interpreter, OPTIM_BUMP]), "torch"]
+    "backend", [pytest.param("interpreter", marks=pytest.mark.interpreter), "torch"]
 )
 def test_autocast_weight_cache_sees_an_optimizer_step(backend):
     """The issue's scenario: ``optimizer.step()`` inside an autocast region must not leave the cache serving
