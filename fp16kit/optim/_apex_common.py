@@ -118,7 +118,8 @@ class ApexStateOptimizer(FusedOptimizer):
         if master is not None and (master.shape != p.shape or master.device != p.device):
             raise ValueError(
                 f"{self._name}: the fp32 master of params[{index}] has shape {tuple(master.shape)} on "
-                f"{master.device}, the param {tuple(p.shape)} on {p.device}; the state belongs to other params."
+                f"{master.device}, the param {tuple(p.shape)} on {p.device}: the optimizer state does not belong to "
+                f"these params. Load the state_dict saved for this model, or start fresh."
             )
 
     def _collect(self) -> list[ApexRows]:  # type: ignore[override]
