@@ -87,7 +87,7 @@ def adagrad_step_and_check(opt) -> None:
         for i, p in enumerate(items["params"]):
             p0, g = items["p"][i], items["g"][i]
             a = g.abs() + (0 if opt.adagrad_w_mode else wd) * p0.abs()
-            err_h = K * U32 * ref_h[i]  # a sum of non-negative terms: relative error
+            err_h = K * U32 * (h0[i] + a * a)  # d = g + wd p may cancel: its error is relative to |g| + wd|p|
             den = torch.sqrt(ref_h[i]) + eps
             upd = a / den
             # K roundings at |p| and at the update; the sqrt halves h's relative error: 1 + 0.5 K u relative
