@@ -10,7 +10,7 @@ the param, ``"scalar"`` for a one-element tensor) and fills it in ``_init_state`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
@@ -25,7 +25,7 @@ from . import functional as F
 from ._base import _LOW_PRECISION, FusedOptimizer
 from ._validate import _number, check_sparse_grad
 
-__all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "hparams64", "split_rows"]
+__all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hparams64", "split_rows"]
 
 F64 = torch.float64
 
@@ -101,26 +101,7 @@ class ApexStateOptimizer(FusedOptimizer):
         return state, False
 
     def _check_state(self, p: torch.Tensor, index: int, state: dict[str, Any]) -> None:
-        want_dtype = self._math_dtype(p)
-        for key, kind in self._state_spec.items():
-            t = state.get(key)
-            if t is None:
-                continue  # e.g. no momentum buffer for momentum=0; created when needed
-            shape = p.shape if kind == "param" else torch.Size([1])
-            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != want_dtype or t.device != p.device:
-                got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else repr(t)
-                raise ValueError(
-                    f"{self._name}: state[{key!r}] of params[{index}] is {got}, but a {tuple(p.shape)} {p.dtype} "
-                    f"param on {p.device} needs {tuple(shape)} {want_dtype} on {p.device}. The optimizer state "
-                    f"does not belong to these params: load the state_dict saved for this model, or start fresh."
-                )
-        master = state.get("master")
-        if master is not None and (master.shape != p.shape or master.device != p.device):
-            raise ValueError(
-                f"{self._name}: the fp32 master of params[{index}] has shape {tuple(master.shape)} on "
-                f"{master.device}, the param {tuple(p.shape)} on {p.device}: the optimizer state does not belong to "
-                f"these params. Load the state_dict saved for this model, or start fresh."
-            )
+        check_state(self._name, p, index, state, self._state_spec, self._math_dtype(p))
 
     def _collect(self) -> list[ApexRows]:  # type: ignore[override]
         out = []
@@ -144,6 +125,38 @@ class ApexStateOptimizer(FusedOptimizer):
                 rows.new.append(new)
             out.append(rows)
         return out
+
+
+def check_state(
+    fn: str,
+    p: torch.Tensor,
+    index: int | Callable[[], int],
+    state: dict[str, Any],
+    spec: dict[str, str],
+    dtype: torch.dtype,
+) -> None:
+    """An existing state must belong to ``p``: each ``spec`` key (``"param"``: shaped like ``p``, ``"scalar"``:
+    one element) of ``dtype`` on ``p``'s device, and an fp32 master (if any) shaped like ``p``. ``index`` (or a
+    callable giving it, evaluated only for the message) names the param."""
+    bad = None
+    for key, kind in spec.items():
+        t = state.get(key)
+        if t is None:
+            continue  # e.g. no momentum buffer for momentum=0; created when needed
+        shape = p.shape if kind == "param" else torch.Size([1])
+        if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != p.device:
+            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else repr(t)
+            bad = f"state[{key!r}] is {got}, but it must be {tuple(shape)} {dtype} on {p.device}"
+            break
+    master = state.get("master")
+    if bad is None and master is not None and (master.shape != p.shape or master.device != p.device):
+        bad = f"its fp32 master has shape {tuple(master.shape)} on {master.device}"
+    if bad is not None:
+        i = index() if callable(index) else index
+        raise ValueError(
+            f"{fn}: params[{i}] ({tuple(p.shape)} {p.dtype} on {p.device}): {bad}. The optimizer state does not "
+            f"belong to these params: load the state_dict saved for this model, or start fresh."
+        )
 
 
 def split_rows(

@@ -8,12 +8,14 @@ from typing import Any
 
 import torch
 
-from ._apex_common import check_lr
+from ._apex_common import ApexStateOptimizer, check_lr, check_state
 from .lamb import FusedLAMB
 
 __all__ = ["FusedMixedPrecisionLamb"]
 
 _REDUCED = (torch.float16, torch.bfloat16)
+_SPEC = {"exp_avg": "param", "exp_avg_sq": "param"}
+_math_dtype = ApexStateOptimizer._math_dtype
 
 
 class FusedMixedPrecisionLamb(FusedLAMB):
@@ -108,7 +110,10 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         self._group_step(group, device)
 
     def _state_for(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Masters only for params of ``reduced_precision_dtype`` (apex); others are updated in place."""
+        """Masters only for params of ``reduced_precision_dtype`` (apex); others are updated in place. An
+        existing state is checked against the param (a checkpoint of other params is refused)."""
+        if self.state[p]:
+            check_state(self._name, p, lambda: self._index_of(p), self.state[p], _SPEC, _math_dtype(p))
         if self.state[p] or not self.master_weights or p.dtype == self.reduced_precision_dtype:
             return super()._state_for(p)
         self.master_weights = False
@@ -116,6 +121,9 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             return super()._state_for(p)
         finally:
             self.master_weights = True
+
+    def _index_of(self, p: torch.Tensor) -> int:
+        return next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint (FusedLAMB's: saved dtypes kept); each group's ``lr`` tensor moves to its params'
