@@ -74,12 +74,12 @@ def _sgd_kernel(
             g = g + wd * p
         if MOMENTUM:
             m_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
-            if FIRST_RUN:
+            if FIRST_RUN:  # noqa: SIM108  (a compile-time branch: the buffer is not even loaded)
                 m = g
             else:
                 m = load_chunk(m_ptr, offs, mask, full) * momentum + one_minus_dampening * g
             store_chunk(m_ptr, offs, m, mask, full)
-            if NESTEROV:
+            if NESTEROV:  # noqa: SIM108  (a compile-time branch)
                 g = g + momentum * m
             else:
                 g = m

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -53,7 +53,9 @@ def check_lr(fn: str, lr: Any) -> None:
     raise TypeError(f"{fn}: lr must be a real number or a one-element floating tensor, got {lr!r}.")
 
 
-def hparams64(lr: Any, values: Sequence[float], device: torch.device, tail: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+def hparams64(
+    lr: Any, values: Sequence[float], device: torch.device, tail: Sequence[torch.Tensor] = ()
+) -> torch.Tensor:
     """float64 ``[lr, *values, *tail]`` on ``device`` (host constants cached, ``lr`` may be a device tensor)."""
     parts = [F._scalar64("lr", lr, device)]
     if values:
@@ -79,7 +81,7 @@ class ApexRows:
 class ApexStateOptimizer(FusedOptimizer):
     """``FusedOptimizer`` with a subclass-defined per-param state instead of Adam's moments."""
 
-    _state_spec: dict[str, str] = {}
+    _state_spec: ClassVar[dict[str, str]] = {}
 
     def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
         """Fill a new param's state (besides the master); state tensors use ``_math_dtype(p)``."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -51,7 +51,7 @@ class FusedAdagrad(ApexStateOptimizer):
     """
 
     _name = "FusedAdagrad"
-    _state_spec = {"sum": "param"}
+    _state_spec: ClassVar[dict[str, str]] = {"sum": "param"}
 
     def __init__(
         self,
@@ -75,7 +75,8 @@ class FusedAdagrad(ApexStateOptimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         fn = self._name
         check_lr(fn, group["lr"])
-        check_range(fn, "eps", group["eps"], low_open=True, hint=" (e.g. 1e-10; 0 turns never-updated entries into NaN)")
+        hint = " (e.g. 1e-10; 0 turns never-updated entries into NaN)"
+        check_range(fn, "eps", group["eps"], low_open=True, hint=hint)
         check_range(fn, "weight_decay", group["weight_decay"])
 
     def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:

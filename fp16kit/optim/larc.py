@@ -15,6 +15,11 @@ from ._apex_common import check_range
 __all__ = ["LARC"]
 
 
+def _delegated(name: str) -> property:
+    """A read-only attribute that is the wrapped optimizer's."""
+    return property(lambda self: getattr(self.optim, name), doc=f"The wrapped optimizer's ``{name}``.")
+
+
 class LARC(torch.optim.Optimizer):
     """LARC (You et al. 2017, https://arxiv.org/abs/1708.03888) as apex's ``apex.parallel.LARC``: rescales each
     param's gradient by a per-layer adaptive learning rate, then calls the wrapped optimizer's ``step``.
@@ -35,7 +40,8 @@ class LARC(torch.optim.Optimizer):
     inf/NaN and skips or reports the step (fp16kit's optimizers, a GradScaler) instead of writing NaN.
 
     ``LARC`` is a ``torch.optim.Optimizer`` whose ``param_groups``, ``state``, ``defaults``, ``state_dict``,
-    ``load_state_dict``, ``zero_grad`` and ``add_param_group`` are the wrapped optimizer's (as apex's), so
+    ``load_state_dict`` (and its hooks), ``zero_grad`` and ``add_param_group`` are the wrapped optimizer's (as
+    apex's), so
     ``GradScaler.step(larc)`` (which unscales the grads first), LR schedulers and amp accept it.
 
     Args:
@@ -84,6 +90,12 @@ class LARC(torch.optim.Optimizer):
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optim.defaults
+
+    # Checkpoint hooks (e.g. amp's master weights) are the wrapped optimizer's: its state_dict runs them.
+    _optimizer_state_dict_pre_hooks = _delegated("_optimizer_state_dict_pre_hooks")
+    _optimizer_state_dict_post_hooks = _delegated("_optimizer_state_dict_post_hooks")
+    _optimizer_load_state_dict_pre_hooks = _delegated("_optimizer_load_state_dict_pre_hooks")
+    _optimizer_load_state_dict_post_hooks = _delegated("_optimizer_load_state_dict_post_hooks")
 
     def state_dict(self) -> dict[str, Any]:
         return self.optim.state_dict()

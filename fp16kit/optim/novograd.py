@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -64,7 +64,7 @@ class FusedNovoGrad(ApexStateOptimizer):
     """
 
     _name = "FusedNovoGrad"
-    _state_spec = {"exp_avg": "param", "exp_avg_sq": "scalar"}
+    _state_spec: ClassVar[dict[str, str]] = {"exp_avg": "param", "exp_avg_sq": "scalar"}
 
     def __init__(
         self,
@@ -160,10 +160,7 @@ class FusedNovoGrad(ApexStateOptimizer):
             start = v_old
             if any(new) and not group["init_zero"]:
                 start = torch.where(torch.tensor(new, device=device), n, v_old)
-            if norm_type == 2:
-                v = (b2 * start * start + (1.0 - b2) * n * n).sqrt()
-            else:
-                v = b2 * start + (1.0 - b2) * n
+            v = (b2 * start * start + (1.0 - b2) * n * n).sqrt() if norm_type == 2 else b2 * start + (1.0 - b2) * n
             v = v.to(math)
             denoms = v.to(F64) / bc2 + float(group["eps"])
             # Commit v only for a step that is taken: a skipped step leaves the state bit for bit.

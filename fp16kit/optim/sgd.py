@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.optim.optimizer import required  # type: ignore[attr-defined]
@@ -59,7 +59,7 @@ class FusedSGD(ApexStateOptimizer):
     """
 
     _name = "FusedSGD"
-    _state_spec = {"momentum_buffer": "param"}
+    _state_spec: ClassVar[dict[str, str]] = {"momentum_buffer": "param"}
 
     def __init__(
         self,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
-from optim_helpers import K, U32, _stored_budget, _updated_tensor, assert_within
+from optim_helpers import U32, K, _stored_budget, _updated_tensor, assert_within
 
 from fp16kit.numerics import gamma
 from fp16kit.numerics.reference import adagrad_step, novograd_step, sgd_step

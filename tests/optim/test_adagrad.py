@@ -17,7 +17,7 @@ from apex_optim_helpers import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from optim_helpers import K, U32, assert_within, clone_params, make_params, set_grads
+from optim_helpers import U32, K, assert_within, clone_params, make_params, set_grads
 
 from fp16kit.kernels import use_backend
 from fp16kit.numerics import ulp
@@ -41,8 +41,9 @@ def _run_reference_check(shapes, dtype, seed, lr, eps, weight_decay, adagrad_w_m
     zp = (0,) if zero in ("param", "both") else ()
     zg = (0,) if zero in ("grad", "both") else ()
     params = make_params(shapes, dtype, seed, grad_scale=2.0**grad_exp, zero_params=zp, zero_grads=zg)
-    opt = FusedAdagrad(params, lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode,
-                       master_weights=master)
+    opt = FusedAdagrad(
+        params, lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode, master_weights=master
+    )
     for k in range(steps):
         adagrad_step_and_check(opt)
         set_grads(params, seed + k + 1, scale=2.0**grad_exp)

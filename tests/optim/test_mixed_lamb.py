@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from apex_optim_helpers import check_amp_o2, check_grad_scaler, check_nonfinite_grad_skips
-from apex_optim_helpers import check_state_dict_round_trip
+from apex_optim_helpers import check_amp_o2, check_grad_scaler, check_nonfinite_grad_skips, check_state_dict_round_trip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optim_helpers import assert_same_bits, bits, clone_params, lamb_step_and_check, make_params, set_grads
@@ -31,7 +30,11 @@ CONFIG = {
 def _run(shapes, dtype, reduced, seed, lr, weight_decay, max_grad_norm, start, grad_exp, steps):
     params = make_params(shapes, dtype, seed, grad_scale=2.0**grad_exp)
     opt = FusedMixedPrecisionLamb(
-        params, lr=lr, step=start, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+        params,
+        lr=lr,
+        step=start,
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
         reduced_precision_dtype=reduced,
     )
     for k in range(steps):
@@ -61,8 +64,16 @@ def test_same_bits_as_fused_lamb_master_weights(dtype):
     a = make_params([(9,), (4, 4)], dtype, 1)
     b = clone_params(a)
     mixed = FusedMixedPrecisionLamb(a, 2e-3, 0, True, (0.8, 0.99), 1e-5, 0.05, False, True, True, 0.5, True, dtype)
-    plain = FusedLAMB(b, lr=2e-3, betas=(0.8, 0.99), eps=1e-5, weight_decay=0.05, max_grad_norm=0.5,
-                      use_nvlamb=True, master_weights=True)
+    plain = FusedLAMB(
+        b,
+        lr=2e-3,
+        betas=(0.8, 0.99),
+        eps=1e-5,
+        weight_decay=0.05,
+        max_grad_norm=0.5,
+        use_nvlamb=True,
+        master_weights=True,
+    )
     for k in range(3):
         mixed.step()
         plain.step()
@@ -73,8 +84,9 @@ def test_same_bits_as_fused_lamb_master_weights(dtype):
 
 def test_device_lr_and_step_per_group():
     a, b = make_params([(5,)], torch.float16, 2), make_params([(3,)], torch.float16, 3)
-    opt = FusedMixedPrecisionLamb([{"params": a}, {"params": b}], lr=0.01, step=4,
-                                  reduced_precision_dtype=torch.float16)
+    opt = FusedMixedPrecisionLamb(
+        [{"params": a}, {"params": b}], lr=0.01, step=4, reduced_precision_dtype=torch.float16
+    )
     g0, g1 = opt.param_groups
     assert isinstance(g0["lr"], torch.Tensor) and g0["lr"].dtype == torch.float32
     assert g0["lr"] is not g1["lr"]  # each group its own tensor (apex clones tensor defaults)
@@ -98,9 +110,7 @@ def test_amp_o2():
 
 
 def test_state_dict_round_trip_and_mismatch():
-    check_state_dict_round_trip(
-        lambda ps: FusedMixedPrecisionLamb(ps, lr=0.01, reduced_precision_dtype=torch.bfloat16)
-    )
+    check_state_dict_round_trip(lambda ps: FusedMixedPrecisionLamb(ps, lr=0.01, reduced_precision_dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from apex_optim_helpers import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from optim_helpers import K, U32, assert_same_bits, assert_within, clone_params, make_params, set_grads
+from optim_helpers import U32, K, assert_same_bits, assert_within, clone_params, make_params, set_grads
 
 from fp16kit.kernels import use_backend
 from fp16kit.optim import FusedSGD
@@ -39,14 +39,35 @@ CONFIG = {
 }
 
 
-def _run_reference_check(shapes, dtype, seed, lr, momentum, dampening, nesterov, weight_decay, wd_after_momentum,
-                         master, grad_exp, zero, steps):
+def _run_reference_check(
+    shapes,
+    dtype,
+    seed,
+    lr,
+    momentum,
+    dampening,
+    nesterov,
+    weight_decay,
+    wd_after_momentum,
+    master,
+    grad_exp,
+    zero,
+    steps,
+):
     nesterov = nesterov and momentum > 0 and dampening == 0
     zp = (0,) if zero in ("param", "both") else ()
     zg = (0,) if zero in ("grad", "both") else ()
     params = make_params(shapes, dtype, seed, grad_scale=2.0**grad_exp, zero_params=zp, zero_grads=zg)
-    opt = FusedSGD(params, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
-                   weight_decay=weight_decay, wd_after_momentum=wd_after_momentum, master_weights=master)
+    opt = FusedSGD(
+        params,
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        wd_after_momentum=wd_after_momentum,
+        master_weights=master,
+    )
     for k in range(steps):
         sgd_step_and_check(opt)
         set_grads(params, seed + k + 1, scale=2.0**grad_exp)
