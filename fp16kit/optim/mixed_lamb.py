@@ -19,7 +19,7 @@ _math_dtype = ApexStateOptimizer._math_dtype
 
 
 class FusedMixedPrecisionLamb(FusedLAMB):
-    """apex's ``FusedMixedPrecisionLamb``: LAMB (:class:`fp16kit.optim.FusedLAMB`'s math, ``specs/lamb.md``) with
+    """apex's ``FusedMixedPrecisionLamb``: LAMB (:class:`fp16kit.optim.FusedLAMB`'s math, ``docs/optim.md``) with
     the learning rate and the step counter as device tensors, and fp32 masters for reduced-precision params.
 
     With ``reduced_precision_dtype`` set (``torch.float16`` or ``torch.bfloat16``), every param of that dtype
