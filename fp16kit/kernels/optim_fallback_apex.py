@@ -9,7 +9,9 @@ The ``found_inf`` skip follows ``optim_fallback.py``: on CPU the flag is read on
 and a clear flag runs the math *in place* on the params and state (no copies when they already have the math
 dtype); elsewhere the math runs on copies and is committed with ``torch.where(found_inf != 0, old, new)``,
 which keeps old values bit for bit even when the new ones are NaN. Each optimizer's math is written once
-(``_sgd_math``, ...) and runs on either kind of working list.
+(``math`` inside ``sgd_``, ...) and runs on either kind of working list; with host numbers the
+multiply-adds are torch's fused ``alpha=`` forms (``torch.optim.SGD``'s own sequence), with device scalars a
+multiply and an add.
 """
 
 from __future__ import annotations
@@ -62,6 +64,30 @@ def _neg(x: Scalar) -> Scalar:
     return -x
 
 
+def _scaled(grads: Sequence[torch.Tensor], dtype: torch.dtype, inv_scale: Scalar) -> list[torch.Tensor]:
+    """The grads in the math dtype times ``inv_scale``; without a scale on the host path, the grads themselves
+    (so callers only ever read the result, never write it in place)."""
+    g = _math(grads, dtype)
+    if not isinstance(inv_scale, torch.Tensor) and inv_scale == 1.0:
+        return g
+    return torch._foreach_mul(g, inv_scale)
+
+
+def _axpy(x: list[torch.Tensor], y: list[torch.Tensor], a: Scalar) -> list[torch.Tensor]:
+    """``x + a * y`` as new tensors: one fused pass for a host number, two for a device scalar."""
+    if isinstance(a, torch.Tensor):
+        return torch._foreach_add(x, torch._foreach_mul(y, a))
+    return torch._foreach_add(x, y, alpha=a)
+
+
+def _axpy_(x: list[torch.Tensor], y: list[torch.Tensor], a: Scalar) -> None:
+    """``x += a * y`` in place (see :func:`_axpy`)."""
+    if isinstance(a, torch.Tensor):
+        torch._foreach_add_(x, torch._foreach_mul(y, a))
+    else:
+        torch._foreach_add_(x, y, alpha=a)
+
+
 def sgd_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -80,23 +106,20 @@ def sgd_(
 
     def math(p: list[torch.Tensor], states: list[list[torch.Tensor]], s: list[Scalar]) -> None:
         lr, momentum, one_minus_dampening, wd, inv_scale = s
-        d = torch._foreach_mul(_math(grads, hp.dtype), inv_scale)  # a new list: grads are never written
+        d = _scaled(grads, hp.dtype, inv_scale)  # read only: may be the grads themselves
         if weight_decay and not wd_after_momentum:
-            torch._foreach_add_(d, torch._foreach_mul(p, wd))
+            d = _axpy(d, p, wd)
         if states:
             (m,) = states
             if first_run:
                 torch._foreach_copy_(m, d)
             else:
                 torch._foreach_mul_(m, momentum)
-                torch._foreach_add_(m, torch._foreach_mul(d, one_minus_dampening))
-            if nesterov:
-                torch._foreach_add_(d, torch._foreach_mul(m, momentum))
-            else:
-                d = m  # not modified in place below
+                _axpy_(m, d, one_minus_dampening)
+            d = _axpy(d, m, momentum) if nesterov else m
         if weight_decay and wd_after_momentum:
-            d = torch._foreach_add(d, torch._foreach_mul(p, wd))
-        torch._foreach_add_(p, torch._foreach_mul(d, _neg(lr)))
+            d = _axpy(d, p, wd)
+        _axpy_(p, d, _neg(lr))
 
     states = [] if momentum_buffers is None else [momentum_buffers]
     _run(params, states, models, hp, found_inf, host_branch, math)
@@ -119,16 +142,16 @@ def adagrad_(
     def math(p: list[torch.Tensor], states: list[list[torch.Tensor]], s: list[Scalar]) -> None:
         lr, eps, wd, inv_scale = s
         (h,) = states
-        d = torch._foreach_mul(_math(grads, hp.dtype), inv_scale)
+        d = _scaled(grads, hp.dtype, inv_scale)
         if l2_mode:
-            torch._foreach_add_(d, torch._foreach_mul(p, wd))
-        torch._foreach_add_(h, torch._foreach_mul(d, d))
+            d = _axpy(d, p, wd)
+        torch._foreach_addcmul_(h, d, d)
         denom = torch._foreach_sqrt(h)
         torch._foreach_add_(denom, eps)
-        torch._foreach_div_(d, denom)
+        u = torch._foreach_div(d, denom)
         if decoupled:
-            torch._foreach_add_(d, torch._foreach_mul(p, wd))
-        torch._foreach_add_(p, torch._foreach_mul(d, _neg(lr)))
+            _axpy_(u, p, wd)
+        _axpy_(p, u, _neg(lr))
 
     _run(params, [sums], models, hp, found_inf, host_branch, math)
 
@@ -152,17 +175,17 @@ def novograd_(
         lr, beta1, beta3, wd, bc1, inv_scale = s
         (m,) = states
         den = denoms.tolist() if isinstance(lr, float) else list(denoms.unbind())
-        d = torch._foreach_mul(_math(grads, hp.dtype), inv_scale)
+        d = _scaled(grads, hp.dtype, inv_scale)
         if reg_inside_moment:
-            torch._foreach_div_(d, den)
-            torch._foreach_add_(d, torch._foreach_mul(p, wd))
+            d = torch._foreach_div(d, den)
+            _axpy_(d, p, wd)
         torch._foreach_mul_(m, beta1)
-        torch._foreach_add_(m, torch._foreach_mul(d, beta3))
+        _axpy_(m, d, beta3)
         u = torch._foreach_div(m, bc1)
         if not reg_inside_moment:
             torch._foreach_div_(u, den)
-            torch._foreach_add_(u, torch._foreach_mul(p, wd))
-        torch._foreach_add_(p, torch._foreach_mul(u, _neg(lr)))
+            _axpy_(u, p, wd)
+        _axpy_(p, u, _neg(lr))
 
     _run(params, [exp_avgs], models, hp, found_inf, host_branch, math)
 

@@ -11,6 +11,7 @@ import torch
 from apex_optim_helpers import (
     adagrad_step_and_check,
     check_amp_o2,
+    check_edge_values,
     check_grad_scaler,
     check_nonfinite_grad_skips,
     check_state_dict_round_trip,
@@ -134,6 +135,15 @@ def test_never_updated_entries_stay_finite():
     p0 = params[0].detach().clone()
     FusedAdagrad(params, eps=1e-10).step()
     assert torch.equal(params[0].detach(), p0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
+def test_edge_values(dtype, backend):
+    """±0, subnormals, tiny and huge values (as params and grads), an all-zero gradient and an all-zero param:
+    finite results within budget of the float64 reference, on both backends."""
+    with use_backend(backend):
+        check_edge_values(lambda ps: FusedAdagrad(ps, lr=1e-3, weight_decay=1e-4), adagrad_step_and_check, dtype)
 
 
 def test_nonfinite_grad_skips():

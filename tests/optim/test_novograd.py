@@ -11,6 +11,7 @@ import pytest
 import torch
 from apex_optim_helpers import (
     check_amp_o2,
+    check_edge_values,
     check_grad_scaler,
     check_nonfinite_grad_skips,
     check_state_dict_round_trip,
@@ -133,6 +134,20 @@ def test_param_gaining_a_grad_later_starts_its_own_moment():
     b[0].grad = grad_b
     novograd_step_and_check(opt)
     novograd_step_and_check(opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("norm_type", [0, 2])
+def test_edge_values(dtype, backend, norm_type):
+    """±0, subnormals, tiny and huge values (as params and grads), an all-zero gradient and an all-zero param:
+    finite results within budget of the float64 reference, on both backends."""
+    with use_backend(backend):
+        check_edge_values(
+            lambda ps: FusedNovoGrad(ps, lr=1e-3, weight_decay=1e-4, norm_type=norm_type),
+            novograd_step_and_check,
+            dtype,
+        )
 
 
 def test_nonfinite_grad_skips():
