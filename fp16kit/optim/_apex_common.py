@@ -92,7 +92,8 @@ class ApexStateOptimizer(FusedOptimizer):
         return F64 if p.dtype == F64 else torch.float32
 
     def _state_for_group(self, p: torch.Tensor, index: int, group: dict[str, Any]) -> tuple[dict, bool]:
-        """The param's state, created on first use; an existing state is checked against the param."""
+        """``(state, new)``: the param's state, created on first use (``new``); an existing state is checked
+        against the param."""
         state = self.state[p]
         if not state:
             if self.master_weights and p.dtype in _LOW_PRECISION:
@@ -100,7 +101,16 @@ class ApexStateOptimizer(FusedOptimizer):
             self._init_state(p, state, group)
             return state, True
         self._check_state(p, index, state)
-        return state, False
+        # A checkpoint may lack some entries (apex's NovoGrad keeps its second moment in the group, torch's SGD
+        # may save ``momentum_buffer=None``): create them, and count the param as new for them.
+        if all(state.get(k) is not None for k in self._state_spec):
+            return state, False
+        fresh: dict[str, torch.Tensor] = {}
+        self._init_state(p, fresh, group)
+        missing = [k for k in fresh if state.get(k) is None]
+        for k in missing:
+            state[k] = fresh[k]
+        return state, bool(missing)
 
     def _check_state(self, p: torch.Tensor, index: int, state: dict[str, Any]) -> None:
         check_state(self._name, p, index, state, self._state_spec, self._math_dtype(p))

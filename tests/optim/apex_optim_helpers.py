@@ -36,7 +36,7 @@ def _snapshot(opt: torch.optim.Optimizer, keys: tuple[str, ...]) -> list[dict]:
             items["p"].append(_updated_tensor(opt, p).detach().to(F64, copy=True))
             items["g"].append(p.grad.detach().to(F64, copy=True))
             for k in keys:
-                items[k].append(state[k].to(F64, copy=True) if k in state else None)
+                items[k].append(state[k].to(F64, copy=True) if state.get(k) is not None else None)
         snap.append(items)
     return snap
 

@@ -182,3 +182,17 @@ def test_state_dict_round_trip_and_mismatch():
 def test_bad_input(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         FusedNovoGrad(make_params([(3,)], torch.float32, 0), **kwargs)
+
+
+def test_apex_checkpoint_without_per_param_moment():
+    """An apex checkpoint keeps v in the group, not per param: the per-param v starts again from the first
+    step's norm (as for a new param); the first moment is kept."""
+    params = make_params([(6,), (2, 3)], torch.float32, 9)
+    opt = FusedNovoGrad(params, weight_decay=0.01)
+    opt.step()
+    saved = opt.state_dict()
+    for s in saved["state"].values():
+        del s["exp_avg_sq"]
+    opt2 = FusedNovoGrad(clone_params(params), weight_decay=0.01)
+    opt2.load_state_dict(saved)
+    novograd_step_and_check(opt2)

@@ -244,3 +244,17 @@ def test_bad_group_override_and_sparse_grad():
     p.grad = torch.zeros(3, 2).to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
         FusedSGD([p], lr=0.1).step()
+
+
+def test_checkpoint_without_buffer_starts_one():
+    """A checkpoint whose momentum buffer is None (torch.optim.SGD saves that for a param stepped without
+    momentum): resuming with momentum creates the buffer (buffer = grad on its first use)."""
+    params = make_params([(4,), (2, 2)], torch.float32, 2)
+    opt = FusedSGD(params, lr=0.1, momentum=0.9)
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["momentum_buffer"] = None
+    opt2 = FusedSGD(clone_params(params), lr=0.1, momentum=0.9)
+    opt2.load_state_dict(saved)
+    sgd_step_and_check(opt2)
+    sgd_step_and_check(opt2)
