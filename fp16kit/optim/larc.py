@@ -116,7 +116,8 @@ class LARC(torch.optim.Optimizer):
 
     @torch.no_grad()
     def apply_adaptive_lr_(self) -> list[float]:
-        """Rewrite the grads as the class docstring says and return each group's weight_decay (set to 0)."""
+        """Rewrite the grads as the class docstring says and set every group's weight_decay to 0 (``step``
+        restores them after the wrapped optimizer's step); returns the weight decays it found."""
         weight_decays = []
         for group in self.optim.param_groups:
             wd = group.get("weight_decay", 0)
@@ -152,10 +153,14 @@ class LARC(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        weight_decays = self.apply_adaptive_lr_()
+        saved = [(group, group.get("weight_decay")) for group in self.optim.param_groups]
         try:
+            self.apply_adaptive_lr_()
             self.optim.step()
-        finally:
-            for group, wd in zip(self.optim.param_groups, weight_decays):
-                group["weight_decay"] = wd
+        finally:  # also after an error: the groups get their own weight decay back
+            for group, wd in saved:
+                if wd is None:
+                    group.pop("weight_decay", None)
+                else:
+                    group["weight_decay"] = wd
         return loss

@@ -192,3 +192,20 @@ def test_bad_input(kwargs, exc, match):
         LARC(torch.optim.SGD(make_params([(3,)], torch.float32, 0), lr=0.1), **kwargs)
     with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
         LARC([torch.zeros(3)])
+
+
+def test_weight_decay_restored_after_an_error():
+    """If the wrapped step raises, every group gets its own weight decay back (a group without one stays
+    without one)."""
+    a, b = make_params([(3,)], torch.float32, 9), make_params([(2,)], torch.float32, 10)
+
+    class Failing(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("boom")
+
+    inner = Failing([{"params": a, "weight_decay": 0.1}, {"params": b}], lr=0.1)
+    del inner.param_groups[1]["weight_decay"]
+    with pytest.raises(RuntimeError, match="boom"):
+        LARC(inner).step()
+    assert inner.param_groups[0]["weight_decay"] == 0.1
+    assert "weight_decay" not in inner.param_groups[1]
