@@ -10,7 +10,7 @@ the param, ``"scalar"`` for a one-element tensor) and fills it in ``_init_state`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any, ClassVar
@@ -25,7 +25,7 @@ from . import functional as F
 from ._base import _LOW_PRECISION, FusedOptimizer
 from ._validate import _number, check_sparse_grad
 
-__all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hparams64", "split_rows"]
+__all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hparams64", "split_rows", "widen_state"]
 
 F64 = torch.float64
 
@@ -115,6 +115,12 @@ class ApexStateOptimizer(FusedOptimizer):
     def _check_state(self, p: torch.Tensor, index: int, state: dict[str, Any]) -> None:
         check_state(self._name, p, index, state, self._state_spec, self._math_dtype(p))
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint (saved dtypes kept, see ``FusedOptimizer.load_state_dict``); fp16/bf16 state from
+        an apex checkpoint (apex keeps state in the param dtype) is widened to fp32, exactly."""
+        super().load_state_dict(state_dict)
+        widen_state(self, self._state_spec)
+
     def _collect(self) -> list[ApexRows]:  # type: ignore[override]
         out = []
         for group in self.param_groups:
@@ -137,6 +143,16 @@ class ApexStateOptimizer(FusedOptimizer):
                 rows.new.append(new)
             out.append(rows)
         return out
+
+
+def widen_state(optimizer: torch.optim.Optimizer, keys: Iterable[str]) -> None:
+    """State tensors ``keys`` stored in fp16/bf16 (apex's optimizers keep state in the param dtype) become fp32:
+    exact, and what fp16kit's kernels expect."""
+    for state in optimizer.state.values():
+        for key in keys:
+            t = state.get(key)
+            if isinstance(t, torch.Tensor) and t.dtype in _LOW_PRECISION:
+                state[key] = t.float()
 
 
 def check_state(

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ._apex_common import ApexStateOptimizer, check_lr, check_state
+from ._apex_common import ApexStateOptimizer, check_lr, check_state, widen_state
 from .lamb import FusedLAMB
 
 __all__ = ["FusedMixedPrecisionLamb"]
@@ -126,9 +126,10 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         return next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint (FusedLAMB's: saved dtypes kept); each group's ``lr`` tensor moves to its params'
-        device."""
+        """Load a checkpoint (FusedLAMB's: saved dtypes kept, fp16/bf16 moments of an apex checkpoint widened to
+        fp32); each group's ``lr`` tensor moves to its params' device."""
         super().load_state_dict(state_dict)
+        widen_state(self, _SPEC)  # apex keeps the moments of non-reduced params in the param dtype
         for group in self.param_groups:
             if group["params"] and isinstance(group["lr"], torch.Tensor):
                 group["lr"] = group["lr"].to(group["params"][0].device)

@@ -258,3 +258,19 @@ def test_checkpoint_without_buffer_starts_one():
     opt2.load_state_dict(saved)
     sgd_step_and_check(opt2)
     sgd_step_and_check(opt2)
+
+
+def test_apex_checkpoint_with_fp16_state_loads():
+    """apex keeps FusedSGD's buffers in the param dtype: an fp16 buffer is widened to fp32 on load (exactly),
+    instead of being refused as not belonging to the params."""
+    params = make_params([(5,)], torch.float16, 3)
+    opt = FusedSGD(params, lr=0.1, momentum=0.9)
+    opt.step()
+    saved = opt.state_dict()
+    buf = saved["state"][0]["momentum_buffer"].half()
+    saved["state"][0]["momentum_buffer"] = buf
+    opt2 = FusedSGD(clone_params(params), lr=0.1, momentum=0.9)
+    opt2.load_state_dict(saved)
+    state = next(iter(opt2.state.values()))
+    assert state["momentum_buffer"].dtype == torch.float32 and torch.equal(state["momentum_buffer"], buf.float())
+    sgd_step_and_check(opt2)
