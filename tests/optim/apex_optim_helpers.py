@@ -308,3 +308,49 @@ def check_state_dict_round_trip(make, dtype: torch.dtype = torch.bfloat16) -> No
     opt3.load_state_dict(saved)
     with pytest.raises(ValueError, match=r"params\[0\].*does not belong to these params"):
         opt3.step()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# compiling the kernels for a GPU without one (as tests/kernels/test_gpu_compile.py does for the others)
+
+_COMPILE = """
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, {kernels_dir!r})
+import aot_compile
+import triton.language as tl
+from fp16kit.kernels import {module}
+cases = {cases}
+aot_compile.CASES = {{
+    name: (getattr({module}, fn), {{k: getattr(tl, v) if v in ("float16", "bfloat16", "float32") else v
+                                    for k, v in constexprs.items()}})
+    for name, (fn, constexprs) in cases.items()
+}}
+aot_compile.main()
+"""
+
+
+def compile_for_sm90(module: str, cases: dict[str, tuple[str, dict]]) -> dict:
+    """Compile ``fp16kit.kernels.<module>`` kernels for sm_90 with ``tests/kernels/aot_compile.py`` in a
+    subprocess (Triton's interpreter mode is process-wide); ``cases``: name -> (kernel name, constexprs with
+    dtypes as ``"float16"``...). Returns aot_compile's JSON: per case ``ok`` and the 16-byte load/store counts."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("triton with its NVIDIA backend is not installed")
+    kernels_dir = str(Path(__file__).resolve().parent.parent / "kernels")
+    code = _COMPILE.format(kernels_dir=kernels_dir, module=module, cases=repr(cases))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    failed = {name: r["error"] for name, r in result.items() if not r["ok"]}
+    assert not failed, failed
+    return result

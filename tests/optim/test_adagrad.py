@@ -15,6 +15,7 @@ from apex_optim_helpers import (
     check_grad_scaler,
     check_nonfinite_grad_skips,
     check_state_dict_round_trip,
+    compile_for_sm90,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -180,3 +181,26 @@ def test_bad_input(kwargs, exc, match):
     opt = FusedAdagrad(make_params([(3,)], torch.float32, 0))
     with pytest.raises(exc, match=match):
         opt.add_param_group({"params": make_params([(2,)], torch.float32, 1), **kwargs})
+
+
+def test_kernel_compiles_for_sm90_with_vector_memory_ops():
+    """No GPU needed: the Adagrad kernel compiles for sm_90, and full chunks use 16-byte loads and stores."""
+    result = compile_for_sm90(
+        "adagrad_kernel",
+        {
+            "adagrad fp16, L2": (
+                "_adagrad_kernel",
+                {
+                    "P_DTYPE": "float16",
+                    "G_DTYPE": "float16",
+                    "MODEL_DTYPE": "float16",
+                    "HAS_MODEL": False,
+                    "L2_MODE": True,
+                    "DECOUPLED": False,
+                    "BLOCK": 4096,
+                    "ALIGNED": True,
+                },
+            ),
+        },
+    )
+    assert all(r["v4_loads"] > 0 and r["v4_stores"] > 0 for r in result.values()), result

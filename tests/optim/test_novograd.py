@@ -15,6 +15,7 @@ from apex_optim_helpers import (
     check_grad_scaler,
     check_nonfinite_grad_skips,
     check_state_dict_round_trip,
+    compile_for_sm90,
     novograd_step_and_check,
 )
 from hypothesis import given, settings
@@ -196,3 +197,27 @@ def test_apex_checkpoint_without_per_param_moment():
     opt2 = FusedNovoGrad(clone_params(params), weight_decay=0.01)
     opt2.load_state_dict(saved)
     novograd_step_and_check(opt2)
+
+
+def test_kernels_compile_for_sm90_with_vector_memory_ops():
+    """No GPU needed: the NovoGrad update and inf-norm kernels compile for sm_90 with 16-byte loads (and stores)."""
+    result = compile_for_sm90(
+        "novograd_kernel",
+        {
+            "novograd update fp32 -> bf16 model": (
+                "_novograd_kernel",
+                {
+                    "P_DTYPE": "float32",
+                    "G_DTYPE": "bfloat16",
+                    "MODEL_DTYPE": "bfloat16",
+                    "HAS_MODEL": True,
+                    "REG_INSIDE": False,
+                    "BLOCK": 4096,
+                    "ALIGNED": True,
+                },
+            ),
+            "novograd absmax fp16": ("_absmax_kernel", {"IN_DTYPE": "float16", "BLOCK": 4096, "ALIGNED": True}),
+        },
+    )
+    assert result["novograd update fp32 -> bf16 model"]["v4_stores"] > 0, result
+    assert all(r["v4_loads"] > 0 for r in result.values()), result
