@@ -12,6 +12,11 @@ _EXPORTS = {
     "FusedAdam": ".adam",
     "lamb_step_": ".functional",
     "adam_step_": ".functional",
+    "FusedSGD": ".sgd",
+    "FusedAdagrad": ".adagrad",
+    "FusedNovoGrad": ".novograd",
+    "FusedMixedPrecisionLamb": ".mixed_lamb",
+    "LARC": ".larc",
 }
 
 __all__ = sorted(_EXPORTS)

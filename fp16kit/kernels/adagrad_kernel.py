@@ -1,0 +1,116 @@
+"""Triton kernel and launcher: one Adagrad pass over many tensors (apex ``FusedAdagrad`` math).
+
+Address-table rows: ``0`` params (the fp32 master in master-weights mode), ``1`` grads, ``2`` sum of
+squared gradients (fp32), ``3`` model copy (row 0 again when there is none; never written then).
+
+Hyper-parameters come from ``hp``, a float32 device tensor (built by ``fp16kit.optim.adagrad``)::
+
+    hp = [lr, eps, weight_decay, inv_scale]
+
+Per element (fp32 math, each tensor read once and written once)::
+
+    g = g * inv_scale
+    if L2_MODE:     g = g + wd * p                       # adagrad_w_mode=False: L2 penalty in the gradient
+    h = h + g * g
+    u = g / (sqrt(h) + eps)
+    if DECOUPLED:   u = u + wd * p                       # adagrad_w_mode=True: decoupled decay
+    p = p + (-lr) * u
+
+``found_inf`` non-zero: zero loop iterations, nothing written. Divisions and square roots are the
+IEEE-rounded ``div_rn``/``sqrt_rn`` (plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
+from ._rounding import round_to, to_fp32
+from ._table import chunk_table, num_programs, triton_dtype
+
+
+@triton.jit
+def _adagrad_kernel(
+    ptrs,
+    num_tensors,
+    numels,
+    chunk_tensor,
+    chunk_start,
+    num_chunks,
+    hp_ptr,
+    found_inf_ptr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    MODEL_DTYPE: tl.constexpr,
+    HAS_MODEL: tl.constexpr,
+    L2_MODE: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    neg_lr = -tl.load(hp_ptr).to(tl.float32)
+    eps = tl.load(hp_ptr + 1).to(tl.float32)
+    wd = tl.load(hp_ptr + 2).to(tl.float32)
+    inv_scale = tl.load(hp_ptr + 3).to(tl.float32)
+    stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
+    for c in range(pid, stop, tl.num_programs(0)):
+        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
+        p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
+        g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
+        h_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
+        p = to_fp32(load_chunk(p_ptr, offs, mask, full))
+        g = to_fp32(load_chunk(g_ptr, offs, mask, full)) * inv_scale
+        h = load_chunk(h_ptr, offs, mask, full)
+        if L2_MODE:
+            g = g + wd * p
+        h = h + g * g
+        u = tl.div_rn(g, tl.sqrt_rn(h) + eps)
+        if DECOUPLED:
+            u = u + wd * p
+        p = p + neg_lr * u
+        store_chunk(h_ptr, offs, h, mask, full)
+        store_chunk(p_ptr, offs, round_to(p, P_DTYPE), mask, full)
+        if HAS_MODEL:
+            model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
+            store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
+
+
+def launch_adagrad(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    sums: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor] | None,
+    hp: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+) -> None:
+    """One Adagrad launch for contiguous, non-empty tensors of one dtype combination (fp32 sums)."""
+    table = chunk_table([params, grads, sums, params if models is None else models])
+    device = params[0].device
+    p_dtype = triton_dtype(params[0].dtype)
+    _adagrad_kernel[(num_programs(device, table.num_chunks),)](
+        table.ptrs,
+        table.num_tensors,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_start,
+        table.num_chunks,
+        hp,
+        found_inf,
+        P_DTYPE=p_dtype,
+        G_DTYPE=triton_dtype(grads[0].dtype),
+        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
+        HAS_MODEL=models is not None,
+        L2_MODE=l2_mode,
+        DECOUPLED=decoupled,
+        BLOCK=table.block,
+        ALIGNED=table.aligned,
+        num_warps=8,
+    )

@@ -1,0 +1,205 @@
+"""Torch fallbacks (``torch._foreach_*``) of the SGD, Adagrad and NovoGrad kernels: same contracts, same math.
+
+Used where Triton cannot run (CPU tensors without the interpreter, platforms without Triton) and for rows the
+kernels do not take (non-contiguous, float64). ``hp`` is the hyper-parameter tensor described in
+``sgd_kernel.py`` / ``adagrad_kernel.py`` / ``novograd_kernel.py``; its dtype is the math dtype (float32, or
+float64 for float64 params).
+
+The ``found_inf`` skip follows ``optim_fallback.py``: on CPU the flag is read on the host (no queue to drain)
+and a clear flag runs the math *in place* on the params and state (no copies when they already have the math
+dtype); elsewhere the math runs on copies and is committed with ``torch.where(found_inf != 0, old, new)``,
+which keeps old values bit for bit even when the new ones are NaN. Each optimizer's math is written once
+(``math`` inside ``sgd_``, ...) and runs on either kind of working list; with host numbers the
+multiply-adds are torch's fused ``alpha=`` forms (``torch.optim.SGD``'s own sequence), with device scalars a
+multiply and an add.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .optim_fallback import _commit, _math, _skip, _write_params
+
+__all__ = ["adagrad_", "novograd_", "per_tensor_norms", "sgd_"]
+
+Scalar = float | torch.Tensor
+
+
+def _scalars(hp: torch.Tensor, skip: bool | torch.Tensor) -> list[Scalar]:
+    """Host numbers on the host path (reading a CPU tensor costs no sync), 0-dim device tensors otherwise."""
+    return hp.tolist() if skip is False else list(hp.unbind())
+
+
+def _run(
+    params: Sequence[torch.Tensor],
+    states: Sequence[Sequence[torch.Tensor]],
+    models: Sequence[torch.Tensor | None],
+    hp: torch.Tensor,
+    found_inf: torch.Tensor,
+    host_branch: bool | None,
+    math,
+) -> None:
+    """Run ``math(p, states, scalars)`` on working lists and commit them (see the module docstring)."""
+    if not params:
+        return
+    skip = _skip(found_inf, host_branch)
+    if skip is True:
+        return
+    if skip is False:
+        p = _math(params, hp.dtype)  # aliases the params when they already have the math dtype
+        math(p, [list(s) for s in states], _scalars(hp, skip))
+        _write_params(params, models, p, False)
+        return
+    p = [t.to(hp.dtype, copy=True) for t in params]
+    work = [[t.clone() for t in s] for s in states]
+    math(p, work, _scalars(hp, skip))
+    for dst, new in zip(states, work):
+        _commit(dst, new, skip)
+    _write_params(params, models, p, skip)
+
+
+def _neg(x: Scalar) -> Scalar:
+    return -x
+
+
+def _scaled(grads: Sequence[torch.Tensor], dtype: torch.dtype, inv_scale: Scalar) -> list[torch.Tensor]:
+    """The grads in the math dtype times ``inv_scale``; without a scale on the host path, the grads themselves
+    (so callers only ever read the result, never write it in place)."""
+    g = _math(grads, dtype)
+    if not isinstance(inv_scale, torch.Tensor) and inv_scale == 1.0:
+        return g
+    return torch._foreach_mul(g, inv_scale)
+
+
+def _axpy(x: list[torch.Tensor], y: list[torch.Tensor], a: Scalar) -> list[torch.Tensor]:
+    """``x + a * y`` as new tensors: one fused pass for a host number, two for a device scalar."""
+    if isinstance(a, torch.Tensor):
+        return torch._foreach_add(x, torch._foreach_mul(y, a))
+    return torch._foreach_add(x, y, alpha=a)
+
+
+def _axpy_(x: list[torch.Tensor], y: list[torch.Tensor], a: Scalar) -> None:
+    """``x += a * y`` in place (see :func:`_axpy`)."""
+    if isinstance(a, torch.Tensor):
+        torch._foreach_add_(x, torch._foreach_mul(y, a))
+    else:
+        torch._foreach_add_(x, y, alpha=a)
+
+
+def sgd_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor] | None,
+    models: Sequence[torch.Tensor | None],
+    hp: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    weight_decay: bool,
+    wd_after_momentum: bool,
+    nesterov: bool,
+    first_run: bool,
+    host_branch: bool | None = None,
+) -> None:
+    """One SGD step (see ``sgd_kernel.py`` for the math); ``momentum_buffers=None`` is SGD without momentum."""
+
+    def math(p: list[torch.Tensor], states: list[list[torch.Tensor]], s: list[Scalar]) -> None:
+        lr, momentum, one_minus_dampening, wd, inv_scale = s
+        d = _scaled(grads, hp.dtype, inv_scale)  # read only: may be the grads themselves
+        if weight_decay and not wd_after_momentum:
+            d = _axpy(d, p, wd)
+        if states:
+            (m,) = states
+            if first_run:
+                torch._foreach_copy_(m, d)
+            else:
+                torch._foreach_mul_(m, momentum)
+                _axpy_(m, d, one_minus_dampening)
+            d = _axpy(d, m, momentum) if nesterov else m
+        if weight_decay and wd_after_momentum:
+            d = _axpy(d, p, wd)
+        _axpy_(p, d, _neg(lr))
+
+    states = [] if momentum_buffers is None else [momentum_buffers]
+    _run(params, states, models, hp, found_inf, host_branch, math)
+
+
+def adagrad_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    sums: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+    host_branch: bool | None = None,
+) -> None:
+    """One Adagrad step (see ``adagrad_kernel.py`` for the math)."""
+
+    def math(p: list[torch.Tensor], states: list[list[torch.Tensor]], s: list[Scalar]) -> None:
+        lr, eps, wd, inv_scale = s
+        (h,) = states
+        d = _scaled(grads, hp.dtype, inv_scale)
+        if l2_mode:
+            d = _axpy(d, p, wd)
+        torch._foreach_addcmul_(h, d, d)
+        denom = torch._foreach_sqrt(h)
+        torch._foreach_add_(denom, eps)
+        u = torch._foreach_div(d, denom)
+        if decoupled:
+            _axpy_(u, p, wd)
+        _axpy_(p, u, _neg(lr))
+
+    _run(params, [sums], models, hp, found_inf, host_branch, math)
+
+
+def novograd_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp: torch.Tensor,
+    denoms: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    reg_inside_moment: bool,
+    host_branch: bool | None = None,
+) -> None:
+    """The elementwise NovoGrad step (see ``novograd_kernel.py``); ``denoms`` is the per-tensor
+    ``v / bc2 + eps`` vector (math dtype), in the order of ``params``."""
+
+    def math(p: list[torch.Tensor], states: list[list[torch.Tensor]], s: list[Scalar]) -> None:
+        lr, beta1, beta3, wd, bc1, inv_scale = s
+        (m,) = states
+        den = denoms.tolist() if isinstance(lr, float) else list(denoms.unbind())
+        d = _scaled(grads, hp.dtype, inv_scale)
+        if reg_inside_moment:
+            d = torch._foreach_div(d, den)
+            _axpy_(d, p, wd)
+        torch._foreach_mul_(m, beta1)
+        _axpy_(m, d, beta3)
+        u = torch._foreach_div(m, bc1)
+        if not reg_inside_moment:
+            torch._foreach_div_(u, den)
+            _axpy_(u, p, wd)
+        _axpy_(p, u, _neg(lr))
+
+    _run(params, [exp_avgs], models, hp, found_inf, host_branch, math)
+
+
+def per_tensor_norms(
+    tensors: Sequence[torch.Tensor], norm_type: int, pre_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Each tensor's L2 (``norm_type=2``) or inf-norm (``0``) of ``x * pre_scale``, as a ``dtype`` [N] vector.
+
+    The norm is taken of the unscaled values and multiplied by ``pre_scale`` afterwards: equal to the norm
+    of ``x * pre_scale`` for the inf-norm (rounding is monotonic) and within one rounding for the L2 norm.
+    """
+    if norm_type == 2:
+        norms = torch._foreach_norm(list(tensors), 2, dtype=dtype)
+    else:
+        norms = [n.to(dtype) for n in torch._foreach_norm(list(tensors), float("inf"))]
+    return torch.stack(norms) * pre_scale.reshape(()).to(dtype)

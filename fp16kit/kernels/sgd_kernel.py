@@ -1,0 +1,135 @@
+"""Triton kernel and launcher: one SGD pass over many tensors (apex ``FusedSGD`` math, ``torch.optim.SGD`` order).
+
+Address-table rows: ``0`` params (the fp32 master in master-weights mode), ``1`` grads, ``2`` momentum
+buffers (fp32; row 0 again when ``MOMENTUM`` is off, never read then), ``3`` model copy (row 0 again when
+there is none; never written then).
+
+Hyper-parameters come from ``hp``, a float32 device tensor (built by ``fp16kit.optim.sgd``)::
+
+    hp = [lr, momentum, 1 - dampening, weight_decay, inv_scale]
+
+Per element (fp32 math, each tensor read once and written once)::
+
+    g = g * inv_scale
+    if WD and not WD_AFTER:   g = g + wd * p
+    if MOMENTUM:
+        m = g                                       if FIRST_RUN (apex/torch: buffer = grad on first use)
+        m = m * momentum + (1 - dampening) * g      otherwise
+        g = g + momentum * m                        if NESTEROV, else g = m
+    if WD and WD_AFTER:       g = g + wd * p        # apex's wd_after_momentum
+    p = p + (-lr) * g
+
+``found_inf`` non-zero: zero loop iterations, nothing written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
+from ._rounding import round_to, to_fp32
+from ._table import chunk_table, num_programs, triton_dtype
+
+
+@triton.jit
+def _sgd_kernel(
+    ptrs,
+    num_tensors,
+    numels,
+    chunk_tensor,
+    chunk_start,
+    num_chunks,
+    hp_ptr,
+    found_inf_ptr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    MODEL_DTYPE: tl.constexpr,
+    HAS_MODEL: tl.constexpr,
+    WD: tl.constexpr,
+    WD_AFTER: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    FIRST_RUN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    neg_lr = -tl.load(hp_ptr).to(tl.float32)
+    momentum = tl.load(hp_ptr + 1).to(tl.float32)
+    one_minus_dampening = tl.load(hp_ptr + 2).to(tl.float32)
+    wd = tl.load(hp_ptr + 3).to(tl.float32)
+    inv_scale = tl.load(hp_ptr + 4).to(tl.float32)
+    stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
+    for c in range(pid, stop, tl.num_programs(0)):
+        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
+        p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
+        g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
+        p = to_fp32(load_chunk(p_ptr, offs, mask, full))
+        g = to_fp32(load_chunk(g_ptr, offs, mask, full)) * inv_scale
+        if WD and not WD_AFTER:
+            g = g + wd * p
+        if MOMENTUM:
+            m_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
+            if FIRST_RUN:  # noqa: SIM108  (a compile-time branch: the buffer is not even loaded)
+                m = g
+            else:
+                m = load_chunk(m_ptr, offs, mask, full) * momentum + one_minus_dampening * g
+            store_chunk(m_ptr, offs, m, mask, full)
+            if NESTEROV:  # noqa: SIM108  (a compile-time branch)
+                g = g + momentum * m
+            else:
+                g = m
+        if WD and WD_AFTER:
+            g = g + wd * p
+        p = p + neg_lr * g
+        store_chunk(p_ptr, offs, round_to(p, P_DTYPE), mask, full)
+        if HAS_MODEL:
+            model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
+            store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
+
+
+def launch_sgd(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor] | None,
+    models: Sequence[torch.Tensor] | None,
+    hp: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    weight_decay: bool,
+    wd_after_momentum: bool,
+    nesterov: bool,
+    first_run: bool,
+) -> None:
+    """One SGD launch for contiguous, non-empty tensors of one dtype combination (fp32 momentum buffers, or
+    ``None`` for plain SGD without momentum)."""
+    rows = [params, grads, params if momentum_buffers is None else momentum_buffers]
+    table = chunk_table([*rows, params if models is None else models])
+    device = params[0].device
+    p_dtype = triton_dtype(params[0].dtype)
+    _sgd_kernel[(num_programs(device, table.num_chunks),)](
+        table.ptrs,
+        table.num_tensors,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_start,
+        table.num_chunks,
+        hp,
+        found_inf,
+        P_DTYPE=p_dtype,
+        G_DTYPE=triton_dtype(grads[0].dtype),
+        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
+        HAS_MODEL=models is not None,
+        WD=weight_decay,
+        WD_AFTER=wd_after_momentum,
+        MOMENTUM=momentum_buffers is not None,
+        NESTEROV=nesterov,
+        FIRST_RUN=first_run,
+        BLOCK=table.block,
+        ALIGNED=table.aligned,
+        num_warps=8,
+    )

@@ -1,0 +1,234 @@
+"""What FusedSGD, FusedAdagrad and FusedNovoGrad share on top of ``FusedOptimizer`` (``_base.py``): their own
+per-param state (checked against the params), row collection, hyper-parameter checks, and the split of rows
+between the Triton kernels and the torch fallback.
+
+``FusedOptimizer.step`` runs unchanged: one check pass over the grads (raising ``found_inf`` on inf/NaN,
+unscaling by ``grad_scale`` under a GradScaler), then ``_update_group`` per group, a no-op on the device when
+``found_inf`` is set. A subclass names its state (``_state_spec``: key -> ``"param"`` for a tensor shaped like
+the param, ``"scalar"`` for a one-element tensor) and fills it in ``_init_state``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any, ClassVar
+
+import torch
+
+from fp16kit.kernels._checks import KERNEL_DTYPES
+from fp16kit.kernels._table import group_by
+from fp16kit.kernels.backend import Backend, select_backend
+
+from . import functional as F
+from ._base import _LOW_PRECISION, FusedOptimizer
+from ._validate import _number, check_sparse_grad
+
+__all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hparams64", "split_rows", "widen_state"]
+
+F64 = torch.float64
+
+
+def check_range(fn: str, name: str, value: Any, *, low: float = 0.0, low_open: bool = False, hint: str = "") -> float:
+    """``value`` as a float, finite and ``>= low`` (``> low`` when ``low_open``); a clear error otherwise."""
+    number = _number(fn, name, value)
+    if number is None:
+        raise ValueError(f"{fn}: {name} must be a Python number here, got a tensor {value!r}.")
+    ok = number > low if low_open else number >= low
+    if not (ok and number < float("inf")):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise ValueError(f"{fn}: invalid {name}={value!r}; it must be a finite number {bound}{hint}.")
+    return number
+
+
+def check_lr(fn: str, lr: Any) -> None:
+    """A float lr >= 0 (finite), or a one-element floating tensor (on the device: not read, no sync)."""
+    if isinstance(lr, torch.Tensor):
+        _number(fn, "lr", lr)
+        return
+    if isinstance(lr, Real) and not isinstance(lr, bool):
+        check_range(fn, "learning rate lr", lr)
+        return
+    raise TypeError(f"{fn}: lr must be a real number or a one-element floating tensor, got {lr!r}.")
+
+
+def hparams64(
+    lr: Any, values: Sequence[float], device: torch.device, tail: Sequence[torch.Tensor] = ()
+) -> torch.Tensor:
+    """float64 ``[lr, *values, *tail]`` on ``device`` (host constants cached, ``lr`` may be a device tensor)."""
+    parts = [F._scalar64("lr", lr, device)]
+    if values:
+        parts.append(F._constant(tuple(float(v) for v in values), device))
+    parts += [t.reshape(1).to(F64) for t in tail]
+    return torch.cat(parts)
+
+
+@dataclass
+class ApexRows:
+    """One group's tensors paired by position (params with a grad only)."""
+
+    params: list[torch.Tensor] = field(default_factory=list)  # fp32 masters in master-weights mode
+    grads: list[torch.Tensor] = field(default_factory=list)
+    states: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    models: list[torch.Tensor | None] = field(default_factory=list)
+    new: list[bool] = field(default_factory=list)  # state created in this step
+
+    def state(self, key: str) -> list[torch.Tensor]:
+        return [s[key] for s in self.states]
+
+
+class ApexStateOptimizer(FusedOptimizer):
+    """``FusedOptimizer`` with a subclass-defined per-param state instead of Adam's moments."""
+
+    _state_spec: ClassVar[dict[str, str]] = {}
+
+    def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
+        """Fill a new param's state (besides the master); state tensors use ``_math_dtype(p)``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _math_dtype(p: torch.Tensor) -> torch.dtype:
+        return F64 if p.dtype == F64 else torch.float32
+
+    def _state_for_group(self, p: torch.Tensor, index: int, group: dict[str, Any]) -> tuple[dict, bool]:
+        """``(state, new)``: the param's state, created on first use (``new``); an existing state is checked
+        against the param."""
+        state = self.state[p]
+        if not state:
+            if self.master_weights and p.dtype in _LOW_PRECISION:
+                state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            self._init_state(p, state, group)
+            return state, True
+        self._check_state(p, index, state)
+        # A checkpoint may lack some entries (apex's NovoGrad keeps its second moment in the group, torch's SGD
+        # may save ``momentum_buffer=None``): create them, and count the param as new for them.
+        if all(state.get(k) is not None for k in self._state_spec):
+            return state, False
+        fresh: dict[str, torch.Tensor] = {}
+        self._init_state(p, fresh, group)
+        missing = [k for k in fresh if state.get(k) is None]
+        for k in missing:
+            state[k] = fresh[k]
+        return state, bool(missing)
+
+    def _check_state(self, p: torch.Tensor, index: int, state: dict[str, Any]) -> None:
+        check_state(self._name, p, index, state, self._state_spec, self._math_dtype(p))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint (saved dtypes kept, see ``FusedOptimizer.load_state_dict``); fp16/bf16 state from
+        an apex checkpoint (apex keeps state in the param dtype) is widened to fp32, exactly."""
+        super().load_state_dict(state_dict)
+        widen_state(self, self._state_spec)
+
+    def _collect(self) -> list[ApexRows]:  # type: ignore[override]
+        out = []
+        for group in self.param_groups:
+            rows = ApexRows()
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                check_sparse_grad(self._name, i, p.grad)
+                if p.grad.shape != p.shape:
+                    raise ValueError(
+                        f"{self._name}: the gradient of params[{i}] has shape {tuple(p.grad.shape)} but the param "
+                        f"{tuple(p.shape)}."
+                    )
+                state, new = self._state_for_group(p, i, group)
+                master = state.get("master")
+                rows.params.append(p if master is None else master)
+                rows.models.append(None if master is None else p)
+                rows.grads.append(p.grad)
+                rows.states.append(state)
+                rows.new.append(new)
+            out.append(rows)
+        return out
+
+
+def widen_state(optimizer: torch.optim.Optimizer, keys: Iterable[str]) -> None:
+    """State tensors ``keys`` stored in fp16/bf16 (apex's optimizers keep state in the param dtype) become fp32:
+    exact, and what fp16kit's kernels expect."""
+    for state in optimizer.state.values():
+        for key in keys:
+            t = state.get(key)
+            if isinstance(t, torch.Tensor) and t.dtype in _LOW_PRECISION:
+                state[key] = t.float()
+
+
+def check_state(
+    fn: str,
+    p: torch.Tensor,
+    index: int | Callable[[], int],
+    state: dict[str, Any],
+    spec: dict[str, str],
+    dtype: torch.dtype,
+) -> None:
+    """An existing state must belong to ``p``: each ``spec`` key (``"param"``: shaped like ``p``, ``"scalar"``:
+    one element) of ``dtype`` on ``p``'s device, and an fp32 master (if any) shaped like ``p``. ``index`` (or a
+    callable giving it, evaluated only for the message) names the param."""
+    bad = None
+    for key, kind in spec.items():
+        t = state.get(key)
+        if t is None:
+            continue  # e.g. no momentum buffer for momentum=0; created when needed
+        shape = p.shape if kind == "param" else torch.Size([1])
+        if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != p.device:
+            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else repr(t)
+            bad = f"state[{key!r}] is {got}, but it must be {tuple(shape)} {dtype} on {p.device}"
+            break
+    master = state.get("master")
+    if bad is None and master is not None and (master.shape != p.shape or master.device != p.device):
+        bad = f"its fp32 master has shape {tuple(master.shape)} on {master.device}"
+    if bad is not None:
+        i = index() if callable(index) else index
+        raise ValueError(
+            f"{fn}: params[{i}] ({tuple(p.shape)} {p.dtype} on {p.device}): {bad}. The optimizer state does not "
+            f"belong to these params: load the state_dict saved for this model, or start fresh."
+        )
+
+
+def split_rows(
+    device: torch.device,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    states: Sequence[Sequence[torch.Tensor]],
+    models: Sequence[torch.Tensor | None],
+    extra_keys: Sequence[object] | None = None,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Row indices for the kernels (grouped by dtype combination and ``extra_keys[i]``) and for the fallback
+    (grouped by math dtype and ``extra_keys[i]``). A row goes to the kernels when the backend allows it and all
+    its tensors are contiguous fp16/bf16/fp32 with fp32 state; empty tensors go to the fallback (a no-op there)."""
+    use_kernels = select_backend(device).backend is not Backend.TORCH
+    kernel_keys: list[object] = []
+    kernel_rows: list[int] = []
+    rest_keys: list[object] = []
+    rest_rows: list[int] = []
+    for i, (p, g, model) in enumerate(zip(params, grads, models)):
+        row_states = [s[i] for s in states]
+        extra = None if extra_keys is None else extra_keys[i]
+        tensors = [p, g, *row_states] + ([] if model is None else [model])
+        ok = (
+            use_kernels
+            and p.numel() > 0
+            and all(s.dtype == torch.float32 for s in row_states)
+            and all(t.dtype in KERNEL_DTYPES and t.is_contiguous() for t in tensors)
+        )
+        if ok:
+            kernel_rows.append(i)
+            kernel_keys.append((p.dtype, g.dtype, None if model is None else model.dtype, extra))
+        else:
+            rest_rows.append(i)
+            rest_keys.append((F64 if p.dtype == F64 else torch.float32, extra))
+    kernel_groups = [[kernel_rows[j] for j in idx] for idx in group_by(kernel_keys).values()]
+    rest_groups = [[rest_rows[j] for j in idx] for idx in group_by(rest_keys).values()]
+    return kernel_groups, rest_groups
+
+
+def pick(tensors: Sequence[Any], rows: list[int]) -> list[Any]:
+    return [tensors[i] for i in rows]
+
+
+def models_or_none(models: Sequence[torch.Tensor | None], rows: list[int]) -> list[torch.Tensor] | None:
+    """The model copies of a kernel group (all present or all absent: the dtype key includes the model)."""
+    chosen = pick(models, rows)
+    return None if chosen[0] is None else chosen

@@ -1,0 +1,120 @@
+"""``FusedAdagrad``: apex's FusedAdagrad (same constructor, same math) on one multi-tensor Triton pass per dtype."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+
+from fp16kit.kernels import optim_fallback_apex as fallback
+
+from ._apex_common import (
+    ApexRows,
+    ApexStateOptimizer,
+    check_lr,
+    check_range,
+    hparams64,
+    models_or_none,
+    pick,
+    split_rows,
+)
+
+__all__ = ["FusedAdagrad"]
+
+
+class FusedAdagrad(ApexStateOptimizer):
+    """Adagrad as apex's ``FusedAdagrad``; with ``adagrad_w_mode=False`` (default) also ``torch.optim.Adagrad``
+    (``lr_decay=0``, ``initial_accumulator_value=0``).
+
+    Per param, with ``g`` the (unscaled) gradient and ``h`` the running sum of squares (state ``"sum"``)::
+
+        if not adagrad_w_mode: g = g + wd * p          # L2 penalty in the gradient
+        h = h + g * g
+        u = g / (sqrt(h) + eps)
+        if adagrad_w_mode: u = u + wd * p              # decoupled decay
+        p = p - lr * u
+
+    One fused pass reads g, p, h and writes p, h (and the rounded model copy in master-weights mode), after a
+    read-only check pass over the grads that detects inf/NaN (a step with a non-finite grad is skipped).
+    ``h`` is fp32 for fp16/bf16 params (fp64 for fp64 params).
+
+    Args:
+        params: parameters or param groups (groups may override lr, eps, weight_decay).
+        lr: learning rate, a float or a one-element device tensor.
+        eps: added to ``sqrt(h)``; must be > 0 (an entry whose gradient has always been 0 has ``h = 0``, and
+            ``eps = 0`` would turn it into 0/0 = NaN: apex and torch write that NaN into the weights).
+        weight_decay: L2 penalty (``adagrad_w_mode=False``) or decoupled decay (``True``).
+        set_grad_none: ``zero_grad()`` sets grads to None (apex's default) instead of zeroing them.
+        adagrad_w_mode: decoupled (AdamW-style) weight decay.
+        master_weights, on_nonfinite: as in :class:`fp16kit.optim.FusedLAMB`.
+    """
+
+    _name = "FusedAdagrad"
+    _state_spec: ClassVar[dict[str, str]] = {"sum": "param"}
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-2,
+        eps: float = 1e-10,
+        weight_decay: float = 0.0,
+        set_grad_none: bool = True,
+        adagrad_w_mode: bool = False,
+        *,
+        master_weights: bool = False,
+        on_nonfinite: str = "warn",
+    ) -> None:
+        defaults = {"lr": lr, "eps": eps, "weight_decay": weight_decay}
+        self._check_group(defaults)
+        self.adagrad_w_mode = bool(adagrad_w_mode)
+        super().__init__(
+            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
+        )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        fn = self._name
+        check_lr(fn, group["lr"])
+        hint = " (e.g. 1e-10; 0 turns never-updated entries into NaN)"
+        check_range(fn, "eps", group["eps"], low_open=True, hint=hint)
+        check_range(fn, "weight_decay", group["weight_decay"])
+
+    def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
+        state["sum"] = torch.zeros_like(p, dtype=self._math_dtype(p), memory_format=torch.contiguous_format)
+
+    def _update_group(
+        self,
+        group: dict[str, Any],
+        rows: ApexRows,  # type: ignore[override]
+        step: torch.Tensor,
+        inv_scale64: torch.Tensor,
+        found_inf: torch.Tensor,
+        grad_norm: torch.Tensor,
+    ) -> None:
+        if not rows.params:
+            return
+        device = rows.params[0].device
+        wd = float(group["weight_decay"])
+        hp64 = hparams64(group["lr"], (float(group["eps"]), wd), device, (inv_scale64,))
+        sums = rows.state("sum")
+        modes = {"l2_mode": not self.adagrad_w_mode and wd != 0, "decoupled": self.adagrad_w_mode and wd != 0}
+        kernel_groups, rest_groups = split_rows(device, rows.params, rows.grads, [sums], rows.models)
+        flag = found_inf.reshape(1)
+        if kernel_groups:
+            from fp16kit.kernels.adagrad_kernel import launch_adagrad
+
+            hp32 = hp64.float()
+            for idx in kernel_groups:
+                launch_adagrad(
+                    pick(rows.params, idx),
+                    pick(rows.grads, idx),
+                    pick(sums, idx),
+                    models_or_none(rows.models, idx),
+                    hp32,
+                    flag,
+                    **modes,
+                )
+        for idx in rest_groups:
+            params = pick(rows.params, idx)
+            hp = hp64 if params[0].dtype == torch.float64 else hp64.float()
+            fallback.adagrad_(params, pick(rows.grads, idx), pick(sums, idx), pick(rows.models, idx), hp, flag, **modes)

@@ -1,0 +1,188 @@
+"""``FusedNovoGrad``: apex's FusedNovoGrad (same constructor, same math) on multi-tensor Triton kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+
+from fp16kit.kernels import l2norm
+from fp16kit.kernels import optim_fallback_apex as fallback
+
+from . import functional as F
+from ._apex_common import (
+    ApexRows,
+    ApexStateOptimizer,
+    check_lr,
+    check_range,
+    hparams64,
+    models_or_none,
+    pick,
+    split_rows,
+)
+from ._validate import check_hyperparams
+
+__all__ = ["FusedNovoGrad"]
+
+F64 = torch.float64
+
+
+class FusedNovoGrad(ApexStateOptimizer):
+    """NovoGrad (Ginsburg et al. 2019, used for Jasper/QuartzNet) exactly as apex's ``FusedNovoGrad`` computes it:
+    the second moment is one number per tensor (per layer), a running norm of its gradient.
+
+    Per group, ``t`` = the group's step counter after the increment; per param, ``n`` = the L2 norm of its
+    (unscaled) gradient (``norm_type=2``) or its max |g| (``norm_type=0``)::
+
+        v = n on the first step (v = 0 with init_zero=True), else the stored value (state "exp_avg_sq")
+        v = sqrt(b2 v^2 + (1 - b2) n^2)   (L2)        v = b2 v + (1 - b2) n   (inf-norm)
+        bc1, bc2 = (1 - b1^t, sqrt(1 - b2^t)) if bias_correction else (1, 1);  beta3 = 1 - b1 or 1 (grad_averaging)
+        denom = v / bc2 + eps
+        reg_inside_moment=True:   g = g / denom + wd p;  m = b1 m + beta3 g;  u = m / bc1
+        reg_inside_moment=False:  m = b1 m + beta3 g;    u = (m / bc1) / denom + wd p      (apex's default)
+        p = p - lr u
+
+    The per-tensor norms are one multi-tensor pass over the grads (``fp16kit.kernels.l2norm`` or the inf-norm
+    kernel of ``novograd_kernel.py``), the blend of ``v`` is float64 arithmetic on the N norms (rounded once to
+    fp32: no overflow of ``n^2`` for large fp32 norms), and the update one fused pass reading g, p, m and
+    writing p, m. A non-finite gradient skips the step (``v`` included) instead of writing NaN.
+
+    Args:
+        params: parameters or param groups (groups may override lr, bias_correction, betas, eps, weight_decay,
+            grad_averaging, norm_type, init_zero).
+        lr, bias_correction, betas, eps, weight_decay, reg_inside_moment, grad_averaging, norm_type, init_zero:
+            apex's hyper-parameters and defaults. ``eps`` must be > 0 (a tensor with an all-zero gradient has
+            ``v = 0``, and 0/0 would be NaN). ``norm_type`` is 2 (L2) or 0 (inf-norm).
+        amsgrad: must be False (RuntimeError otherwise, as in apex).
+        set_grad_none: ``zero_grad()`` sets grads to None (default) instead of zeroing them.
+        master_weights, on_nonfinite: as in :class:`fp16kit.optim.FusedLAMB`.
+
+    Difference from apex: apex keeps ``v`` of all fp16 and of all fp32 params as two tensors in
+    ``group["exp_avg_sq"]``; here each param has its own one-element ``state[p]["exp_avg_sq"]`` (fp32), so
+    params may gain or lose gradients between steps and the state is checked against the params.
+    """
+
+    _name = "FusedNovoGrad"
+    _state_spec: ClassVar[dict[str, str]] = {"exp_avg": "param", "exp_avg_sq": "scalar"}
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        reg_inside_moment: bool = False,
+        grad_averaging: bool = True,
+        norm_type: int = 2,
+        init_zero: bool = False,
+        set_grad_none: bool = True,
+        *,
+        master_weights: bool = False,
+        on_nonfinite: str = "warn",
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
+        defaults = {
+            "lr": lr,
+            "bias_correction": bias_correction,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "grad_averaging": grad_averaging,
+            "norm_type": norm_type,
+            "init_zero": init_zero,
+        }
+        self._check_group(defaults)
+        self.reg_inside_moment = bool(reg_inside_moment)
+        # apex's name for the same switch (0: regularization inside the moment, 1: decoupled)
+        self.moment_mode = 0 if reg_inside_moment else 1
+        super().__init__(
+            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
+        )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        fn = self._name
+        check_lr(fn, group["lr"])
+        check_hyperparams(fn, lr=0.0, betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+        check_range(fn, "eps", group["eps"], low_open=True, hint=" (e.g. 1e-8; 0 turns all-zero gradients into NaN)")
+        if group["norm_type"] not in (0, 2) or isinstance(group["norm_type"], bool):
+            raise ValueError(
+                f"{fn}: norm_type={group['norm_type']!r} is not supported; use 2 (L2 norm) or 0 (infinity norm), "
+                f"the two norms apex's FusedNovoGrad supports."
+            )
+
+    def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
+        math = self._math_dtype(p)
+        state["exp_avg"] = torch.zeros_like(p, dtype=math, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros(1, dtype=math, device=p.device)
+
+    def _grad_norms(self, grads: list[torch.Tensor], norm_type: int, inv64: torch.Tensor, kernel: bool, math):
+        """Per-tensor norms of the unscaled grads (one multi-tensor pass), as a ``math`` [N] vector."""
+        if not kernel:
+            return fallback.per_tensor_norms(grads, norm_type, inv64, math)
+        if norm_type == 2:
+            return l2norm(grads, per_tensor=True, pre_scale=inv64.float())[1].to(math)
+        from fp16kit.kernels.novograd_kernel import absmax_per_tensor
+
+        return absmax_per_tensor(grads, inv64.float()).to(math)
+
+    def _update_group(
+        self,
+        group: dict[str, Any],
+        rows: ApexRows,  # type: ignore[override]
+        step: torch.Tensor,
+        inv_scale64: torch.Tensor,
+        found_inf: torch.Tensor,
+        grad_norm: torch.Tensor,
+    ) -> None:
+        if not rows.params:
+            return
+        device = rows.params[0].device
+        b1, b2 = float(group["betas"][0]), float(group["betas"][1])
+        lr64 = F._scalar64("lr", group["lr"], device)
+        bc1, bc2 = F._bias_corrections(step, (b1, b2), group["bias_correction"], lr64)
+        bc2 = bc2.sqrt()  # apex's NovoGrad divides the norm by sqrt(1 - b2^t)
+        beta3 = 1.0 - b1 if group["grad_averaging"] else 1.0
+        hp64 = hparams64(lr64, (b1, beta3, float(group["weight_decay"])), device, (bc1, inv_scale64))
+        ms, vs = rows.state("exp_avg"), rows.state("exp_avg_sq")
+        kernel_groups, rest_groups = split_rows(device, rows.params, rows.grads, [ms], rows.models)
+        flag = found_inf.reshape(1)
+        norm_type = int(group["norm_type"])
+        for kernel, idx in [(True, i) for i in kernel_groups] + [(False, i) for i in rest_groups]:
+            math = torch.float64 if rows.params[idx[0]].dtype == F64 else torch.float32
+            n = self._grad_norms(pick(rows.grads, idx), norm_type, inv_scale64, kernel, F64)
+            v_old = torch.cat(pick(vs, idx)).to(F64)
+            new = [rows.new[i] for i in idx]
+            start = v_old
+            if any(new) and not group["init_zero"]:
+                start = torch.where(torch.tensor(new, device=device), n, v_old)
+            v = (b2 * start * start + (1.0 - b2) * n * n).sqrt() if norm_type == 2 else b2 * start + (1.0 - b2) * n
+            v = v.to(math)
+            denoms = v.to(F64) / bc2 + float(group["eps"])
+            # Commit v only for a step that is taken: a skipped step leaves the state bit for bit.
+            torch._foreach_copy_(pick(vs, idx), list(torch.where(flag != 0, v_old.to(math), v).split(1)))
+            args = (pick(rows.params, idx), pick(rows.grads, idx), pick(ms, idx))
+            if kernel:
+                from fp16kit.kernels.novograd_kernel import launch_novograd
+
+                launch_novograd(
+                    *args,
+                    models_or_none(rows.models, idx),
+                    hp64.float(),
+                    denoms.float(),
+                    flag,
+                    reg_inside_moment=self.reg_inside_moment,
+                )
+            else:
+                fallback.novograd_(
+                    *args,
+                    pick(rows.models, idx),
+                    hp64.to(math),
+                    denoms.to(math),
+                    flag,
+                    reg_inside_moment=self.reg_inside_moment,
+                )

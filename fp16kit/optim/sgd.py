@@ -1,0 +1,173 @@
+"""``FusedSGD``: apex's FusedSGD (same constructor, same math) on one multi-tensor Triton pass per dtype group."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch.optim.optimizer import required  # type: ignore[attr-defined]
+
+from fp16kit.kernels import optim_fallback_apex as fallback
+
+from ._apex_common import (
+    ApexRows,
+    ApexStateOptimizer,
+    check_lr,
+    check_range,
+    hparams64,
+    models_or_none,
+    pick,
+    split_rows,
+)
+
+__all__ = ["FusedSGD"]
+
+
+class FusedSGD(ApexStateOptimizer):
+    """SGD with momentum, dampening, Nesterov and weight decay, as apex's ``FusedSGD`` (and ``torch.optim.SGD``).
+
+    Per param, with ``g`` the (unscaled) gradient::
+
+        if wd != 0 and not wd_after_momentum: g = g + wd * p
+        if momentum != 0:
+            m = g                                      on the buffer's first use (apex and torch)
+            m = momentum * m + (1 - dampening) * g     afterwards
+            g = g + momentum * m  if nesterov  else  m
+        if wd != 0 and wd_after_momentum: g = g + wd * p
+        p = p - lr * g
+
+    One fused pass reads g, p, m and writes p, m (and the rounded model copy in master-weights mode), after a
+    read-only check pass over the grads that detects inf/NaN (a step with a non-finite grad is skipped: nothing
+    changes). fp32 math; momentum buffers are fp32 for fp16/bf16 params (fp64 for fp64 params).
+
+    Args:
+        params: parameters or param groups (groups may override lr, momentum, dampening, weight_decay, nesterov).
+        lr: learning rate (required, as in apex and torch); a float or a one-element device tensor.
+        momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``; ``nesterov`` needs
+            ``momentum > 0`` and ``dampening == 0``.
+        wd_after_momentum: add the weight decay after the momentum update instead of before (apex).
+        materialize_master_grads: accepted for apex compatibility. Under fp16kit's amp O2 the fp32 master
+            grads are always materialized (the unscale pass writes them), which is apex's default ``True``;
+            ``False`` gives the same numbers to fp32 rounding, so it changes nothing here.
+        set_grad_none: ``zero_grad()`` sets grads to None instead of zeroing them (apex's default: False).
+        master_weights, on_nonfinite: as in :class:`fp16kit.optim.FusedLAMB`.
+
+    No momentum buffer is kept when ``momentum == 0`` (apex allocates an unused one). If the very first step
+    of a param is skipped on the device (``found_inf``), its buffer stays zero and the next step applies
+    ``1 - dampening`` to the grad instead of copying it: identical unless ``dampening != 0``.
+    """
+
+    _name = "FusedSGD"
+    _state_spec: ClassVar[dict[str, str]] = {"momentum_buffer": "param"}
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = required,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        wd_after_momentum: bool = False,
+        materialize_master_grads: bool = True,
+        set_grad_none: bool = False,
+        *,
+        master_weights: bool = False,
+        on_nonfinite: str = "warn",
+    ) -> None:
+        if lr is required:
+            raise TypeError("FusedSGD: lr is required (as in torch.optim.SGD and apex), e.g. FusedSGD(params, lr=0.1).")
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+        }
+        self._check_group(defaults)
+        self.wd_after_momentum = bool(wd_after_momentum)
+        self.materialize_master_grads = bool(materialize_master_grads)
+        super().__init__(
+            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
+        )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        fn = self._name
+        check_lr(fn, group["lr"])
+        momentum = check_range(fn, "momentum", group["momentum"])
+        dampening = check_range(fn, "dampening", group["dampening"], low=float("-inf"))
+        check_range(fn, "weight_decay", group["weight_decay"])
+        if group["nesterov"] and (momentum <= 0 or dampening != 0):
+            raise ValueError(
+                f"{fn}: Nesterov momentum requires a momentum and zero dampening; got momentum={momentum!r}, "
+                f"dampening={dampening!r}. Set momentum > 0 and dampening=0, or nesterov=False."
+            )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("nesterov", False)
+
+    def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
+        if float(group["momentum"]) != 0:
+            state["momentum_buffer"] = torch.zeros_like(
+                p, dtype=self._math_dtype(p), memory_format=torch.contiguous_format
+            )
+
+    def _update_group(
+        self,
+        group: dict[str, Any],
+        rows: ApexRows,  # type: ignore[override]
+        step: torch.Tensor,
+        inv_scale64: torch.Tensor,
+        found_inf: torch.Tensor,
+        grad_norm: torch.Tensor,
+    ) -> None:
+        if not rows.params:
+            return
+        device = rows.params[0].device
+        momentum, wd = float(group["momentum"]), float(group["weight_decay"])
+        # A buffer created now has its first use in this step (apex and torch: buffer = grad).
+        first = list(rows.new) if momentum != 0 else [False] * len(rows.params)
+        if momentum != 0:
+            for i, (p, state) in enumerate(zip(rows.params, rows.states)):
+                if "momentum_buffer" not in state:  # momentum switched on after earlier steps
+                    state["momentum_buffer"] = torch.zeros_like(
+                        p, dtype=self._math_dtype(p), memory_format=torch.contiguous_format
+                    )
+                    first[i] = True
+        hp64 = hparams64(group["lr"], (momentum, 1.0 - float(group["dampening"]), wd), device, (inv_scale64,))
+        bufs = rows.state("momentum_buffer") if momentum != 0 else None
+        modes = {"weight_decay": wd != 0, "wd_after_momentum": self.wd_after_momentum, "nesterov": group["nesterov"]}
+        kernel_groups, rest_groups = split_rows(
+            device, rows.params, rows.grads, [] if bufs is None else [bufs], rows.models, first
+        )
+        flag = found_inf.reshape(1)
+        if kernel_groups:
+            from fp16kit.kernels.sgd_kernel import launch_sgd
+
+            hp32 = hp64.float()
+            for idx in kernel_groups:
+                launch_sgd(
+                    pick(rows.params, idx),
+                    pick(rows.grads, idx),
+                    None if bufs is None else pick(bufs, idx),
+                    models_or_none(rows.models, idx),
+                    hp32,
+                    flag,
+                    first_run=first[idx[0]],
+                    **modes,
+                )
+        for idx in rest_groups:
+            params = pick(rows.params, idx)
+            fallback.sgd_(
+                params,
+                pick(rows.grads, idx),
+                None if bufs is None else pick(bufs, idx),
+                pick(rows.models, idx),
+                hp64 if params[0].dtype == torch.float64 else hp64.float(),
+                flag,
+                first_run=first[idx[0]],
+                **modes,
+            )

@@ -1,0 +1,356 @@
+"""Shared by the tests of apex's other optimizers (FusedSGD, FusedAdagrad, FusedNovoGrad): one step checked
+against the float64 references of ``fp16kit.numerics.reference.optim_apex``, from the optimizer's actual state
+just before the step (so budgets do not accumulate over steps), with per-element error budgets.
+
+Budgets (fp32 arithmetic, u = 2^-24, K = 8 roundings, as in ``optim_helpers``): every intermediate is bounded by
+``K u`` times the *absolute* magnitudes that enter it (sums may cancel), errors of earlier values are carried
+through the later operations, and a value stored in fp16/bf16 gets one more ulp of that format. Per-tensor
+norms (NovoGrad) have relative error at most ``gamma(n) + K u``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from optim_helpers import U32, K, _stored_budget, _updated_tensor, assert_within
+
+from fp16kit.numerics import gamma
+from fp16kit.numerics.reference import adagrad_step, novograd_step, sgd_step
+
+F64 = torch.float64
+#: absolute floor of every fp32 budget: results in fp32's subnormal range are rounded to multiples of 2^-149
+FLOOR = K * 2.0**-149
+
+
+def _snapshot(opt: torch.optim.Optimizer, keys: tuple[str, ...]) -> list[dict]:
+    """float64 copies of (updated tensor, grad, state[key] or None) per group, params with grads only."""
+    snap = []
+    for group in opt.param_groups:
+        items: dict[str, list] = {"params": [], "p": [], "g": [], **{k: [] for k in keys}}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = opt.state.get(p, {})
+            items["params"].append(p)
+            items["p"].append(_updated_tensor(opt, p).detach().to(F64, copy=True))
+            items["g"].append(p.grad.detach().to(F64, copy=True))
+            for k in keys:
+                items[k].append(state[k].to(F64, copy=True) if state.get(k) is not None else None)
+        snap.append(items)
+    return snap
+
+
+def _check_param(opt, p, expected, budget, what):
+    budget = budget + FLOOR
+    target = _updated_tensor(opt, p)
+    assert_within(target, expected, _stored_budget(budget, expected, target.dtype), what)
+    if target is not p:  # master-weights mode: the model param is the rounded master, bit for bit
+        assert torch.equal(p.detach(), target.to(p.dtype)), f"{what}: model copy is not round(master)"
+
+
+def sgd_step_and_check(opt) -> None:
+    """``opt.step()`` (a FusedSGD) against :func:`sgd_step` from the state before the step."""
+    snap = _snapshot(opt, ("momentum_buffer",))
+    opt.step()
+    for group, items in zip(opt.param_groups, snap):
+        if not items["params"]:
+            continue
+        hp = {k: group[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
+        ref_p, ref_m = sgd_step(
+            items["p"], items["g"], items["momentum_buffer"], wd_after_momentum=opt.wd_after_momentum, **hp
+        )
+        lr, mom, damp, wd = hp["lr"], hp["momentum"], hp["dampening"], hp["weight_decay"]
+        for i, p in enumerate(items["params"]):
+            p0, g, m0 = items["p"][i], items["g"][i], items["momentum_buffer"][i]
+            a = g.abs() + wd * p0.abs()  # magnitude of the decayed gradient
+            mag_m = a if m0 is None else mom * m0.abs() + abs(1 - damp) * a
+            err_m = K * U32 * mag_m
+            direction = a + (mom + 1) * mag_m + wd * p0.abs()
+            err_p = K * U32 * (p0.abs() + lr * direction) + lr * (1 + mom) * err_m
+            _check_param(opt, p, ref_p[i], err_p, f"param {i}")
+            if ref_m[i] is not None:
+                assert_within(
+                    opt.state[p]["momentum_buffer"], ref_m[i], err_m + U32 * ref_m[i].abs() + FLOOR, f"buf {i}"
+                )
+            else:
+                assert "momentum_buffer" not in opt.state[p]
+
+
+def adagrad_step_and_check(opt) -> None:
+    """``opt.step()`` (a FusedAdagrad) against :func:`adagrad_step` from the state before the step."""
+    snap = _snapshot(opt, ("sum",))
+    opt.step()
+    for group, items in zip(opt.param_groups, snap):
+        if not items["params"]:
+            continue
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        h0 = [torch.zeros_like(p) if h is None else h for p, h in zip(items["p"], items["sum"])]
+        ref_p, ref_h = adagrad_step(
+            items["p"], items["g"], h0, lr=lr, eps=eps, weight_decay=wd, adagrad_w_mode=opt.adagrad_w_mode
+        )
+        for i, p in enumerate(items["params"]):
+            p0, g = items["p"][i], items["g"][i]
+            a = g.abs() + (0 if opt.adagrad_w_mode else wd) * p0.abs()
+            err_h = K * U32 * (h0[i] + a * a)  # d = g + wd p may cancel: its error is relative to |g| + wd|p|
+            den = torch.sqrt(ref_h[i]) + eps
+            upd = a / den
+            # K roundings at |p| and at the update; the sqrt halves h's relative error: 1 + 0.5 K u relative
+            # + the absolute floor of a subnormal g + wd p, divided by the denominator
+            err_p = K * U32 * (p0.abs() + 2 * lr * (upd + wd * p0.abs())) + lr * FLOOR / den
+            _check_param(opt, p, ref_p[i], err_p, f"param {i}")
+            assert_within(opt.state[p]["sum"], ref_h[i], err_h + FLOOR, f"sum {i}")
+
+
+def novograd_step_and_check(opt) -> None:
+    """``opt.step()`` (a FusedNovoGrad) against :func:`novograd_step` from the state before the step."""
+    snap = _snapshot(opt, ("exp_avg", "exp_avg_sq"))
+    opt.step()
+    for group, items in zip(opt.param_groups, snap):
+        if not items["params"]:
+            continue
+        step = int(group["step"].item())
+        hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "grad_averaging")}
+        hp.update(norm_type=group["norm_type"], init_zero=group["init_zero"])
+        m0 = [torch.zeros_like(p) if m is None else m for p, m in zip(items["p"], items["exp_avg"])]
+        v0 = [None if v is None else float(v) for v in items["exp_avg_sq"]]
+        ref_p, ref_m, ref_v = novograd_step(
+            items["p"], items["g"], m0, v0, step=step, reg_inside_moment=opt.reg_inside_moment, **hp
+        )
+        b1, b2 = hp["betas"]
+        bc1 = 1 - b1**step if hp["bias_correction"] else 1.0
+        bc2 = math.sqrt(1 - b2**step) if hp["bias_correction"] else 1.0
+        beta3 = 1 - b1 if hp["grad_averaging"] else 1.0
+        lr, wd = hp["lr"], hp["weight_decay"]
+        for i, p in enumerate(items["params"]):
+            p0, g = items["p"][i], items["g"][i]
+            rel = K * U32 + 2 * gamma(max(1, g.numel()), torch.float32)  # of v, hence of denom
+            denom = ref_v[i] / bc2 + hp["eps"]
+            if opt.reg_inside_moment:
+                d = g.abs() / denom + wd * p0.abs()
+                err_d = g.abs() / denom * rel + K * U32 * d
+                err_m = K * U32 * (b1 * m0[i].abs() + beta3 * d) + beta3 * err_d
+                err_u = err_m / bc1 + K * U32 * ref_m[i].abs() / bc1
+                u_mag = ref_m[i].abs() / bc1
+            else:
+                err_m = K * U32 * (b1 * m0[i].abs() + beta3 * g.abs())
+                q = ref_m[i].abs() / bc1 / denom
+                err_u = err_m / bc1 / denom + q * rel + K * U32 * (q + wd * p0.abs())
+                u_mag = q + wd * p0.abs()
+            err_p = K * U32 * (p0.abs() + lr * u_mag) + lr * err_u + lr * FLOOR / denom / bc1
+            _check_param(opt, p, ref_p[i], err_p, f"param {i}")
+            assert_within(opt.state[p]["exp_avg"], ref_m[i], err_m + U32 * ref_m[i].abs() + FLOOR, f"exp_avg {i}")
+            v = torch.tensor([ref_v[i]], dtype=F64)
+            # squares below fp32's smallest subnormal vanish from the norm: sqrt(n 2^-149) absolute at most
+            lost = math.sqrt(g.numel() * 2.0**-149)
+            assert_within(opt.state[p]["exp_avg_sq"], v, rel * v.abs() + U32 * v.abs() + lost, f"exp_avg_sq {i}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# contracts every fused optimizer keeps; each test file calls these with its own factory ``make(params)``
+
+
+def _model(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(dtype)
+
+
+def _data() -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+
+
+#: per dtype: 0, -0, a subnormal, tiny, 1, and magnitudes near the top of the range that still square in fp32
+EDGE_VALUES = {
+    torch.float32: [0.0, -0.0, 1e-40, -3e-39, 1e-30, 1.0, -2.5, 3e15, -1e17],
+    torch.float16: [0.0, -0.0, 6e-8, -3e-6, 1e-4, 1.0, -2.5, 6e4, -6.5e4],
+    torch.bfloat16: [0.0, -0.0, 1e-39, -3e-39, 1e-30, 1.0, -2.5, 3e15, -1e17],
+}
+
+
+def edge_params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """Params and grads made of ``EDGE_VALUES`` in several arrangements (values meet every other value), plus an
+    all-zero-gradient tensor and an all-zero param."""
+    vals = torch.tensor(EDGE_VALUES[dtype], dtype=F64)
+    n = vals.numel()
+    out = []
+    for shift in (0, 3, 5):
+        p = torch.nn.Parameter(vals.to(dtype))
+        p.grad = vals.roll(shift).flip(0).to(dtype)
+        out.append(p)
+    zero_grad = torch.nn.Parameter(vals.to(dtype))
+    zero_grad.grad = torch.zeros(n, dtype=dtype)
+    zero_param = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+    zero_param.grad = vals.to(dtype)
+    return [*out, zero_grad, zero_param]
+
+
+def check_edge_values(make, step_and_check, dtype: torch.dtype, steps: int = 2) -> None:
+    """``steps`` checked steps on ``edge_params``: finite, and within budget of the float64 reference."""
+    params = edge_params(dtype)
+    opt = make(params)
+    for _ in range(steps):
+        step_and_check(opt)
+
+
+def check_nonfinite_grad_skips(make, dtype: torch.dtype = torch.float16) -> None:
+    """A NaN or inf gradient skips the whole step (params, every state tensor, step counters keep their bits)
+    and warns; so does a ``found_inf`` set by a caller."""
+    import pytest
+    from optim_helpers import assert_same_bits, bits, make_params, set_grads
+
+    params = make_params([(5,), (2, 3)], dtype, 1)
+    opt = make(params)
+    opt.step()
+    for bad in (float("nan"), float("inf")):
+        set_grads(params, 2)
+        params[1].grad[1, 2] = bad
+        before = bits(opt, params)
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            opt.step()
+        assert_same_bits(bits(opt, params), before)
+    set_grads(params, 3)
+    opt.found_inf, opt.grad_scale = torch.ones(1), None
+    before = bits(opt, params)
+    opt.step()
+    assert_same_bits(bits(opt, params), before)
+
+
+def check_grad_scaler(make, scaler_kind: str) -> None:
+    """Training through a GradScaler (power-of-two scale) equals unscaled training bit for bit, and an inf
+    gradient skips the step while the scaler backs off."""
+    from optim_helpers import assert_same_bits, bits
+
+    if scaler_kind == "torch":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    else:
+        from fp16kit.amp import GradScaler
+
+        scaler = GradScaler("cpu", init_scale=2.0**10)
+    ref, mod = _model(0), _model(0)
+    o_ref, o_mod = make(list(ref.parameters())), make(list(mod.parameters()))
+    x = _data()
+    for _ in range(3):
+        o_ref.zero_grad()
+        ref(x).square().sum().backward()
+        o_ref.step()
+        o_mod.zero_grad()
+        scaler.scale(mod(x).square().sum()).backward()
+        scaler.step(o_mod)
+        scaler.update()
+    assert_same_bits([p.detach() for p in ref.parameters()], [p.detach() for p in mod.parameters()])
+    o_mod.zero_grad()
+    scaler.scale(mod(x).square().sum()).backward()
+    next(mod.parameters()).grad[0, 0] = float("inf")
+    before = bits(o_mod, list(mod.parameters()))
+    scaler.step(o_mod)
+    scaler.update()
+    assert_same_bits(bits(o_mod, list(mod.parameters())), before)
+    assert float(scaler.get_scale()) == 2.0**9
+
+
+def check_amp_o2(make) -> None:
+    """amp O2 through fp16kit's apex-style frontend: fp16 model, fp32 masters stepped by ``make``'s optimizer;
+    an overflowing step is skipped, and the model stays the rounded masters."""
+    from fp16kit import amp
+
+    model = _model(0)
+    opt = make(list(model.parameters()))
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    x = _data()
+    masters = list(amp.master_params(opt))
+    start = [m.detach().clone() for m in masters]
+    for step in range(4):
+        loss = model(x.half()).float().square().sum()
+        if step == 2:
+            loss = loss * float("inf")
+        opt.zero_grad()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        before = [m.detach().clone() for m in masters]
+        opt.step()
+        if step == 2:
+            assert all(torch.equal(m, b) for m, b in zip(masters, before)), "the overflowing step was not skipped"
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert any(not torch.equal(m, s) for m, s in zip(masters, start))
+    for m, p in zip(masters, model.parameters()):
+        assert torch.isfinite(m).all()
+        assert torch.equal(m.to(p.dtype), p.detach())
+
+
+def check_state_dict_round_trip(make, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Save after 2 steps, run 2 more; a fresh optimizer loaded from the checkpoint runs the same 2 steps bit
+    for bit. A checkpoint of other params (wrong shapes) is refused with a clear error."""
+    import pytest
+    from optim_helpers import assert_same_bits, bits, clone_params, deep_state, make_params, set_grads
+
+    params = make_params([(6,), (2, 5)], dtype, 4)
+    opt = make(params)
+    for k in range(2):
+        opt.step()
+        set_grads(params, k)
+    saved, saved_params = deep_state(opt), [p.detach().clone() for p in params]
+    for k in range(2):
+        opt.step()
+        set_grads(params, 10 + k)
+    resumed = clone_params(params)
+    with torch.no_grad():
+        for q, s in zip(resumed, saved_params):
+            q.copy_(s)
+    opt2 = make(resumed)
+    opt2.load_state_dict(saved)
+    set_grads(resumed, 1)
+    for k in range(2):
+        opt2.step()
+        set_grads(resumed, 10 + k)
+    assert_same_bits(bits(opt2, resumed), bits(opt, params))
+    other = make_params([(3,), (2, 5)], dtype, 5)
+    opt3 = make(other)
+    opt3.load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"params\[0\].*does not belong to these params"):
+        opt3.step()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# compiling the kernels for a GPU without one (as tests/kernels/test_gpu_compile.py does for the others)
+
+_COMPILE = """
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, {kernels_dir!r})
+import aot_compile
+import triton.language as tl
+from fp16kit.kernels import {module}
+cases = {cases}
+aot_compile.CASES = {{
+    name: (getattr({module}, fn), {{k: getattr(tl, v) if v in ("float16", "bfloat16", "float32") else v
+                                    for k, v in constexprs.items()}})
+    for name, (fn, constexprs) in cases.items()
+}}
+aot_compile.main()
+"""
+
+
+def compile_for_sm90(module: str, cases: dict[str, tuple[str, dict]]) -> dict:
+    """Compile ``fp16kit.kernels.<module>`` kernels for sm_90 with ``tests/kernels/aot_compile.py`` in a
+    subprocess (Triton's interpreter mode is process-wide); ``cases``: name -> (kernel name, constexprs with
+    dtypes as ``"float16"``...). Returns aot_compile's JSON: per case ``ok`` and the 16-byte load/store counts."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("triton with its NVIDIA backend is not installed")
+    kernels_dir = str(Path(__file__).resolve().parent.parent / "kernels")
+    code = _COMPILE.format(kernels_dir=kernels_dir, module=module, cases=repr(cases))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    failed = {name: r["error"] for name, r in result.items() if not r["ok"]}
+    assert not failed, failed
+    return result

@@ -1,0 +1,319 @@
+"""FusedSGD (apex's constructor and math) against the float64 reference and torch.optim.SGD, on both backends;
+skipping, scalers, amp O2, checkpoints, bad input.
+
+Tolerances: ``apex_optim_helpers.sgd_step_and_check`` budgets (K = 8 fp32 roundings at the magnitudes involved).
+Against torch both sides are fp32 implementations within that budget of the exact result: twice the budget.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from apex_optim_helpers import (
+    check_amp_o2,
+    check_edge_values,
+    check_grad_scaler,
+    check_nonfinite_grad_skips,
+    check_state_dict_round_trip,
+    compile_for_sm90,
+    sgd_step_and_check,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from optim_helpers import U32, K, assert_within, clone_params, make_params, set_grads
+
+from fp16kit.kernels import use_backend
+from fp16kit.numerics import ulp
+from fp16kit.optim import FusedSGD
+
+SHAPES = st.lists(st.sampled_from([(1,), (7,), (3, 5), (2, 3, 4), (64,)]), min_size=1, max_size=3)
+CONFIG = {
+    "dtype": st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    "seed": st.integers(0, 2**16),
+    "lr": st.sampled_from([1e-3, 0.1, 1.0]),
+    "momentum": st.sampled_from([0.0, 0.5, 0.9]),
+    "dampening": st.sampled_from([0.0, 0.1]),
+    "nesterov": st.booleans(),
+    "weight_decay": st.sampled_from([0.0, 1e-4, 0.1]),
+    "wd_after_momentum": st.booleans(),
+    "master": st.booleans(),
+    "grad_exp": st.integers(-12, 6),
+    "zero": st.sampled_from(["none", "param", "grad", "both"]),
+}
+
+
+def _run_reference_check(
+    shapes,
+    dtype,
+    seed,
+    lr,
+    momentum,
+    dampening,
+    nesterov,
+    weight_decay,
+    wd_after_momentum,
+    master,
+    grad_exp,
+    zero,
+    steps,
+):
+    nesterov = nesterov and momentum > 0 and dampening == 0
+    zp = (0,) if zero in ("param", "both") else ()
+    zg = (0,) if zero in ("grad", "both") else ()
+    params = make_params(shapes, dtype, seed, grad_scale=2.0**grad_exp, zero_params=zp, zero_grads=zg)
+    opt = FusedSGD(
+        params,
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        wd_after_momentum=wd_after_momentum,
+        master_weights=master,
+    )
+    for k in range(steps):
+        sgd_step_and_check(opt)
+        set_grads(params, seed + k + 1, scale=2.0**grad_exp)
+        if zg:
+            params[0].grad.zero_()
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=SHAPES, steps=st.integers(1, 3), **CONFIG)
+def test_matches_reference_torch_backend(shapes, steps, **kw):
+    _run_reference_check(shapes, steps=steps, **kw)
+
+
+@pytest.mark.interpreter
+@settings(max_examples=6, deadline=None)
+@given(shapes=SHAPES, **CONFIG)
+def test_matches_reference_triton_interpreter(shapes, **kw):
+    _run_reference_check(shapes, steps=2, **kw)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    ("dtype", "kw"),
+    [
+        (torch.float32, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+        (torch.float16, {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01, "wd_after_momentum": True}),
+        (torch.bfloat16, {"momentum": 0.5, "master_weights": True}),
+    ],
+)
+def test_backends_agree(dtype, kw):
+    """Triton kernel (interpreter) and torch fallback on the same inputs, both checked against the reference,
+    then against each other (tensors of 4100 elements span two chunks). The host fallback uses torch's fused
+    ``x + alpha * y`` (one rounding or two, as the CPU kernel vectorizes), the kernel a multiply and an add: the
+    results differ by at most a rounding of the update and one of p (plus an ulp of a 16-bit store)."""
+    params = make_params([(300,), (4100,), (3, 7)], dtype, 1)
+    twin = clone_params(params)
+    opt, fb = FusedSGD(params, lr=0.1, **kw), FusedSGD(twin, lr=0.1, **kw)
+    for k in range(2):
+        grads = [q.grad.double() for q in twin]
+        sgd_step_and_check(opt)
+        with use_backend("torch"):
+            sgd_step_and_check(fb)
+        set_grads(params, 10 + k)
+        set_grads(twin, 10 + k)
+    wd = kw.get("weight_decay", 0.0)
+    for i, (p, q) in enumerate(zip(params, twin)):
+        q64 = q.detach().double()
+        m = fb.state[q]["momentum_buffer"].double().abs()
+        # magnitudes that enter the last update (its terms may cancel): roundings are relative to them
+        mag = grads[i].abs() + wd * q64.abs() + 2 * m
+        budget = 4 * U32 * (q64.abs() + 0.1 * mag)
+        if dtype != torch.float32:
+            budget = budget + ulp(q64, dtype)
+        assert_within(p, q64, budget, f"param {i}: kernel vs fallback")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shapes=SHAPES,
+    seed=st.integers(0, 2**16),
+    momentum=st.sampled_from([0.0, 0.9]),
+    dampening=st.sampled_from([0.0, 0.2]),
+    nesterov=st.booleans(),
+    weight_decay=st.sampled_from([0.0, 0.01]),
+    foreach=st.booleans(),
+)
+def test_matches_torch_optim_sgd(shapes, seed, momentum, dampening, nesterov, weight_decay, foreach):
+    """torch.optim.SGD beside ours on the same inputs, 3 steps (torch restarted from our state each step)."""
+    nesterov = nesterov and momentum > 0 and dampening == 0
+    hp = {"lr": 0.1, "momentum": momentum, "dampening": dampening, "nesterov": nesterov, "weight_decay": weight_decay}
+    ours = make_params(shapes, torch.float32, seed)
+    theirs = clone_params(ours)
+    opt, ref = FusedSGD(ours, **hp), torch.optim.SGD(theirs, foreach=foreach, **hp)
+    for k in range(3):
+        p0 = [p.detach().double() for p in ours]
+        m0 = [opt.state[p]["momentum_buffer"].double() if "momentum_buffer" in opt.state[p] else None for p in ours]
+        opt.step()
+        ref.step()
+        for i, (p, q) in enumerate(zip(ours, theirs)):
+            a = p.grad.double().abs() + weight_decay * p0[i].abs()
+            mag = a if m0[i] is None else momentum * m0[i].abs() + a
+            budget = 2 * K * U32 * (p0[i].abs() + 0.1 * (a + 3 * mag))
+            assert_within(p, q.detach().double(), budget, f"param {i} at step {k + 1}")
+        set_grads(ours, seed + k + 1)
+        for p, q in zip(ours, theirs):
+            q.grad = p.grad.clone()
+            with torch.no_grad():
+                q.copy_(p)
+            if momentum:
+                ref.state[q]["momentum_buffer"].copy_(opt.state[p]["momentum_buffer"])
+
+
+def test_first_step_buffer_is_the_grad_and_momentum_switched_on_later():
+    params = make_params([(5,)], torch.float32, 3)
+    opt = FusedSGD(params, lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.1)
+    g, p0 = params[0].grad.clone(), params[0].detach().clone()
+    opt.step()
+    assert torch.equal(opt.state[params[0]]["momentum_buffer"], g + 0.1 * p0)  # not (1 - dampening) * g
+    plain = make_params([(5,)], torch.float32, 4)
+    opt = FusedSGD(plain, lr=0.1)
+    opt.step()
+    assert "momentum_buffer" not in opt.state[plain[0]]  # no buffer without momentum (apex allocates one)
+    opt.param_groups[0]["momentum"] = 0.9
+    sgd_step_and_check(opt)  # the new buffer starts as the grad
+    sgd_step_and_check(opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
+def test_edge_values(dtype, backend):
+    """±0, subnormals, tiny and huge values (as params and grads), an all-zero gradient and an all-zero param:
+    finite results within budget of the float64 reference, on both backends."""
+    with use_backend(backend):
+        check_edge_values(
+            lambda ps: FusedSGD(ps, lr=1e-3, momentum=0.9, weight_decay=1e-4, nesterov=True), sgd_step_and_check, dtype
+        )
+
+
+def test_nonfinite_grad_skips():
+    check_nonfinite_grad_skips(lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, master_weights=True))
+
+
+@pytest.mark.parametrize("scaler_kind", ["torch", "fp16kit"])
+def test_with_grad_scaler(scaler_kind):
+    check_grad_scaler(lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01), scaler_kind)
+
+
+def test_amp_o2():
+    check_amp_o2(lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9))
+
+
+def test_state_dict_round_trip_and_mismatch():
+    check_state_dict_round_trip(lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01))
+
+
+def test_zero_grad_and_apex_attributes():
+    params = make_params([(3,)], torch.float32, 0)
+    opt = FusedSGD(params, lr=0.1)
+    opt.zero_grad()
+    assert params[0].grad is not None and not params[0].grad.any()  # apex's default set_grad_none=False
+    opt = FusedSGD(params, lr=0.1, set_grad_none=True, materialize_master_grads=False)
+    opt.zero_grad()
+    assert params[0].grad is None and opt.materialize_master_grads is False
+    assert FusedSGD(params, lr=0.1).wd_after_momentum is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({}, TypeError, "lr is required"),
+        ({"lr": -0.1}, ValueError, "learning rate"),
+        ({"lr": float("nan")}, ValueError, "learning rate"),
+        ({"lr": 0.1, "momentum": -0.9}, ValueError, "momentum"),
+        ({"lr": 0.1, "momentum": float("inf")}, ValueError, "momentum"),
+        ({"lr": 0.1, "dampening": float("nan")}, ValueError, "dampening"),
+        ({"lr": 0.1, "weight_decay": float("nan")}, ValueError, "weight_decay"),
+        ({"lr": 0.1, "nesterov": True}, ValueError, "Nesterov"),
+        ({"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "nesterov": True}, ValueError, "Nesterov"),
+        ({"lr": 0.1, "on_nonfinite": "ignore"}, ValueError, "on_nonfinite"),
+    ],
+)
+def test_bad_input(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        FusedSGD(make_params([(3,)], torch.float32, 0), **kwargs)
+
+
+def test_bad_group_override_and_sparse_grad():
+    opt = FusedSGD(make_params([(3,)], torch.float32, 0), lr=0.1)
+    with pytest.raises(ValueError, match="momentum"):
+        opt.add_param_group({"params": make_params([(2,)], torch.float32, 1), "momentum": float("nan")})
+    p = torch.nn.Parameter(torch.zeros(3, 2))
+    p.grad = torch.zeros(3, 2).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        FusedSGD([p], lr=0.1).step()
+
+
+def test_checkpoint_without_buffer_starts_one():
+    """A checkpoint whose momentum buffer is None (torch.optim.SGD saves that for a param stepped without
+    momentum): resuming with momentum creates the buffer (buffer = grad on its first use)."""
+    params = make_params([(4,), (2, 2)], torch.float32, 2)
+    opt = FusedSGD(params, lr=0.1, momentum=0.9)
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["momentum_buffer"] = None
+    opt2 = FusedSGD(clone_params(params), lr=0.1, momentum=0.9)
+    opt2.load_state_dict(saved)
+    sgd_step_and_check(opt2)
+    sgd_step_and_check(opt2)
+
+
+def test_apex_checkpoint_with_fp16_state_loads():
+    """apex keeps FusedSGD's buffers in the param dtype: an fp16 buffer is widened to fp32 on load (exactly),
+    instead of being refused as not belonging to the params."""
+    params = make_params([(5,)], torch.float16, 3)
+    opt = FusedSGD(params, lr=0.1, momentum=0.9)
+    opt.step()
+    saved = opt.state_dict()
+    buf = saved["state"][0]["momentum_buffer"].half()
+    saved["state"][0]["momentum_buffer"] = buf
+    opt2 = FusedSGD(clone_params(params), lr=0.1, momentum=0.9)
+    opt2.load_state_dict(saved)
+    state = next(iter(opt2.state.values()))
+    assert state["momentum_buffer"].dtype == torch.float32 and torch.equal(state["momentum_buffer"], buf.float())
+    sgd_step_and_check(opt2)
+
+
+def test_kernel_compiles_for_sm90_with_vector_memory_ops():
+    """No GPU needed: the SGD kernel compiles for sm_90, and full chunks use 16-byte loads and stores."""
+    result = compile_for_sm90(
+        "sgd_kernel",
+        {
+            "sgd fp32 master -> fp16 model, nesterov, first run": (
+                "_sgd_kernel",
+                {
+                    "P_DTYPE": "float32",
+                    "G_DTYPE": "float16",
+                    "MODEL_DTYPE": "float16",
+                    "HAS_MODEL": True,
+                    "WD": True,
+                    "WD_AFTER": False,
+                    "MOMENTUM": True,
+                    "NESTEROV": True,
+                    "FIRST_RUN": True,
+                    "BLOCK": 4096,
+                    "ALIGNED": True,
+                },
+            ),
+            "sgd bf16, momentum": (
+                "_sgd_kernel",
+                {
+                    "P_DTYPE": "bfloat16",
+                    "G_DTYPE": "bfloat16",
+                    "MODEL_DTYPE": "bfloat16",
+                    "HAS_MODEL": False,
+                    "WD": True,
+                    "WD_AFTER": True,
+                    "MOMENTUM": True,
+                    "NESTEROV": False,
+                    "FIRST_RUN": False,
+                    "BLOCK": 4096,
+                    "ALIGNED": True,
+                },
+            ),
+        },
+    )
+    assert all(r["v4_loads"] > 0 and r["v4_stores"] > 0 for r in result.values()), result
