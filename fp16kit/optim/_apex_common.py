@@ -23,7 +23,7 @@ from fp16kit.kernels.backend import Backend, select_backend
 
 from . import functional as F
 from ._base import _LOW_PRECISION, FusedOptimizer
-from ._validate import _number, check_sparse_grad
+from ._validate import _number, check_sparse_grad, check_step_value, naming_group
 
 __all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hparams64", "split_rows", "widen_state"]
 
@@ -116,10 +116,53 @@ class ApexStateOptimizer(FusedOptimizer):
         check_state(self._name, p, index, state, self._state_spec, self._math_dtype(p))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint (saved dtypes kept, see ``FusedOptimizer.load_state_dict``); fp16/bf16 state from
-        an apex checkpoint (apex keeps state in the param dtype) is widened to fp32, exactly."""
-        super().load_state_dict(state_dict)
-        widen_state(self, self._state_spec)
+        """Load a checkpoint: validated, then committed; on any error the optimizer keeps its old state.
+
+        Saved dtypes are kept (``torch.optim.Optimizer`` would cast fp32 state to an fp16 param's dtype) and
+        fp16/bf16 state from an apex checkpoint (apex keeps state in the param dtype) is widened to fp32,
+        exactly. Every state tensor must belong to its param (``check_state``) and be finite; every group's
+        hyper-parameters and step counter must be valid. Entries a checkpoint lacks (apex NovoGrad's per-param
+        moment, a ``None`` momentum buffer) are created at the next step. One host read for the values.
+        """
+        fn = f"{self._name}.load_state_dict"
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError(f"{fn}: expected a dict with 'state' and 'param_groups' (a state_dict()).")
+        old_groups, old_state = self.param_groups, self.state
+        try:
+            torch.optim.Optimizer.load_state_dict(self, state_dict)
+            saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+            flags = []
+            for gi, group in enumerate(self.param_groups):
+                with naming_group(gi):
+                    self._check_group(group)
+                if "step" in group:
+                    step = group["step"]
+                    check_step_value(fn, gi, float(step.reshape(()) if isinstance(step, torch.Tensor) else step))
+            params = [(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
+            for idx, (gi, i, p) in zip(saved_ids, params):
+                saved = state_dict["state"].get(idx, {})
+                state = self.state[p]
+                for key, value in saved.items():
+                    if isinstance(value, torch.Tensor) and value.is_floating_point():
+                        state[key] = value.detach().to(p.device, copy=True)
+                        flags.append((~torch.isfinite(state[key]).all(), (gi, i, key)))
+                widen_state_of(state, self._state_spec)
+                if state:
+                    self._check_state(p, i, state)
+            if flags:
+                bad = torch.stack([f.to(flags[0][0].device) for f, _ in flags]).nonzero().flatten().tolist()
+                if bad:
+                    gi, i, key = flags[bad[0]][1]
+                    raise ValueError(
+                        f"{fn}: state[{key!r}] of param_groups[{gi}]['params'][{i}] holds inf or NaN; loading it "
+                        f"would put NaN into the weights. The checkpoint is corrupt: load an earlier one."
+                    )
+        except BaseException:
+            self.param_groups, self.state = old_groups, old_state
+            raise
+        for group in self.param_groups:
+            if group["params"] and "step" in group:
+                self._own_step(group, group["params"][0].device)
 
     def _collect(self) -> list[ApexRows]:  # type: ignore[override]
         out = []
@@ -149,10 +192,15 @@ def widen_state(optimizer: torch.optim.Optimizer, keys: Iterable[str]) -> None:
     """State tensors ``keys`` stored in fp16/bf16 (apex's optimizers keep state in the param dtype) become fp32:
     exact, and what fp16kit's kernels expect."""
     for state in optimizer.state.values():
-        for key in keys:
-            t = state.get(key)
-            if isinstance(t, torch.Tensor) and t.dtype in _LOW_PRECISION:
-                state[key] = t.float()
+        widen_state_of(state, keys)
+
+
+def widen_state_of(state: dict[str, Any], keys: Iterable[str]) -> None:
+    """``widen_state`` for one param's state."""
+    for key in keys:
+        t = state.get(key)
+        if isinstance(t, torch.Tensor) and t.dtype in _LOW_PRECISION:
+            state[key] = t.float()
 
 
 def check_state(

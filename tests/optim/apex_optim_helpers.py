@@ -305,9 +305,19 @@ def check_state_dict_round_trip(make, dtype: torch.dtype = torch.bfloat16) -> No
     assert_same_bits(bits(opt2, resumed), bits(opt, params))
     other = make_params([(3,), (2, 5)], dtype, 5)
     opt3 = make(other)
-    opt3.load_state_dict(saved)
-    with pytest.raises(ValueError, match=r"params\[0\].*does not belong to these params"):
-        opt3.step()
+    before = deep_state(opt3)
+    with pytest.raises(ValueError, match=r"params'?\]?\[0\].*does not belong to th"):
+        opt3.load_state_dict(saved)
+    after = deep_state(opt3)  # a refused checkpoint leaves the optimizer as it was
+    assert after["param_groups"] == before["param_groups"] and after["state"].keys() == before["state"].keys()
+    corrupt = deep_state(opt)
+    entry = next(e for e in corrupt["state"].values() if any(torch.is_tensor(v) and v.numel() for v in e.values()))
+    key = next(k for k, v in entry.items() if torch.is_tensor(v) and v.is_floating_point() and v.numel())
+    entry[key] = entry[key].clone().fill_(float("nan"))
+    opt4 = make(clone_params(params))
+    with pytest.raises(ValueError, match="inf or NaN"):
+        opt4.load_state_dict(corrupt)
+    assert not opt4.state, "a refused checkpoint must leave no state behind"
 
 
 # ------------------------------------------------------------------------------------------------------------
