@@ -26,10 +26,17 @@ What fp16kit adds:
 * fp16kit's own fused optimizers (``_fp16kit_checks_inf = True``) check for inf/NaN in their own first
   pass, so ``step`` hands them a zeroed flag and runs no check pass of its own (see ``step``).
 
+Defaults are torch's: no cap (the scale keeps doubling past 2**24 as torch's does), any scale fp32 can
+hold is accepted by the constructor, ``load_state_dict`` and ``update(new_scale)``. ``min_scale`` and
+``max_scale``, when set, only limit growth and backoff; they never refuse or move a given scale.
+
 Differences: ``device`` defaults to ``None`` (the device of the first tensor given to ``scale``)
-instead of ``"cuda"``; ``max_scale`` defaults to ``2**24`` (torch has no cap; pass ``max_scale=None``
-for torch's trajectory beyond 2**24); sparse gradients are always coalesced before the check (torch
-coalesces only fp16 ones), since coalescing adds values and can itself overflow.
+instead of ``"cuda"``; sparse gradients are always coalesced before the check (torch coalesces only fp16
+ones), since coalescing adds values and can itself overflow; a scale that fp32 cannot hold
+(``init_scale=1e39``, NaN, inf, <= 0, from the constructor, a checkpoint or ``update(new_scale)``) is an
+error instead of an inf/NaN/0 scale that would skip every later step; backoff stops at fp32's smallest
+normal 2**-126 (whose reciprocal is still finite) instead of going on to 0, where torch's scale stays forever
+(after ~165 overflows in a row from 2**16).
 """
 
 from __future__ import annotations
@@ -90,8 +97,9 @@ class GradScaler:
             passed to :meth:`scale`. ``"cuda"`` without CUDA warns and disables the scaler, as torch does.
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in torch.
         hysteresis: consecutive overflows tolerated before backing off (1 = torch's behaviour).
-        min_scale: floor for the scale on backoff (``None``: none).
-        max_scale: cap for the scale on growth (``None``: torch's "only while finite").
+        min_scale: floor for the scale on backoff (``None``: none; backoff still never reaches 0).
+        max_scale: cap for the scale on growth (``None``, the default: torch's "only while finite").
+            Neither bound refuses or moves a scale given by the user or a checkpoint.
         warn_after_skips: warn when this many steps in a row were skipped (``None``: never); checked on the
             host once every that many updates, never with a per-step sync (see ``LossScaler``).
 
@@ -111,7 +119,7 @@ class GradScaler:
         *,
         hysteresis: int = 1,
         min_scale: float | None = None,
-        max_scale: float | None = 2.0**24,
+        max_scale: float | None = None,
         warn_after_skips: int | None = 50,
     ) -> None:
         self._device = None if device is None else torch.device(device).type
@@ -132,11 +140,16 @@ class GradScaler:
             min_scale=min_scale,
             max_scale=max_scale,
             warn_after_skips=warn_after_skips,
+            strict_bounds=False,
         )
         if not self._enabled:  # options are kept (getters work) but, as in torch, not validated
             self._pending_state = {
                 "scale": init_scale,
-                **{k: v for k, v in self._options.items() if k not in ("init_scale", "warn_after_skips")},
+                **{
+                    k: v
+                    for k, v in self._options.items()
+                    if k not in ("init_scale", "warn_after_skips", "strict_bounds")
+                },
                 "growth_tracker": 0,
             }
             return
@@ -407,7 +420,11 @@ class GradScaler:
         """Advance the scale once per iteration from every optimizer's overflow flags (no host sync).
 
         Any overflow this iteration counts as one overflow of the state machine (see the class docstring).
-        ``new_scale`` sets the scale instead (a float, or a one-element tensor copied without a sync).
+        ``new_scale`` sets the scale instead: a float, or a one-element tensor copied without a sync. It must be
+        positive and finite in fp32: a float or a CPU tensor that is not raises ``ValueError`` (the scale is
+        unchanged); an accelerator tensor is checked on the device (no sync, as torch's copy has none): an
+        invalid value is ignored there and reported by a ``RuntimeWarning`` at the next ``get_scale()`` or
+        ``state_dict()``. Either way the scale is never NaN, inf or 0.
         """
         if not self._enabled:
             return
@@ -424,7 +441,7 @@ class GradScaler:
                     raise AssertionError(reason)
                 if new_scale.requires_grad is True:
                     raise AssertionError(reason)
-            scaler.set_scale(new_scale)
+            scaler.set_scale(new_scale, name="new_scale")
         else:
             found_infs = [f for s in self._per_optimizer_states.values() for f in s["found_inf_per_device"].values()]
             if len(found_infs) == 0:
