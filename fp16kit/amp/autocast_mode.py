@@ -154,6 +154,30 @@ _is_compiling = torch.compiler.is_compiling
 #: (measured: ~900 guard lines and ~16 us per compiled call). The callables stay alive in policy.RESOLVED and
 #: _PASSTHROUGH, so their ids are stable.
 _DISPATCH: dict[int, Any] = {}
+#: ``__name__`` -> (rule, inplace, row) for the names that identify their rule: every overridable callable with that
+#: name has the same (rule, inplace) and none is an absent composite. Used under torch.compile only, where Dynamo
+#: hands Tensor methods called on intermediates and Python operators (``h.exp()``, ``x @ y``) to the mode as
+#: *sourceless* variables whose ``id()`` it cannot know (a fake id that misses ``_DISPATCH``), but whose
+#: ``__name__`` it folds to a constant.
+_BY_NAME: dict[str, Any] = {}
+
+
+def _rebuild_by_name() -> None:
+    seen: dict[str, Any] = {}
+    ambiguous: set[str] = set()
+    for fn in set(policy._overridable()) | set(policy.RESOLVED):
+        name = getattr(fn, "__name__", None)
+        if not isinstance(name, str):
+            continue
+        entry = _DISPATCH.get(id(fn))
+        key = entry[:2] if entry.__class__ is tuple else entry  # absent (None) or a pass-through copy
+        if name in seen and seen[name][0] != key:
+            ambiguous.add(name)
+        seen.setdefault(name, (key, entry))
+    _BY_NAME.clear()
+    _BY_NAME.update(
+        (name, entry) for name, (key, entry) in seen.items() if name not in ambiguous and key.__class__ is tuple
+    )
 
 
 def _rebuild_dispatch() -> None:
@@ -166,6 +190,7 @@ def _rebuild_dispatch() -> None:
     merged.update((id(fn), entry) for fn, entry in policy.RESOLVED.items())  # a table row wins
     _DISPATCH.clear()
     _DISPATCH.update(merged)
+    _rebuild_by_name()
 
 
 policy._LISTENERS.append(_rebuild_dispatch)
@@ -333,6 +358,8 @@ class _AutocastMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         # Hot path: every torch call in the region lands here. One dict lookup; no allocation when nothing is cast.
         entry = _DISPATCH.get(id(func))
+        if entry is None and _is_compiling():
+            entry = _BY_NAME.get(getattr(func, "__name__", None))  # see _BY_NAME
         if entry is None or not self.enabled:
             if getattr(func, "__name__", None) in _REDIRECTS and _is_compiling():
                 # a Tensor method Dynamo cannot trace through a mode (zero-argument super()): call the in-graph

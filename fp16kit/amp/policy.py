@@ -81,11 +81,11 @@ DEFAULT_TABLE: dict[str, Rule] = {
         "gelu interpolate grid_sample cdist pdist",
         _F,
     ),
-    **_rows(
-        "addcdiv addcmul atan2 cross bilinear dot vdot tensordot index_put scatter_add cat stack "
-        "add sub mul div eq ne lt le gt ge",
-        _P,
-    ),
+    # The arithmetic/comparison operators (add sub mul div eq ne lt le gt ge, their dunders, reflected and in-place
+    # forms) are absent on purpose: torch's native type promotion already handles mixed dtypes, and following it
+    # exactly is the contract (a 0-dim tensor or a Python scalar does not widen a dimensioned tensor:
+    # x_bf16 * torch.tensor(2.0) stays bf16, as under torch.autocast; in-place forms keep the destination's dtype).
+    **_rows("addcdiv addcmul atan2 cross bilinear dot vdot tensordot index_put scatter_add cat stack", _P),
     "binary_cross_entropy": _B,
 }
 

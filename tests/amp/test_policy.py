@@ -125,10 +125,12 @@ def test_default_table_matches_spec_names():
     assert P.DEFAULT_TABLE["cat"] is Rule.PROMOTE
     assert P.DEFAULT_TABLE["binary_cross_entropy"] is Rule.BANNED
     assert "batch_norm" not in P.DEFAULT_TABLE  # absent on purpose (cast-policy.md)
-    assert len(P.DEFAULT_TABLE) == 28 + 63 + 22 + 1
+    assert len(P.DEFAULT_TABLE) == 28 + 63 + 12 + 1
+    for op in ("add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge"):  # torch's native promotion
+        assert op not in P.DEFAULT_TABLE
     names = {q for row in P.DEFAULT_TABLE for q, _ in P._DEFAULT_TARGETS[row]}
-    for q in ("torch.nn.functional.linear", "torch.Tensor.__matmul__", "torch.Tensor.__iadd__",
-              "torch.Tensor.__rtruediv__", "torch.Tensor.exp_", "torch.linalg.vector_norm", "torch.lstm_cell",
+    for q in ("torch.nn.functional.linear", "torch.Tensor.__matmul__", "torch.Tensor.__ipow__",
+              "torch.Tensor.__rpow__", "torch.Tensor.exp_", "torch.linalg.vector_norm", "torch.lstm_cell",
               "torch.nn.functional.softmax", "torch.softmax", "torch.Tensor.softmax", "torch.cat"):
         assert q in names, q
 
@@ -327,7 +329,8 @@ def test_policy_table_export_and_print():
     table = policy_table()
     assert table["torch.nn.functional.linear"] == {"rule": Rule.LOW, "row": "linear", "source": "default"}
     assert table["torch.Tensor.exp_"]["rule"] is Rule.FP32
-    assert table["torch.Tensor.__iadd__"]["row"] == "add"
+    assert table["torch.Tensor.__ipow__"]["row"] == "Tensor.__ipow__"
+    assert "torch.Tensor.__iadd__" not in table  # operators follow torch's native promotion
     assert table["torch.nn.functional.binary_cross_entropy"]["rule"] is Rule.BANNED
     buf = io.StringIO()
     print_policy(buf)
