@@ -345,7 +345,8 @@ def test_policy_table_export_and_print():
     buf = io.StringIO()
     print_policy(buf, rule="fp32")  # "why did my op run in fp32?"
     text = buf.getvalue()
-    assert text.startswith(f"FP32 ({64 + sum(r is Rule.FP32 for r in P.TORCH_CUDA_TABLE.values())} rows)") and "LOW (" not in text and "torch.log_softmax" in text
+    n_fp32 = 64 + sum(r is Rule.FP32 for r in P.TORCH_CUDA_TABLE.values())
+    assert text.startswith(f"FP32 ({n_fp32} rows)") and "LOW (" not in text and "torch.log_softmax" in text
     with policy_override({"exp": "low"}):
         buf = io.StringIO()
         print_policy(buf, rule=Rule.LOW)
