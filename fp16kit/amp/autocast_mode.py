@@ -213,6 +213,13 @@ def _cast_seq(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
     Returns ``args`` itself, with no allocation, when nothing needs a cast (the common case on the hot path).
     An fp32 leaf that requires grad (a parameter) cast to low precision goes through the region's cache.
     """
+    out = _cast_seq_or_none(args, to, mode)
+    return args if out is None else out
+
+
+def _cast_seq_or_none(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
+    """:func:`_cast_seq`, but ``None`` when nothing needs a cast. (Callers test ``is None``, never ``c is a`` on
+    containers: Dynamo cannot trace ``is`` between tuples, which would be a graph break under torch.compile.)"""
     out = None
     for i, a in enumerate(args):
         if isinstance(a, _Tensor):
@@ -224,8 +231,8 @@ def _cast_seq(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
             else:
                 c = a.to(to)
         elif isinstance(a, (list, tuple)):
-            c = _cast_seq(a, to, mode)
-            if c is a:
+            c = _cast_seq_or_none(a, to, mode)
+            if c is None:
                 continue
             if not isinstance(a, list) and type(a) is not tuple:
                 c = type(a)(*c)  # a namedtuple
@@ -235,7 +242,7 @@ def _cast_seq(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
             out = list(args)
         out[i] = c
     if out is None:
-        return args
+        return None
     return out if isinstance(args, list) else tuple(out)
 
 
@@ -303,10 +310,9 @@ def _cast_args(
                 f"fp32 (Rule.FP32) and an in-place op cannot change the tensor's dtype. Use the out-of-place "
                 f"form{example}, or cast the tensor to float32 first."
             )
-        tail = args[1:]
-        rest = _cast_seq(tail, to, mode)
+        rest = _cast_seq_or_none(args[1:], to, mode)
         new_kwargs = {k: _cast(v, to, mode) for k, v in kwargs.items()} if kwargs else kwargs
-        return (args if rest is tail else (self_t, *rest)), new_kwargs
+        return (args if rest is None else (self_t, *rest)), new_kwargs
     if rule is _LOW:
         to = mode.dtype
     elif rule is _FP32:
