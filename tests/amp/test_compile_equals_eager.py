@@ -92,11 +92,7 @@ def _flat(x: Any) -> list[torch.Tensor]:
     return []
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize("low", LOW, ids=IDS)
