@@ -9,12 +9,9 @@ dtype) are checked. Deliberate differences are listed in ``DIFFERENCES`` with th
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
-
 import pytest
 import torch
+from _torch_autocast_lists import autocast_lists_module
 
 from fp16kit.amp import Rule, autocast
 from fp16kit.amp import _torch_lists as TL
@@ -35,39 +32,9 @@ NOT_CALLABLE_ON_CPU = {
 DIFFERENCES: dict[tuple[str, str], str] = {}
 
 
-def _load_lists_module() -> types.ModuleType:
-    """``torch.testing._internal.autocast_test_lists``; if torch's test harness (``expecttest``) is not installed,
-    the same file is loaded with a two-name stand-in for ``common_utils`` (it only uses TEST_WITH_ROCM, TestCase)."""
-    try:
-        from torch.testing._internal import autocast_test_lists
-
-        return autocast_test_lists
-    except ImportError:
-        pass
-    spec = importlib.util.find_spec("torch.testing._internal.autocast_test_lists")
-    if spec is None or spec.origin is None:
-        pytest.skip("this torch install has no torch/testing/_internal/autocast_test_lists.py")
-    stub = types.ModuleType("torch.testing._internal.common_utils")
-    stub.TEST_WITH_ROCM = False
-    stub.TestCase = object
-    saved = sys.modules.get(stub.__name__)
-    sys.modules[stub.__name__] = stub
-    try:
-        module = importlib.util.module_from_spec(
-            importlib.util.spec_from_file_location("_fp16kit_torch_autocast_lists", spec.origin)
-        )
-        module.__loader__.exec_module(module)
-    finally:
-        if saved is None:
-            del sys.modules[stub.__name__]
-        else:
-            sys.modules[stub.__name__] = saved
-    return module
-
-
 @pytest.fixture(scope="module")
 def lists():
-    return _load_lists_module().AutocastTestLists(torch.device("cpu"))
+    return autocast_lists_module().AutocastTestLists(torch.device("cpu"))
 
 
 def _namespace(attr: str):
