@@ -364,12 +364,19 @@ class _AutocastMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         # Hot path: every torch call in the region lands here. One dict lookup; no allocation when nothing is cast.
         entry = _DISPATCH.get(id(func))
-        if entry is None and _is_compiling():
-            entry = _BY_NAME.get(getattr(func, "__name__", None))  # see _BY_NAME
-        if entry is None or not self.enabled:
-            if getattr(func, "__name__", None) in _REDIRECTS and _is_compiling():
-                # a Tensor method Dynamo cannot trace through a mode (zero-argument super()): call the in-graph
-                # torch function it forwards to (eager keeps the Python method, which also handles named dims)
+        if entry is None:
+            if not _is_compiling():
+                return func(*args, **kwargs) if kwargs else func(*args)  # an absent op, eager: the commonest case
+            name = getattr(func, "__name__", None)
+            entry = _BY_NAME.get(name)  # see _BY_NAME
+            if entry is None:
+                if name in _REDIRECTS:
+                    # a Tensor method Dynamo cannot trace through a mode (zero-argument super()): call the in-graph
+                    # torch function it forwards to (eager keeps the Python method, which also handles named dims)
+                    return _REDIRECTS[name](*args, **(kwargs or {}))
+                return func(*args, **kwargs) if kwargs else func(*args)
+        if not self.enabled:
+            if _is_compiling() and getattr(func, "__name__", None) in _REDIRECTS:
                 return _REDIRECTS[func.__name__](*args, **(kwargs or {}))
             return func(*args, **kwargs) if kwargs else func(*args)
         if entry.__class__ is tuple:
