@@ -305,10 +305,10 @@ class GradScaler:
     @staticmethod
     def _combined(flags: abc.Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
         """One 0/1 flag on ``device`` from several (max, not sum: fused kernels test ``found_inf == 1``)."""
-        flags = [f.to(device, non_blocking=True) for f in flags]
+        flags = [f if f.device == device else f.to(device, non_blocking=True) for f in flags]
         if not flags:  # no gradients at all: nothing overflowed
             return torch.zeros(1, dtype=torch.float32, device=device)
-        out = flags[0]
+        out = flags[0]  # the common case, one flag: no op at all
         for f in flags[1:]:
             out = torch.maximum(out, f)
         return out
