@@ -33,10 +33,10 @@ hold is accepted by the constructor, ``load_state_dict`` and ``update(new_scale)
 Differences: ``device`` defaults to ``None`` (the device of the first tensor given to ``scale``)
 instead of ``"cuda"``; sparse gradients are always coalesced before the check (torch coalesces only fp16
 ones), since coalescing adds values and can itself overflow; a scale that fp32 cannot hold
-(``init_scale=1e39``, NaN, inf, <= 0, from the constructor, a checkpoint or ``update(new_scale)``) is an
-error instead of an inf/NaN/0 scale that would skip every later step; backoff stops at fp32's smallest
-normal 2**-126 (whose reciprocal is still finite) instead of going on to 0, where torch's scale stays forever
-(after ~165 overflows in a row from 2**16).
+(``init_scale=1e39``, NaN, inf, <= 0; or below 2**-126, whose reciprocal overflows) from the constructor, a
+checkpoint or ``update(new_scale)`` is an error instead of a scale that would skip every later step;
+backoff stops at fp32's smallest normal 2**-126 (whose reciprocal is still finite) instead of going on to 0,
+where torch's scale stays forever (after ~165 overflows in a row from 2**16).
 """
 
 from __future__ import annotations
@@ -430,8 +430,8 @@ class GradScaler:
         """Advance the scale once per iteration from every optimizer's overflow flags (no host sync).
 
         Any overflow this iteration counts as one overflow of the state machine (see the class docstring).
-        ``new_scale`` sets the scale instead: a float, or a one-element tensor copied without a sync. It must be
-        positive and finite in fp32: a float or a CPU tensor that is not raises ``ValueError`` (the scale is
+        ``new_scale`` sets the scale instead: a float, or a one-element tensor copied without a sync. It must lie
+        in ``[2**-126, fp32 max]``: a float or a CPU tensor that does not raises ``ValueError`` (the scale is
         unchanged); an accelerator tensor is checked on the device (no sync, as torch's copy has none): an
         invalid value is ignored there and reported by a ``RuntimeWarning`` at the next ``get_scale()`` or
         ``state_dict()``. Either way the scale is never NaN, inf or 0.

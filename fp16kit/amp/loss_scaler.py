@@ -75,12 +75,19 @@ SCALE_FLOOR = 2.0**-126
 
 
 def _check_scale_value(name: str, value: float) -> float:
-    """A positive finite float that stays positive and finite in fp32 (the scale's dtype)."""
+    """A positive finite float in ``[SCALE_FLOOR, fp32 max]``: the fp32 scale holds it, and its reciprocal (the
+    unscale factor) is finite too. Below 2**-126 ``1/S`` overflows fp32, every step would read as an overflow and
+    backoff (which stops at the floor) could never recover: a scaler stuck forever, so such a value is refused."""
     value = _check_positive_finite(name, value)
-    if value > _FP32_MAX or value < SCALE_FLOOR:
+    if value > _FP32_MAX:
         raise ValueError(
-            f"LossScaler: {name}={value!r} cannot be held by the fp32 scale (it would become "
-            f"{'inf' if value > _FP32_MAX else '0'}); use a value in [2**-149, {_FP32_MAX:.6g}]."
+            f"LossScaler: {name}={value!r} cannot be held by the fp32 scale (it would become inf); use a value in "
+            f"[2**-126, {_FP32_MAX:.6g}]."
+        )
+    if value < SCALE_FLOOR:
+        raise ValueError(
+            f"LossScaler: {name}={value!r} is below 2**-126: its reciprocal, the unscale factor, overflows fp32, so "
+            f"every step would be skipped; use a value in [2**-126, {_FP32_MAX:.6g}]."
         )
     return value
 
@@ -118,10 +125,11 @@ def _bound(name: str, value: float | None) -> float | None:
 
 
 def _copy_valid_scale(scale: torch.Tensor, value: torch.Tensor, rejected: torch.Tensor) -> None:
-    """``scale = value`` where ``value`` (one element, any device/dtype) is positive and finite in fp32, else keep
-    ``scale`` and add 1 to ``rejected``: device-side ops only (no host sync)."""
+    """``scale = value`` where ``value`` (one element, any device/dtype) lies in ``[SCALE_FLOOR, fp32 max]`` once in
+    fp32 (the range ``_check_scale_value`` accepts), else keep ``scale`` and add 1 to ``rejected``: device-side ops
+    only (no host sync)."""
     src = value.to(device=scale.device, dtype=torch.float32, non_blocking=True)
-    ok = torch.isfinite(src) & (src > 0.0)
+    ok = torch.isfinite(src) & (src >= SCALE_FLOOR)
     rejected.add_(~ok)
     torch.where(ok, src, scale, out=scale)
 
@@ -298,7 +306,8 @@ class LossScaler:
     def set_scale(self, value: float | torch.Tensor, *, name: str = "scale") -> None:
         """Overwrite the scale: a float, or a one-element tensor (copied on the device, no sync).
 
-        The value must be positive and finite in fp32 (else ``ValueError``; the scale is unchanged). A float is
+        The value must lie in ``[2**-126, fp32 max]`` (else ``ValueError``; the scale is unchanged): positive and
+        finite in fp32, with a finite reciprocal. A float is
         checked on the host. A CPU tensor is checked too (reading it is no device sync). A tensor on an
         accelerator cannot be checked without a sync, which torch's ``update(new_scale)`` does not do either:
         it is copied on the device only where its value is valid (``torch.where``), so the scale is never

@@ -134,7 +134,7 @@ def test_a_cap_clips_growth_and_never_refuses_or_moves_a_scale():
 
 
 # ----------------------------------------------------------------------------- issue 9: never NaN, inf or 0
-BAD_VALUES = [math.nan, math.inf, -math.inf, 0.0, -0.0, -2.0, 1e39]
+BAD_VALUES = [math.nan, math.inf, -math.inf, 0.0, -0.0, -2.0, 1e39, 2.0**-127, 1e-45]
 
 
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["float", "cpu_tensor"])
