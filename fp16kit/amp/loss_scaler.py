@@ -378,7 +378,8 @@ class LossScaler:
             torch.maximum(self._window_max, streak, out=self._window_max)
         if self.dynamic:
             growth = self._growth
-            if self.min_scale is not None or self.max_scale is not None:
+            general_bounds = not self.strict_bounds and (self.min_scale is not None or self.max_scale is not None)
+            if general_bounds:
                 self._prev.copy_(self.scale)
             if self.hysteresis == 1:
                 backoff = inf  # every overflow backs off: torch's semantics
@@ -392,6 +393,12 @@ class LossScaler:
             )
             if self.min_scale is None and self.max_scale is None:
                 self.scale.clamp_(min=SCALE_FLOOR)  # backoff never reaches 0 (see the module docstring)
+            elif not general_bounds:
+                # strict bounds: the scale always lies inside them, so a plain clamp acts only on the new value
+                lo, hi = self._bound_tensors()
+                torch.maximum(self.scale, lo, out=self.scale)
+                if hi is not None:
+                    torch.minimum(self.scale, hi, out=self.scale)
             else:
                 lo, hi = self._bound_tensors()
                 prev, scale = self._prev, self.scale
