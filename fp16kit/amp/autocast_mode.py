@@ -154,6 +154,30 @@ _is_compiling = torch.compiler.is_compiling
 #: (measured: ~900 guard lines and ~16 us per compiled call). The callables stay alive in policy.RESOLVED and
 #: _PASSTHROUGH, so their ids are stable.
 _DISPATCH: dict[int, Any] = {}
+#: ``__name__`` -> (rule, inplace, row) for the names that identify their rule: every overridable callable with that
+#: name has the same (rule, inplace) and none is an absent composite. Used under torch.compile only, where Dynamo
+#: hands Tensor methods called on intermediates and Python operators (``h.exp()``, ``x @ y``) to the mode as
+#: *sourceless* variables whose ``id()`` it cannot know (a fake id that misses ``_DISPATCH``), but whose
+#: ``__name__`` it folds to a constant.
+_BY_NAME: dict[str, Any] = {}
+
+
+def _rebuild_by_name() -> None:
+    seen: dict[str, Any] = {}
+    ambiguous: set[str] = set()
+    for fn in set(policy._overridable()) | set(policy.RESOLVED):
+        name = getattr(fn, "__name__", None)
+        if not isinstance(name, str):
+            continue
+        entry = _DISPATCH.get(id(fn))
+        key = entry[:2] if entry.__class__ is tuple else entry  # absent (None) or a pass-through copy
+        if name in seen and seen[name][0] != key:
+            ambiguous.add(name)
+        seen.setdefault(name, (key, entry))
+    _BY_NAME.clear()
+    _BY_NAME.update(
+        (name, entry) for name, (key, entry) in seen.items() if name not in ambiguous and key.__class__ is tuple
+    )
 
 
 def _rebuild_dispatch() -> None:
@@ -166,6 +190,7 @@ def _rebuild_dispatch() -> None:
     merged.update((id(fn), entry) for fn, entry in policy.RESOLVED.items())  # a table row wins
     _DISPATCH.clear()
     _DISPATCH.update(merged)
+    _rebuild_by_name()
 
 
 policy._LISTENERS.append(_rebuild_dispatch)
@@ -188,6 +213,13 @@ def _cast_seq(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
     Returns ``args`` itself, with no allocation, when nothing needs a cast (the common case on the hot path).
     An fp32 leaf that requires grad (a parameter) cast to low precision goes through the region's cache.
     """
+    out = _cast_seq_or_none(args, to, mode)
+    return args if out is None else out
+
+
+def _cast_seq_or_none(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
+    """:func:`_cast_seq`, but ``None`` when nothing needs a cast. (Callers test ``is None``, never ``c is a`` on
+    containers: Dynamo cannot trace ``is`` between tuples, which would be a graph break under torch.compile.)"""
     out = None
     for i, a in enumerate(args):
         if isinstance(a, _Tensor):
@@ -199,8 +231,8 @@ def _cast_seq(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
             else:
                 c = a.to(to)
         elif isinstance(a, (list, tuple)):
-            c = _cast_seq(a, to, mode)
-            if c is a:
+            c = _cast_seq_or_none(a, to, mode)
+            if c is None:
                 continue
             if not isinstance(a, list) and type(a) is not tuple:
                 c = type(a)(*c)  # a namedtuple
@@ -210,7 +242,7 @@ def _cast_seq(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
             out = list(args)
         out[i] = c
     if out is None:
-        return args
+        return None
     return out if isinstance(args, list) else tuple(out)
 
 
@@ -278,10 +310,9 @@ def _cast_args(
                 f"fp32 (Rule.FP32) and an in-place op cannot change the tensor's dtype. Use the out-of-place "
                 f"form{example}, or cast the tensor to float32 first."
             )
-        tail = args[1:]
-        rest = _cast_seq(tail, to, mode)
+        rest = _cast_seq_or_none(args[1:], to, mode)
         new_kwargs = {k: _cast(v, to, mode) for k, v in kwargs.items()} if kwargs else kwargs
-        return (args if rest is tail else (self_t, *rest)), new_kwargs
+        return (args if rest is None else (self_t, *rest)), new_kwargs
     if rule is _LOW:
         to = mode.dtype
     elif rule is _FP32:
@@ -333,10 +364,19 @@ class _AutocastMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         # Hot path: every torch call in the region lands here. One dict lookup; no allocation when nothing is cast.
         entry = _DISPATCH.get(id(func))
-        if entry is None or not self.enabled:
-            if getattr(func, "__name__", None) in _REDIRECTS and _is_compiling():
-                # a Tensor method Dynamo cannot trace through a mode (zero-argument super()): call the in-graph
-                # torch function it forwards to (eager keeps the Python method, which also handles named dims)
+        if entry is None:
+            if not _is_compiling():
+                return func(*args, **kwargs) if kwargs else func(*args)  # an absent op, eager: the commonest case
+            name = getattr(func, "__name__", None)
+            entry = _BY_NAME.get(name)  # see _BY_NAME
+            if entry is None:
+                if name in _REDIRECTS:
+                    # a Tensor method Dynamo cannot trace through a mode (zero-argument super()): call the in-graph
+                    # torch function it forwards to (eager keeps the Python method, which also handles named dims)
+                    return _REDIRECTS[name](*args, **(kwargs or {}))
+                return func(*args, **kwargs) if kwargs else func(*args)
+        if not self.enabled:
+            if _is_compiling() and getattr(func, "__name__", None) in _REDIRECTS:
                 return _REDIRECTS[func.__name__](*args, **(kwargs or {}))
             return func(*args, **kwargs) if kwargs else func(*args)
         if entry.__class__ is tuple:

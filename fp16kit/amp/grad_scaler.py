@@ -26,10 +26,17 @@ What fp16kit adds:
 * fp16kit's own fused optimizers (``_fp16kit_checks_inf = True``) check for inf/NaN in their own first
   pass, so ``step`` hands them a zeroed flag and runs no check pass of its own (see ``step``).
 
+Defaults are torch's: no cap (the scale keeps doubling past 2**24 as torch's does), any scale fp32 can
+hold is accepted by the constructor, ``load_state_dict`` and ``update(new_scale)``. ``min_scale`` and
+``max_scale``, when set, only limit growth and backoff; they never refuse or move a given scale.
+
 Differences: ``device`` defaults to ``None`` (the device of the first tensor given to ``scale``)
-instead of ``"cuda"``; ``max_scale`` defaults to ``2**24`` (torch has no cap; pass ``max_scale=None``
-for torch's trajectory beyond 2**24); sparse gradients are always coalesced before the check (torch
-coalesces only fp16 ones), since coalescing adds values and can itself overflow.
+instead of ``"cuda"``; sparse gradients are always coalesced before the check (torch coalesces only fp16
+ones), since coalescing adds values and can itself overflow; a scale that fp32 cannot hold
+(``init_scale=1e39``, NaN, inf, <= 0; or below 2**-126, whose reciprocal overflows) from the constructor, a
+checkpoint or ``update(new_scale)`` is an error instead of a scale that would skip every later step;
+backoff stops at fp32's smallest normal 2**-126 (whose reciprocal is still finite) instead of going on to 0,
+where torch's scale stays forever (after ~165 overflows in a row from 2**16).
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ from ..kernels import unscale_and_check
 from .loss_scaler import LossScaler
 
 __all__ = ["GradScaler", "OptState"]
+
+_F16 = torch.float16
 
 
 class OptState(Enum):
@@ -90,8 +99,9 @@ class GradScaler:
             passed to :meth:`scale`. ``"cuda"`` without CUDA warns and disables the scaler, as torch does.
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in torch.
         hysteresis: consecutive overflows tolerated before backing off (1 = torch's behaviour).
-        min_scale: floor for the scale on backoff (``None``: none).
-        max_scale: cap for the scale on growth (``None``: torch's "only while finite").
+        min_scale: floor for the scale on backoff (``None``: none; backoff still never reaches 0).
+        max_scale: cap for the scale on growth (``None``, the default: torch's "only while finite").
+            Neither bound refuses or moves a scale given by the user or a checkpoint.
         warn_after_skips: warn when this many steps in a row were skipped (``None``: never); checked on the
             host once every that many updates, never with a per-step sync (see ``LossScaler``).
 
@@ -111,7 +121,7 @@ class GradScaler:
         *,
         hysteresis: int = 1,
         min_scale: float | None = None,
-        max_scale: float | None = 2.0**24,
+        max_scale: float | None = None,
         warn_after_skips: int | None = 50,
     ) -> None:
         self._device = None if device is None else torch.device(device).type
@@ -132,11 +142,16 @@ class GradScaler:
             min_scale=min_scale,
             max_scale=max_scale,
             warn_after_skips=warn_after_skips,
+            strict_bounds=False,
         )
         if not self._enabled:  # options are kept (getters work) but, as in torch, not validated
             self._pending_state = {
                 "scale": init_scale,
-                **{k: v for k, v in self._options.items() if k not in ("init_scale", "warn_after_skips")},
+                **{
+                    k: v
+                    for k, v in self._options.items()
+                    if k not in ("init_scale", "warn_after_skips", "strict_bounds")
+                },
                 "growth_tracker": 0,
             }
             return
@@ -222,8 +237,12 @@ class GradScaler:
 
     # ------------------------------------------------------------------ unscaling
     def _grads_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, list[torch.Tensor]]:
-        """The optimizer's gradients (dense ones, and the values of coalesced sparse ones) by device."""
+        """The optimizer's gradients (dense ones, and the values of coalesced sparse ones) by device.
+
+        Sets ``self._saw_fp16`` when one of them is fp16 (checked in this loop: a second pass costs ~1 us per grad).
+        """
         per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        saw_fp16 = False
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if not isinstance(param, torch.Tensor):
@@ -237,7 +256,10 @@ class GradScaler:
                     if not grad.is_coalesced():
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
+                if grad.dtype is _F16:
+                    saw_fp16 = True
                 per_device[grad.device].append(grad)
+        self._saw_fp16 = saw_fp16
         return per_device
 
     def _unscale_grads_(
@@ -251,10 +273,11 @@ class GradScaler:
         inv = _PerDevice(inv_scale) if isinstance(inv_scale, torch.Tensor) else None
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
-            for device, grads in self._grads_per_device(optimizer).items():
-                if warn_fp16 and not self._warned_fp16 and any(g.dtype == torch.float16 for g in grads):
-                    self._warned_fp16 = True
-                    warnings.warn(_FP16_GRAD_WARNING, UserWarning, stacklevel=4)
+            per_device = self._grads_per_device(optimizer)
+            if warn_fp16 and self._saw_fp16 and not self._warned_fp16:
+                self._warned_fp16 = True
+                warnings.warn(_FP16_GRAD_WARNING, UserWarning, stacklevel=4)
+            for device, grads in per_device.items():
                 flag = scaler.new_found_inf() if device == scaler.device else torch.zeros(1, device=device)
                 unscale_and_check(grads, inv.get(device) if inv is not None else inv_scale, flag)
                 found[device] = flag
@@ -282,10 +305,10 @@ class GradScaler:
     @staticmethod
     def _combined(flags: abc.Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
         """One 0/1 flag on ``device`` from several (max, not sum: fused kernels test ``found_inf == 1``)."""
-        flags = [f.to(device, non_blocking=True) for f in flags]
+        flags = [f if f.device == device else f.to(device, non_blocking=True) for f in flags]
         if not flags:  # no gradients at all: nothing overflowed
             return torch.zeros(1, dtype=torch.float32, device=device)
-        out = flags[0]
+        out = flags[0]  # the common case, one flag: no op at all
         for f in flags[1:]:
             out = torch.maximum(out, f)
         return out
@@ -407,7 +430,11 @@ class GradScaler:
         """Advance the scale once per iteration from every optimizer's overflow flags (no host sync).
 
         Any overflow this iteration counts as one overflow of the state machine (see the class docstring).
-        ``new_scale`` sets the scale instead (a float, or a one-element tensor copied without a sync).
+        ``new_scale`` sets the scale instead: a float, or a one-element tensor copied without a sync. It must lie
+        in ``[2**-126, fp32 max]``: a float or a CPU tensor that does not raises ``ValueError`` (the scale is
+        unchanged); an accelerator tensor is checked on the device (no sync, as torch's copy has none): an
+        invalid value is ignored there and reported by a ``RuntimeWarning`` at the next ``get_scale()`` or
+        ``state_dict()``. Either way the scale is never NaN, inf or 0.
         """
         if not self._enabled:
             return
@@ -424,7 +451,7 @@ class GradScaler:
                     raise AssertionError(reason)
                 if new_scale.requires_grad is True:
                     raise AssertionError(reason)
-            scaler.set_scale(new_scale)
+            scaler.set_scale(new_scale, name="new_scale")
         else:
             found_infs = [f for s in self._per_optimizer_states.values() for f in s["found_inf_per_device"].values()]
             if len(found_infs) == 0:

@@ -21,11 +21,17 @@ State (all tensors on the scaler's device, shape ``[1]``):
                 if G is finite: S = min(G, max_scale)                              # never grows to inf
 
 Implementation: the growth/backoff core *is* torch's ``_amp_update_scale_`` (the op behind
-``torch.amp.GradScaler.update``), called with the flag "back off now", followed by a clamp into
-``[min_scale, max_scale]``. Since the scale always lies in that range, the clamp only ever acts on
-the value just grown or backed off, which is the min/max above. So with ``hysteresis=1`` and no
-floor/cap the trajectory is *bit-identical* to torch's GradScaler on every device (same op, same
-rounding: products in double rounded once to fp32 on CPU). Hysteresis: an overflow that is still
+``torch.amp.GradScaler.update``), called with the flag "back off now", followed by a clamp of the new
+value into ``[min(min_scale, S_old), max(max_scale, S_old)]``: the bounds only limit what growth and
+backoff produce, so a scale that lies outside them (possible with ``strict_bounds=False``: a torch
+checkpoint with scale 2**30 under a cap of 2**24) is never moved *by* the bounds, growth never lowers it
+and backoff never raises it. With the scale inside the bounds this is exactly the min/max above. So with
+``hysteresis=1`` and no floor/cap the trajectory is *bit-identical* to torch's GradScaler on every device
+(same op, same rounding: products in double rounded once to fp32 on CPU), with one exception: the scale
+never reaches 0. Backoff is floored at fp32's smallest normal 2**-126 (``SCALE_FLOOR``): below it the
+unscale factor ``1/S`` overflows fp32, so every step reads as an overflow and torch's scale goes on down to
+0, where it stays forever (``0 * growth_factor = 0``). So the trajectories agree down to 2**-126, and past
+it ours can still recover. Hysteresis: an overflow that is still
 tolerated sets ``growth_tracker = -1`` before the op, which then sees a clean step, moves it back to
 0 and cannot grow (``growth_interval >= 1``), leaving ``S`` unchanged: the state machine above.
 
@@ -64,6 +70,26 @@ import torch
 __all__ = ["LossScaler"]
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
+#: fp32's smallest normal value: backoff stops there (its reciprocal, the unscale factor, is still finite)
+SCALE_FLOOR = 2.0**-126
+
+
+def _check_scale_value(name: str, value: float) -> float:
+    """A positive finite float in ``[SCALE_FLOOR, fp32 max]``: the fp32 scale holds it, and its reciprocal (the
+    unscale factor) is finite too. Below 2**-126 ``1/S`` overflows fp32, every step would read as an overflow and
+    backoff (which stops at the floor) could never recover: a scaler stuck forever, so such a value is refused."""
+    value = _check_positive_finite(name, value)
+    if value > _FP32_MAX:
+        raise ValueError(
+            f"LossScaler: {name}={value!r} cannot be held by the fp32 scale (it would become inf); use a value in "
+            f"[2**-126, {_FP32_MAX:.6g}]."
+        )
+    if value < SCALE_FLOOR:
+        raise ValueError(
+            f"LossScaler: {name}={value!r} is below 2**-126: its reciprocal, the unscale factor, overflows fp32, so "
+            f"every step would be skipped; use a value in [2**-126, {_FP32_MAX:.6g}]."
+        )
+    return value
 
 
 def _check_positive_finite(name: str, value: float) -> float:
@@ -98,11 +124,21 @@ def _bound(name: str, value: float | None) -> float | None:
     return value
 
 
+def _copy_valid_scale(scale: torch.Tensor, value: torch.Tensor, rejected: torch.Tensor) -> None:
+    """``scale = value`` where ``value`` (one element, any device/dtype) lies in ``[SCALE_FLOOR, fp32 max]`` once in
+    fp32 (the range ``_check_scale_value`` accepts), else keep ``scale`` and add 1 to ``rejected``: device-side ops
+    only (no host sync)."""
+    src = value.to(device=scale.device, dtype=torch.float32, non_blocking=True)
+    ok = torch.isfinite(src) & (src >= SCALE_FLOOR)
+    rejected.add_(~ok)
+    torch.where(ok, src, scale, out=scale)
+
+
 class LossScaler:
     """Dynamic (or static) loss scale kept on the device; see the module docstring for the math.
 
     Args:
-        init_scale: the first scale ``S`` (must lie within ``[min_scale, max_scale]``).
+        init_scale: the first scale ``S`` (within ``[min_scale, max_scale]`` when ``strict_bounds``).
         growth_factor: ``S *= growth_factor`` after ``growth_interval`` clean updates in a row (> 1).
         backoff_factor: ``S *= backoff_factor`` on an overflow that exhausts the hysteresis (< 1).
         growth_interval: clean updates needed before growing.
@@ -114,6 +150,10 @@ class LossScaler:
         dynamic: ``False`` gives a static scale: ``update`` never changes it and it never asks for a skip.
         device: where the state lives (default: ``torch.get_default_device()``); ``to()`` moves it.
         warn_after_skips: K for the skip warning (``None`` disables it); see the module docstring.
+        strict_bounds: ``True`` (apex-style frontend): a scale given to the constructor or ``set_scale`` must
+            lie within ``[min_scale, max_scale]`` (``ValueError`` otherwise) and a loaded one is clamped into
+            it (with a warning). ``False`` (torch-style ``GradScaler``): any scale fp32 holds is accepted as
+            given; the bounds only limit growth and backoff (see the module docstring).
 
     The update is device-side; ``get_scale()``, ``state_dict()`` and the periodic K-update check are
     the only reads back to the host.
@@ -132,8 +172,9 @@ class LossScaler:
         dynamic: bool = True,
         device: torch.device | str | None = None,
         warn_after_skips: int | None = 50,
+        strict_bounds: bool = True,
     ) -> None:
-        init_scale = _check_positive_finite("init_scale", init_scale)
+        init_scale = _check_scale_value("init_scale", init_scale)
         self.growth_factor = _check_factor("growth_factor", growth_factor, above_one=True)
         self.backoff_factor = _check_factor("backoff_factor", backoff_factor, above_one=False)
         self.growth_interval = _check_count("growth_interval", growth_interval)
@@ -142,9 +183,14 @@ class LossScaler:
         self.max_scale = _bound("max_scale", max_scale)
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ValueError(f"LossScaler: min_scale={self.min_scale} is larger than max_scale={self.max_scale}.")
-        if dynamic and (
-            (self.min_scale is not None and init_scale < self.min_scale)
-            or (self.max_scale is not None and init_scale > self.max_scale)
+        self.strict_bounds = bool(strict_bounds)
+        if (
+            dynamic
+            and self.strict_bounds
+            and (
+                (self.min_scale is not None and init_scale < self.min_scale)
+                or (self.max_scale is not None and init_scale > self.max_scale)
+            )
         ):
             raise ValueError(
                 f"LossScaler: init_scale={init_scale} lies outside [min_scale, max_scale] = "
@@ -176,6 +222,9 @@ class LossScaler:
         self._streak, self._window_max = self._skips[0:1], self._skips[1:2]
         self._inf = torch.zeros(1, dtype=torch.float32, device=device)  # scratch: this update's 0/1 flag
         self._zero = torch.zeros(1, dtype=torch.float32, device=device)
+        self._prev = torch.zeros(1, dtype=torch.float32, device=device)  # scratch: the scale before this update
+        self._lo = torch.zeros(1, dtype=torch.float32, device=device)  # scratch: this update's effective floor
+        self._rejected = torch.zeros(1, dtype=torch.int32, device=device)  # device set_scale values ignored
         self._bounds: tuple[Any, torch.Tensor | None, torch.Tensor | None] = (None, None, None)
         # CUDA: pinned host buffer [streak, window_max, scale] and an event for the skip-check snapshot,
         # allocated once here so that update() never allocates pinned memory.
@@ -186,11 +235,11 @@ class LossScaler:
             self._event = torch.cuda.Event()
 
     def _bound_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """fp32 ``[1]`` device tensors of (min_scale, max_scale), rebuilt when an option changed."""
+        """fp32 ``[1]`` device tensors of (min_scale or SCALE_FLOOR, max_scale), rebuilt when an option changed."""
         key = (self.min_scale, self.max_scale, self.scale.device)
         if self._bounds[0] != key:
             dev = self.scale.device
-            lo = None if self.min_scale is None else torch.full((1,), self.min_scale, device=dev)
+            lo = torch.full((1,), SCALE_FLOOR if self.min_scale is None else self.min_scale, device=dev)
             hi = None if self.max_scale is None else torch.full((1,), self.max_scale, device=dev)
             self._bounds = (key, lo, hi)
         return self._bounds[1], self._bounds[2]
@@ -220,11 +269,12 @@ class LossScaler:
         device = torch.device(device)
         if device != self.scale.device:
             self._harvest(block=True)
-            growth, skips = self._growth.to(device), self._skips.to(device)
+            growth, skips, rejected = self._growth.to(device), self._skips.to(device), self._rejected.to(device)
             self.scale = self.scale.to(device)
             self._make_state(device, growth=0, skips=0)
             self._growth.copy_(growth)
             self._skips.copy_(skips)
+            self._rejected.copy_(rejected)
             self._inv = None
         return self
 
@@ -250,25 +300,53 @@ class LossScaler:
         if self.warn_after_skips is not None and self._updates_in_window:
             self._snapshot()
             self._harvest(block=True)
+        self._report_rejected()
         return float(self.scale.item())
 
-    def set_scale(self, value: float | torch.Tensor) -> None:
+    def set_scale(self, value: float | torch.Tensor, *, name: str = "scale") -> None:
         """Overwrite the scale: a float, or a one-element tensor (copied on the device, no sync).
 
-        A dynamic scaler keeps the scale within ``[min_scale, max_scale]``: a float outside is an error,
-        a tensor is clamped on the device (its value cannot be checked without a sync).
+        The value must lie in ``[2**-126, fp32 max]`` (else ``ValueError``; the scale is unchanged): positive and
+        finite in fp32, with a finite reciprocal. A float is
+        checked on the host. A CPU tensor is checked too (reading it is no device sync). A tensor on an
+        accelerator cannot be checked without a sync, which torch's ``update(new_scale)`` does not do either:
+        it is copied on the device only where its value is valid (``torch.where``), so the scale is never
+        NaN, inf or 0; a rejected value leaves the scale unchanged and is reported by a ``RuntimeWarning`` at the
+        next host read (``get_scale()``, ``state_dict()``). ``name`` is the argument's name in error messages.
+        With ``strict_bounds`` a dynamic scale must also lie within ``[min_scale, max_scale]``: a float outside is
+        an error, a tensor is clamped on the device.
         """
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise ValueError(f"LossScaler.set_scale: expected a one-element tensor, got {value.numel()} elements.")
-            self.scale.copy_(value.detach().reshape(1))
-            if self.dynamic and (self.min_scale is not None or self.max_scale is not None):
+            src = value.detach().reshape(1)
+            if src.device.type == "cpu":
+                host = float(src.item())  # a CPU read, not a device sync
+                _check_scale_value(name, host)
+                if self.dynamic and self.strict_bounds:
+                    host = min(max(host, self.min_scale or host), self.max_scale or host)
+                self.scale.fill_(host)
+                return
+            _copy_valid_scale(self.scale, src, self._rejected)
+            if self.dynamic and self.strict_bounds and (self.min_scale is not None or self.max_scale is not None):
                 self.scale.clamp_(min=self.min_scale, max=self.max_scale)
             return
-        value = _check_positive_finite("scale", value)
-        if self.dynamic:
-            self._check_in_range("scale", value)
+        value = _check_scale_value(name, value)
+        if self.dynamic and self.strict_bounds:
+            self._check_in_range(name, value)
         self.scale.fill_(value)
+
+    def _report_rejected(self) -> None:
+        """Warn about device-side ``set_scale`` values that were rejected since the last report (a host read)."""
+        n = int(self._rejected.item())
+        if n:
+            self._rejected.zero_()
+            warnings.warn(
+                f"LossScaler.set_scale: {n} scale value(s) given as a device tensor were NaN, inf or <= 0 and were "
+                f"ignored (the scale kept its previous value, now {float(self.scale.item()):g}).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _check_in_range(self, name: str, value: float) -> None:
         if (self.min_scale is not None and value < self.min_scale) or (
@@ -300,6 +378,9 @@ class LossScaler:
             torch.maximum(self._window_max, streak, out=self._window_max)
         if self.dynamic:
             growth = self._growth
+            general_bounds = not self.strict_bounds and (self.min_scale is not None or self.max_scale is not None)
+            if general_bounds:
+                self._prev.copy_(self.scale)
             if self.hysteresis == 1:
                 backoff = inf  # every overflow backs off: torch's semantics
             else:
@@ -310,11 +391,23 @@ class LossScaler:
             torch._amp_update_scale_(
                 self.scale, growth, backoff, self.growth_factor, self.backoff_factor, self.growth_interval
             )
-            lo, hi = self._bound_tensors()
-            if lo is not None:
+            if self.min_scale is None and self.max_scale is None:
+                self.scale.clamp_(min=SCALE_FLOOR)  # backoff never reaches 0 (see the module docstring)
+            elif not general_bounds:
+                # strict bounds: the scale always lies inside them, so a plain clamp acts only on the new value
+                lo, hi = self._bound_tensors()
                 torch.maximum(self.scale, lo, out=self.scale)
-            if hi is not None:
-                torch.minimum(self.scale, hi, out=self.scale)
+                if hi is not None:
+                    torch.minimum(self.scale, hi, out=self.scale)
+            else:
+                lo, hi = self._bound_tensors()
+                prev, scale = self._prev, self.scale
+                # bounds limit what growth/backoff produce; a scale already outside them is not moved by them
+                torch.minimum(lo, prev, out=self._lo)
+                torch.maximum(scale, self._lo, out=scale)
+                if hi is not None:
+                    torch.maximum(hi, prev, out=prev)
+                    torch.minimum(scale, prev, out=scale)
         self._updates_in_window += 1
         if self.warn_after_skips is not None:
             self._harvest(block=False)
@@ -383,6 +476,7 @@ class LossScaler:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically (a host sync): scale, trackers, options."""
         self._harvest(block=True)
+        self._report_rejected()
         growth = int(self._growth.item())
         streak = int(self._streak.item())
         return {
@@ -419,7 +513,7 @@ class LossScaler:
         max_scale = _bound("max_scale", state_dict.get("max_scale", self.max_scale))
         if min_scale is not None and max_scale is not None and min_scale > max_scale:
             raise ValueError(f"LossScaler: min_scale={min_scale} is larger than max_scale={max_scale}.")
-        scale = _check_positive_finite("scale", state_dict["scale"])
+        scale = _check_scale_value("scale", state_dict["scale"])
         if "consecutive_skips" in state_dict:
             skips = int(state_dict["consecutive_skips"])
         else:  # e.g. a checkpoint that stores only the hysteresis tracker
@@ -432,7 +526,7 @@ class LossScaler:
         self._pending = None
         self._updates_in_window = 0
         self._warned_ongoing = False
-        if self.dynamic:
+        if self.dynamic and self.strict_bounds:
             lo = self.min_scale if self.min_scale is not None else 0.0
             hi = self.max_scale if self.max_scale is not None else math.inf
             if not lo <= scale <= hi:

@@ -9,8 +9,12 @@ dunders such as ``torch.Tensor.__iadd__`` for the arithmetic rows, and so on.
 The resolved form, :data:`RESOLVED` (callable -> ``(rule, inplace, row name)``), is what autocast reads on
 every op; it is rebuilt in place whenever a row changes, so the hot path is one dict lookup.
 
-Precedence (later wins): default rows, then registrations (``register_*_function``, in call order), then
-the innermost active :func:`policy_override`.
+The table has two parts: :data:`DEFAULT_TABLE` (the spec's rows) and :data:`TORCH_CUDA_TABLE`, the rows of the
+installed torch's own CUDA autocast lists that the spec does not name (read by ``_torch_lists``), so an op torch
+adds to its lists gets torch's CUDA dtype here too.
+
+Precedence (later wins): torch's CUDA-list rows, then the spec's default rows, then registrations
+(``register_*_function``, in call order), then the innermost active :func:`policy_override`.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ from typing import Any, TextIO
 import torch
 import torch.nn.functional as F
 
+from . import _torch_lists
+
 __all__ = [
     "DEFAULT_TABLE",
     "RESOLVED",
+    "TORCH_CUDA_TABLE",
     "Rule",
     "policy_override",
     "policy_table",
@@ -71,7 +78,7 @@ DEFAULT_TABLE: dict[str, Rule] = {
         # reductions
         "sum prod cumsum cumprod mean norm dist renorm std var logsumexp linalg.vector_norm linalg.matrix_norm "
         # normalisation
-        "layer_norm group_norm local_response_norm normalize "
+        "layer_norm rms_norm group_norm local_response_norm normalize "
         # losses
         "cross_entropy nll_loss kl_div l1_loss mse_loss smooth_l1_loss huber_loss poisson_nll_loss "
         "cosine_embedding_loss hinge_embedding_loss margin_ranking_loss multilabel_margin_loss "
@@ -81,11 +88,11 @@ DEFAULT_TABLE: dict[str, Rule] = {
         "gelu interpolate grid_sample cdist pdist",
         _F,
     ),
-    **_rows(
-        "addcdiv addcmul atan2 cross bilinear dot vdot tensordot index_put scatter_add cat stack "
-        "add sub mul div eq ne lt le gt ge",
-        _P,
-    ),
+    # The arithmetic/comparison operators (add sub mul div eq ne lt le gt ge, their dunders, reflected and in-place
+    # forms) are absent on purpose: torch's native type promotion already handles mixed dtypes, and following it
+    # exactly is the contract (a 0-dim tensor or a Python scalar does not widen a dimensioned tensor:
+    # x_bf16 * torch.tensor(2.0) stays bf16, as under torch.autocast; in-place forms keep the destination's dtype).
+    **_rows("addcdiv addcmul atan2 cross bilinear dot vdot tensordot index_put scatter_add cat stack", _P),
     "binary_cross_entropy": _B,
 }
 
@@ -108,6 +115,7 @@ _NAMESPACES: tuple[tuple[Any, str], ...] = (
     (torch, "torch"),
     (torch.Tensor, "torch.Tensor"),
     (F, "torch.nn.functional"),
+    (torch._C._nn, "torch._C._nn"),  # the C bindings behind F (F.l1_loss wraps torch._C._nn.l1_loss)
 )
 
 
@@ -176,8 +184,9 @@ _LISTENERS: list[Callable[[], None]] = []
 
 def _effective_rows() -> dict[str, tuple[Rule | None, str, _Targets]]:
     rows: dict[str, tuple[Rule | None, str, _Targets]] = {
-        name: (rule, "default", _DEFAULT_TARGETS[name]) for name, rule in DEFAULT_TABLE.items()
+        name: (rule, "torch", _DEFAULT_TARGETS[name]) for name, rule in TORCH_CUDA_TABLE.items()
     }
+    rows.update((name, (rule, "default", _DEFAULT_TARGETS[name])) for name, rule in DEFAULT_TABLE.items())
     for name, (rule, targets) in _REGISTERED.items():
         rows.pop(name, None)  # re-insert at the end so later rows win on shared targets
         rows[name] = (rule, "registered", targets)
@@ -207,7 +216,26 @@ def _rebuild() -> None:
         listener()
 
 
-_DEFAULT_TARGETS: dict[str, _Targets] = {name: tuple(_resolve_row(name)) for name in DEFAULT_TABLE}
+def _torch_cuda_table() -> dict[str, Rule]:
+    """Rows of torch's CUDA lists that the spec's table does not name and that resolve to a callable."""
+    out: dict[str, Rule] = {}
+    for attr, ops in _torch_lists.torch_cuda_lists().items():
+        if attr not in _torch_lists.LIST_RULES:
+            continue  # e.g. torch_expect_builtin_promote: ops that promote natively (absent here too)
+        rule, spelling = _torch_lists.LIST_RULES[attr]
+        for op in ops:
+            row = _torch_lists.row_name(op, spelling)
+            if row not in DEFAULT_TABLE and row not in out and _resolve_row(row):
+                out[row] = Rule[rule]
+    return out
+
+
+#: rows from the installed torch's CUDA autocast lists that DEFAULT_TABLE does not name (see ``_torch_lists``)
+TORCH_CUDA_TABLE: dict[str, Rule] = _torch_cuda_table()
+
+_DEFAULT_TARGETS: dict[str, _Targets] = {
+    name: tuple(_resolve_row(name)) for name in (*TORCH_CUDA_TABLE, *DEFAULT_TABLE)
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -288,7 +316,7 @@ def _override_targets(key: str | Callable[..., Any]) -> tuple[str, _Targets]:
             )
         qual = _NAMES.get(fn, _qualname(fn))
         return qual, ((qual, fn),)
-    if key in DEFAULT_TABLE:
+    if key in DEFAULT_TABLE or key in TORCH_CUDA_TABLE:
         return key, _DEFAULT_TARGETS[key]
     if key in _REGISTERED:
         return key, _REGISTERED[key][1]
@@ -343,7 +371,8 @@ def policy_table() -> dict[str, dict[str, Any]]:
     """The active table as data: ``{qualified callable name: {"rule", "row", "source"}}``.
 
     ``rule`` is a :class:`Rule`, ``row`` the table row it comes from (``"softmax"``), ``source`` one of
-    ``"default"``, ``"registered"``, ``"override"``. Callables whose row was made absent are not listed.
+    ``"torch"`` (torch's CUDA lists), ``"default"``, ``"registered"``, ``"override"``. Callables whose row was
+    made absent are not listed.
     """
     out: dict[str, dict[str, Any]] = {}
     for fn, (rule, _inplace, row) in RESOLVED.items():

@@ -119,6 +119,7 @@ INPUTS: dict[str, Inputs] = {
     # normalisation
     "layer_norm": lambda mk: _a(mk(3, 4, 6), (6,), mk(6), mk(6)),
     "group_norm": lambda mk: _a(mk(2, 4, 5), 2, mk(4), mk(4)),
+    "rms_norm": lambda mk: _a(mk(3, 4, 6), (6,), mk(6)),
     "local_response_norm": lambda mk: _a(mk(2, 4, 5), 2),
     "normalize": _unary(),
     # losses
@@ -167,8 +168,17 @@ INPUTS: dict[str, Inputs] = {
     "scatter_add": lambda mk: _a(mk(4, 5), 1, idx(5, 4, 5), mk(4, 5)),
     "cat": lambda mk: _a([mk(2, 5), mk(3, 5)]),
     "stack": lambda mk: _a([mk(2, 5), mk(2, 5)]),
-    **{op: _binary() for op in ("add", "sub", "mul", "eq", "ne", "lt", "le", "gt", "ge")},
-    "div": _binary(0.5, 2.0),
+    # ---- rows that come from torch's own CUDA lists (policy.TORCH_CUDA_TABLE)
+    "_convolution": lambda mk: _a(
+        mk(2, 3, 6, 6), mk(4, 3, 3, 3), mk(4), (1, 1), (0, 0), (1, 1), False, (0, 0), 1, False, False, True, True
+    ),
+    "convolution": lambda mk: _a(mk(2, 3, 6, 6), mk(4, 3, 3, 3), mk(4), (1, 1), (0, 0), (1, 1), False, (0, 0), 1),
+    "cudnn_convolution": lambda mk: _a(mk(2, 3, 6, 6), mk(4, 3, 3, 3), (0, 0), (1, 1), (1, 1), 1, False, True, True),
+    "cudnn_convolution_transpose": lambda mk: _a(
+        mk(2, 3, 6, 6), mk(3, 4, 3, 3), (0, 0), (0, 0), (1, 1), (1, 1), 1, False, True, True
+    ),
+    "grid_sampler": lambda mk: _a(mk(1, 2, 4, 4), mk(1, 3, 3, 2, lo=-1.0, hi=1.0), 0, 0, False),
+    "nll_loss2d": lambda mk: _a(mk(2, 3, 4, 4, lo=-3.0, hi=-0.1), idx(3, 2, 4, 4)),
     # ---- BANNED
     "binary_cross_entropy": lambda mk: _a(mk(6, 5, lo=0.05, hi=0.95), mk(6, 5, lo=0.0, hi=1.0)),
 }

@@ -143,8 +143,9 @@ def test_fp32_inplace_on_low_precision_raises(low):
 
 @pytest.mark.parametrize("low", LOW, ids=IDS)
 def test_inplace_casts_other_args_to_self_dtype(low):
+    # in-place operators are not in the table: torch's native promotion (fp32 math, result in self's dtype)
     x, y = torch.randn(4, 5).to(low), torch.randn(4, 5)
-    ref = x.clone().add_(y.to(low))
+    ref = x.clone().add_(y)
     with autocast(dtype=low):
         a = x.clone()
         r = a.add_(y)
@@ -155,7 +156,12 @@ def test_inplace_casts_other_args_to_self_dtype(low):
     assert r is a and a.dtype == low
     assert_bitwise_equal(a, ref)
     assert_bitwise_equal(b, ref)
-    assert_bitwise_equal(c, x.clone().mul_(y.to(low)).sub_(y.to(low)))
+    assert_bitwise_equal(c, x.clone().mul_(y).sub_(y))
+    # a PROMOTE op in place: the other args are cast to self's dtype
+    t = torch.randn(4, 5).to(low)
+    with autocast(dtype=low):
+        got = t.clone().addcmul_(y, y)
+    assert_bitwise_equal(got, t.clone().addcmul_(y.to(low), y.to(low)))
     # an fp32 self under a LOW op: the other args come up to fp32, the op runs in fp32
     m = torch.randn(4, 4)
     m1, m2 = torch.randn(4, 3).to(low), torch.randn(3, 4).to(low)

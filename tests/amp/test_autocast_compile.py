@@ -34,11 +34,7 @@ def _dtypes(outs):
     return [t.dtype for t in outs]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize("low", LOW, ids=IDS)

@@ -291,7 +291,7 @@ def test_cuda_device_without_cuda_warns_and_disables():
 def test_getters_before_first_scale_and_device_following_the_loss():
     scaler = GradScaler(init_scale=32.0, hysteresis=2, min_scale=1.0)
     assert scaler.get_scale() == 32.0 and scaler.loss_scaler is None
-    assert (scaler.get_hysteresis(), scaler.get_min_scale(), scaler.get_max_scale()) == (2, 1.0, 2.0**24)
+    assert (scaler.get_hysteresis(), scaler.get_min_scale(), scaler.get_max_scale()) == (2, 1.0, None)
     scaler.set_max_scale(2.0**10)
     scaler.scale(torch.ones(1))
     assert scaler.loss_scaler.device == torch.device("cpu") and scaler.get_max_scale() == 2.0**10
@@ -305,10 +305,9 @@ def test_getters_before_first_scale_and_device_following_the_loss():
         fresh.set_hysteresis(0)
     fresh.set_hysteresis(3)
     assert fresh.get_hysteresis() == 3 and fresh.state_dict()["_hysteresis_tracker"] == 3
-    with pytest.warns(RuntimeWarning, match="continuing from 1024.0"):
-        fresh.set_max_scale(1024.0)  # below the current scale 2**16: clamped, with a warning
+    fresh.set_max_scale(1024.0)  # below the current scale 2**16: a cap limits growth, it never moves a scale
     fresh.scale(torch.ones(1))
-    assert fresh.get_scale() == 1024.0
+    assert fresh.get_scale() == 2.0**16
     later = GradScaler()  # a checkpoint whose bounds exclude this scaler's init_scale
     later.load_state_dict({**fresh.state_dict(), "min_scale": 1.0})
     later.scale(torch.ones(1))

@@ -37,12 +37,16 @@ LOW = (torch.float16, torch.bfloat16)
 # (qualified callable, low dtype) -> why it cannot be checked on CPU (a missing CPU kernel for a LOW op; FP32 ops
 # always run in fp32 and cannot have one). Empty with torch 2.13: every callable of the table runs on CPU in fp16
 # and bf16. An entry skips with its reason, and fails once the op starts working, so the list cannot go stale.
-CPU_UNSUPPORTED: dict[tuple[str, torch.dtype], str] = {}
+CPU_UNSUPPORTED: dict[tuple[str, torch.dtype], str] = {
+    (f"torch.{op}", low): "cuDNN only"
+    for op in ("cudnn_convolution", "cudnn_convolution_transpose")
+    for low in (torch.float16, torch.bfloat16)
+}
 
 
 def _targets() -> list[tuple[str, str, Any]]:
     out = []
-    for row in P.DEFAULT_TABLE:
+    for row in (*P.DEFAULT_TABLE, *P.TORCH_CUDA_TABLE):  # the spec's rows and those from torch's own CUDA lists
         for qual, fn in P._DEFAULT_TARGETS[row]:
             out.append((row, qual, fn))
     return out
@@ -125,10 +129,12 @@ def test_default_table_matches_spec_names():
     assert P.DEFAULT_TABLE["cat"] is Rule.PROMOTE
     assert P.DEFAULT_TABLE["binary_cross_entropy"] is Rule.BANNED
     assert "batch_norm" not in P.DEFAULT_TABLE  # absent on purpose (cast-policy.md)
-    assert len(P.DEFAULT_TABLE) == 28 + 63 + 22 + 1
+    assert len(P.DEFAULT_TABLE) == 28 + 64 + 12 + 1
+    for op in ("add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge"):  # torch's native promotion
+        assert op not in P.DEFAULT_TABLE
     names = {q for row in P.DEFAULT_TABLE for q, _ in P._DEFAULT_TARGETS[row]}
-    for q in ("torch.nn.functional.linear", "torch.Tensor.__matmul__", "torch.Tensor.__iadd__",
-              "torch.Tensor.__rtruediv__", "torch.Tensor.exp_", "torch.linalg.vector_norm", "torch.lstm_cell",
+    for q in ("torch.nn.functional.linear", "torch.Tensor.__matmul__", "torch.Tensor.__ipow__",
+              "torch.Tensor.__rpow__", "torch.Tensor.exp_", "torch.linalg.vector_norm", "torch.lstm_cell",
               "torch.nn.functional.softmax", "torch.softmax", "torch.Tensor.softmax", "torch.cat"):
         assert q in names, q
 
@@ -157,7 +163,7 @@ def test_every_op_matches_manual_cast_cuda(low):
 
 
 def _check_op(row: str, qual: str, fn: Any, low: torch.dtype, device: str) -> None:
-    rule = P.DEFAULT_TABLE[row]
+    rule = P.DEFAULT_TABLE.get(row) or P.TORCH_CUDA_TABLE[row]
     if rule is Rule.BANNED:  # low-precision inputs raise; fp32 inputs run as called
         args, kwargs = _make_inputs(row, qual, low, low, device)
         with autocast(dtype=low), pytest.raises(RuntimeError, match="binary_cross_entropy_with_logits"):
@@ -189,7 +195,7 @@ def _check_op(row: str, qual: str, fn: Any, low: torch.dtype, device: str) -> No
             with disable_casts():
                 ref = fn(*ref_args, **ref_kwargs)
     except RuntimeError as e:
-        if reason is not None and "not implemented" in str(e):
+        if reason is not None and ("not implemented" in str(e) or "cuDNN" in str(e) or "CUDA" in str(e)):
             pytest.skip(f"{qual} in {low} on CPU: {reason}")
         raise
     assert reason is None, f"{qual} in {low} now runs on CPU: remove it from CPU_UNSUPPORTED"
@@ -327,7 +333,8 @@ def test_policy_table_export_and_print():
     table = policy_table()
     assert table["torch.nn.functional.linear"] == {"rule": Rule.LOW, "row": "linear", "source": "default"}
     assert table["torch.Tensor.exp_"]["rule"] is Rule.FP32
-    assert table["torch.Tensor.__iadd__"]["row"] == "add"
+    assert table["torch.Tensor.__ipow__"]["row"] == "Tensor.__ipow__"
+    assert "torch.Tensor.__iadd__" not in table  # operators follow torch's native promotion
     assert table["torch.nn.functional.binary_cross_entropy"]["rule"] is Rule.BANNED
     buf = io.StringIO()
     print_policy(buf)
@@ -338,7 +345,8 @@ def test_policy_table_export_and_print():
     buf = io.StringIO()
     print_policy(buf, rule="fp32")  # "why did my op run in fp32?"
     text = buf.getvalue()
-    assert text.startswith("FP32 (63 rows)") and "LOW (" not in text and "torch.log_softmax" in text
+    n_fp32 = 64 + sum(r is Rule.FP32 for r in P.TORCH_CUDA_TABLE.values())
+    assert text.startswith(f"FP32 ({n_fp32} rows)") and "LOW (" not in text and "torch.log_softmax" in text
     with policy_override({"exp": "low"}):
         buf = io.StringIO()
         print_policy(buf, rule=Rule.LOW)
