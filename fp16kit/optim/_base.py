@@ -23,6 +23,7 @@ import torch
 
 from fp16kit.kernels._checks import check_flag, common_device
 
+from . import _sharding
 from . import functional as F
 from ._validate import check_param_tensor, check_sparse_grad
 
@@ -60,6 +61,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         set_grad_none: bool,
         master_weights: bool,
         on_nonfinite: str,
+        process_group: Any = None,
     ) -> None:
         if on_nonfinite not in _POLICIES:
             raise ValueError(
@@ -69,6 +71,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.set_grad_none = bool(set_grad_none)
         self.master_weights = bool(master_weights)
         self.on_nonfinite = on_nonfinite
+        # ZeRO-1: the ranks whose params together form the model (global norm and inf flag summed over them).
+        self.process_group = process_group
         self._pending: list[tuple[Any, torch.Tensor]] = []
         super().__init__(params, defaults)
 
@@ -182,9 +186,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._flush_warnings()
         all_rows = self._collect()
+        shards = _sharding.localize(self, all_rows)  # FSDP2/ZeRO: local shards and the group to sum over
         device = common_device(
             self._name, [p for rows in all_rows for p in rows.params], [g for rows in all_rows for g in rows.grads]
         )
+        if device is None and shards is not None:
+            device = shards.device  # no grads here, but this rank must still join the collectives
         if device is None:
             return loss
         inv64 = F.inv_scale_from_grad_scale(getattr(self, "grad_scale", None), device)
@@ -195,10 +202,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         else:
             check_flag(f"{self._name}.step", found_inf, device)
         grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], inv64, found_inf)
+        if shards is not None:
+            grad_norm = shards.reduce_norm_and_flag(grad_norm, found_inf)
         for group, rows in zip(self.param_groups, all_rows):
             step = self._group_step(group, device)
             F.advance_step(step, found_inf)
             self._update_group(group, rows, step, inv64, found_inf, grad_norm)
+        if shards is not None:
+            shards.finish(found_inf)
         if own_flag:
             self._handle_nonfinite(found_inf)
         return loss
