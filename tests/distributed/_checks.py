@@ -37,7 +37,7 @@ OPT_CASES = {
 }
 
 
-def optimizer_parity(rank: int, world: int) -> dict:
+def optimizer_parity(rank: int, world: int, names: tuple[str, ...] = tuple(OPT_CASES)) -> dict:
     """Sharded step (DTensor params, Shard(0)) vs the same optimizer on full tensors vs per-shard norms.
 
     Every rank builds the same full tensors; grads are given exactly (no model), so the only difference
@@ -45,7 +45,8 @@ def optimizer_parity(rank: int, world: int) -> dict:
     """
     mesh = init_device_mesh("cpu", (world,))
     out = {}
-    for name, (cls, cfg, dtype) in OPT_CASES.items():
+    for name in names:
+        cls, cfg, dtype = OPT_CASES[name]
         init = _full_tensors(0, 1.0, dtype)
         sharded = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]
         full = [nn.Parameter(t.clone()) for t in init]
@@ -111,3 +112,220 @@ def zero1_parity(rank: int, world: int) -> dict:
             single.step()
         out[name] = {"zero": [p.detach().clone() for p in params], "single": [p.detach().clone() for p in ref]}
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FSDP2 runs: a small MLP, fully_shard per layer and at the root, a global batch of 16 rows split over ranks
+
+INF_STEP = 2  # the step whose gradients hold an inf on rank 1 only
+
+
+def _fsdp_model(seed: int, mesh, *, dtype=torch.float32, mp_policy=None) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dtype)
+    kw = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
+    for layer in (model[0], model[2]):
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _loss(model: nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    rows = slice(rank * 16 // world, (rank + 1) * 16 // world)
+    dtype = next(model.parameters()).dtype
+    return nn.functional.mse_loss(model(x[rows].to(dtype)).float(), y[rows])
+
+
+def _inject(model: nn.Module, step: int, rank: int) -> None:
+    if step == INF_STEP and rank == 1:
+        model[0].weight.grad.to_local().view(-1)[0] = float("inf")
+
+
+def _train(model, opt, scaler, rank, world, steps, start=0, before_step=None) -> dict:
+    """``steps`` scaled iterations; returns the scale after each and the steps this rank skipped."""
+    scales, skipped = [], []
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        scaler.scale(_loss(model, step, rank, world)).backward()
+        _inject(model, step, rank)
+        if before_step is not None:
+            before_step(step)
+        old = [p.to_local().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        if all(torch.equal(a, p.to_local()) for a, p in zip(old, model.parameters())):
+            skipped.append(step)
+    return {"scales": scales, "skipped": skipped}
+
+
+def scaler_parity(rank: int, world: int) -> dict:
+    """fp16kit GradScaler vs torch's ShardedGradScaler, both with torch.optim.AdamW on the same FSDP2 run,
+    and fp16kit GradScaler + FusedAdam (the optimizer combines the flag inside its step)."""
+    import warnings
+
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from fp16kit.amp import GradScaler
+
+    mesh = init_device_mesh("cpu", (world,))
+    kw = {"init_scale": 2.0**10, "growth_interval": 2}
+    runs = {
+        "torch": (lambda: ShardedGradScaler(device="cpu", **kw), torch.optim.AdamW),
+        "fp16kit": (lambda: GradScaler(**kw, max_scale=None), torch.optim.AdamW),
+        "fp16kit_fused": (lambda: GradScaler(**kw, max_scale=None), FusedAdam),
+    }
+    out = {}
+    for name, (make_scaler, opt_cls) in runs.items():
+        model = _fsdp_model(0, mesh)
+        opt = opt_cls(model.parameters(), lr=0.01, weight_decay=0.01)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = _train(model, opt, make_scaler(), rank, world, steps=6)
+        res["params"] = [p.full_tensor() for p in model.parameters()]
+        res["warnings"] = [str(w.message) for w in caught if "DTensor" in str(w.message) or "numel=1" in str(w.message)]
+        out[name] = res
+    return out
+
+
+def zero_scaler(rank: int, world: int) -> dict:
+    """Plain (non-DTensor) grads partitioned over ranks, inf on rank 1 only: with ``process_group`` every
+    rank's flag says skip; without it only rank 1 knows."""
+    from fp16kit.amp import GradScaler
+
+    out = {}
+    for name, group in (("with_group", dist.group.WORLD), ("without_group", None)):
+        p = nn.Parameter(torch.ones(4))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler = GradScaler(init_scale=8.0, process_group=group)
+        scaler.scale((p * (rank + 1.0)).sum()).backward()
+        if rank == 1:
+            p.grad[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        out[name] = {"scale": scaler.get_scale(), "stepped": not torch.equal(p.detach(), torch.ones(4))}
+    return out
+
+
+def fsdp_mixed_precision(rank: int, world: int) -> dict:
+    """FSDP2 with MixedPrecisionPolicy (bf16/fp16 compute, fp32 reduce) + fp16kit GradScaler + sharded FusedLAMB
+    vs FusedLAMB on full tensors fed the same (gathered, unscaled) gradients every step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fp16kit.amp import GradScaler
+
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = {"lr": 0.01, "weight_decay": 0.01, "max_grad_norm": 0.5, "on_nonfinite": "skip"}
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        model = _fsdp_model(0, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+        opt = FusedLAMB(model.parameters(), **cfg)
+        ref_params = [nn.Parameter(p.full_tensor()) for p in model.parameters()]
+        ref = FusedLAMB(ref_params, **cfg)
+        scaler = GradScaler(init_scale=2.0**10, growth_interval=2)
+        traj = [[p.detach().clone() for p in ref_params]]
+
+        def before_step(step, model=model, opt=opt, scaler=scaler, ref=ref, ref_params=ref_params, traj=traj):
+            scaler.unscale_(opt)
+            for q, p in zip(ref_params, model.parameters()):
+                q.grad = p.grad.full_tensor()
+            ref.step()
+            traj.append([q.detach().clone() for q in ref_params])
+
+        res = _train(model, opt, scaler, rank, world, steps=5, before_step=before_step)
+        res.update(sharded=[p.full_tensor() for p in model.parameters()], full=traj[-1], traj=traj)
+        out[str(dtype)] = res
+    return out
+
+
+def checkpoint_resume(rank: int, world: int, out_dir: str) -> dict:
+    """N steps, dcp.save (model, FusedLAMB/FusedAdam, GradScaler), M steps; versus a fresh model/optimizer/
+    scaler (another init) restored with dcp.load + set_state_dict, M steps: bit-identical."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from fp16kit.amp import GradScaler
+
+    mesh = init_device_mesh("cpu", (world,))
+    cases = {
+        "lamb_bf16_masters": (lambda ps: FusedLAMB(ps, lr=0.01, master_weights=True), torch.bfloat16),
+        "adam": (lambda ps: FusedAdam(ps, lr=0.01, weight_decay=0.01), torch.float32),
+    }
+    out = {}
+    n, m = 3, 3  # the inf at INF_STEP = 2 falls before the save: the scale has backed off
+    for name, (make_opt, dtype) in cases.items():
+        path = os.path.join(out_dir, f"ckpt_{name}")
+        model = _fsdp_model(0, mesh, dtype=dtype)
+        opt = make_opt(model.parameters())
+        scaler = GradScaler(init_scale=2.0**10, growth_interval=2)
+        _train(model, opt, scaler, rank, world, steps=n)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd, "scaler": scaler.state_dict()}, checkpoint_id=path)
+        runs = [_train(model, opt, scaler, rank, world, steps=m, start=n)]
+        finals = [_snapshot(model, opt, scaler)]
+
+        model = _fsdp_model(1, mesh, dtype=dtype)
+        opt = make_opt(model.parameters())
+        scaler = GradScaler(init_scale=2.0**3, growth_interval=2)
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd, "scaler": scaler.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        scaler.load_state_dict(state["scaler"])
+        runs.append(_train(model, opt, scaler, rank, world, steps=m, start=n))
+        finals.append(_snapshot(model, opt, scaler))
+        out[name] = {"runs": runs, "finals": finals}
+    return out
+
+
+def _snapshot(model, opt, scaler) -> dict:
+    state = [{k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in opt.state[p].items()}
+             for p in model.parameters()]
+    return {"params": [p.full_tensor() for p in model.parameters()], "state": state,
+            "steps": [g["step"].clone() for g in opt.param_groups], "scaler": scaler.state_dict()}
+
+
+def bad_groups(rank: int, world: int) -> dict:
+    """A ``process_group`` that is not the DTensor params' mesh group is refused with a clear error (raised
+    before any collective, so no rank hangs)."""
+    mesh = init_device_mesh("cpu", (world,))
+    sub = dist.new_group(ranks=[0])
+    p = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    p.grad = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    try:
+        FusedLAMB([p], process_group=sub).step()
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def job(rank: int, world: int, out_dir: str) -> None:
+    """Everything one spawned job checks (one process start-up for all of it), saved as ``rank{r}.pt``."""
+    import time
+
+    from fp16kit.kernels import use_backend
+    from fp16kit.kernels.backend import interpreter_active, triton_available
+
+    res, seconds = {}, {}
+    with use_backend("torch"):
+        for fn in (optimizer_parity, zero1_parity, scaler_parity, zero_scaler, fsdp_mixed_precision, bad_groups):
+            t = time.perf_counter()
+            res[fn.__name__] = fn(rank, world)
+            seconds[fn.__name__] = time.perf_counter() - t
+        t = time.perf_counter()
+        res["checkpoint_resume"] = checkpoint_resume(rank, world, out_dir)
+        seconds["checkpoint_resume"] = time.perf_counter() - t
+    if world == 2 and triton_available() and interpreter_active():
+        # the sharded LAMB on the real Triton stage kernels (interpreter on CPU tensors)
+        t = time.perf_counter()
+        with use_backend("auto"):
+            res["optimizer_parity_triton"] = optimizer_parity(rank, world, names=("lamb", "lamb_l2_bf16"))
+        seconds["optimizer_parity_triton"] = time.perf_counter() - t
+    res["seconds"] = seconds
+    torch.save(res, f"{out_dir}/rank{rank}.pt")
