@@ -179,7 +179,7 @@ def _stage1(job: _Pending, flag: torch.Tensor) -> tuple[torch.Tensor, list[tuple
         sums[0, idx], sums[1, idx] = state[1], state[2]
         parts.append(("kernel", idx, state))
     for idx in rest_groups:
-        state = _torch_stage1(job, idx)
+        state = _torch_stage1(job, idx, flag)
         sums[:, idx] = state[-1].to(torch.float32)
         parts.append(("torch", idx, state))
     return sums, parts
@@ -243,19 +243,36 @@ def _kernel_stage2(
     )
 
 
-def _torch_stage1(job: _Pending, idx: list[int]) -> tuple:
-    """New m, v and u out of place (the fallback's math, fp32 or fp64 as ``hp``); sums in float64."""
+def _torch_stage1(job: _Pending, idx: list[int], flag: torch.Tensor) -> tuple:
+    """Stage 1 in torch ops (the math of ``optim_fallback.lamb_``), keeping ``u`` for stage 2.
+
+    CPU (the skip read on the host, no queue to drain): nothing at all when skipped, else m, v updated in
+    place with host-number hyper-parameters, as the kernel's stage 1 writes them. Elsewhere: m, v computed
+    into copies, committed in stage 2 under ``torch.where(found_inf, old, new)``.
+    """
     params, grads, exp_avgs, exp_avg_sqs, _ = _lists(job, idx)
     hp = job.hp64 if params[0].dtype == F64 else job.hp64.float()
-    _, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = hp.unbind()
-    p = [t.to(hp.dtype) for t in params]
+    skip = fallback._skip(flag, None)
+    sums = torch.zeros(2, len(idx), dtype=F64, device=hp.device)
+    if skip is True:
+        return hp, skip, None, None, None, None, sums
+    _, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = (
+        hp.tolist() if skip is False else hp.unbind()
+    )
+    in_place = skip is False
+    p = [t.to(hp.dtype) for t in params]  # may alias the params: only out-of-place ops on it here
     g = torch._foreach_mul([t.to(hp.dtype) for t in grads], inv_scale)
     torch._foreach_div_(g, clip)
     if job.modes["l2_mode"]:
         torch._foreach_add_(g, torch._foreach_mul(p, wd))
-    m = torch._foreach_mul(list(exp_avgs), beta1)
+    m = list(exp_avgs) if in_place else [t.clone() for t in exp_avgs]
+    v = list(exp_avg_sqs) if in_place else [t.clone() for t in exp_avg_sqs]
+    torch._foreach_mul_(m, beta1)
     torch._foreach_add_(m, torch._foreach_mul(g, beta3))
-    v = fallback._second_moment(exp_avg_sqs, g, beta2, one_minus_beta2)
+    torch._foreach_mul_(v, beta2)
+    gg = torch._foreach_mul(g, one_minus_beta2)
+    torch._foreach_mul_(gg, g)
+    torch._foreach_add_(v, gg)
     u = torch._foreach_div(m, bc1)
     denom = torch._foreach_div(v, bc2)
     torch._foreach_sqrt_(denom)
@@ -263,22 +280,25 @@ def _torch_stage1(job: _Pending, idx: list[int]) -> tuple:
     torch._foreach_div_(u, denom)
     if job.modes["decoupled"]:
         torch._foreach_add_(u, torch._foreach_mul(p, wd))
-    sums = torch.stack([
-        torch.stack(torch._foreach_norm(p, 2, dtype=F64)).square(),
-        torch.stack(torch._foreach_norm(u, 2, dtype=F64)).square(),
-    ])
-    return hp, p, m, v, u, sums
+    sums[0] = torch.stack(torch._foreach_norm(p)).to(F64).square()
+    sums[1] = torch.stack(torch._foreach_norm(u)).to(F64).square()
+    return hp, skip, p, m, v, u, sums
 
 
 def _torch_stage2(job: _Pending, idx: list[int], state: tuple, sums: torch.Tensor, flag: torch.Tensor) -> None:
-    """``p - ratio u`` with the completed norms; masked commit of p, model copies, m and v."""
+    """``p - ratio u`` with the completed norms; p and model copies written (masked off the CPU, with m, v)."""
     params, _, exp_avgs, exp_avg_sqs, models = _lists(job, idx)
-    hp, p, m, v, u, _ = state
+    hp, skip, p, m, v, u, _ = state
+    if skip is True:
+        return
     lr = hp[0]
     if job.modes["trust"]:
         pn, un = sums[0].to(hp.dtype).sqrt(), sums[1].to(hp.dtype).sqrt()
         torch._foreach_mul_(u, list(torch.where((pn != 0) & (un != 0), lr * (pn / un), lr).unbind()))
     else:
         torch._foreach_mul_(u, lr)
-    fallback._finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, u, flag.reshape(()) != 0)
-
+    if skip is False:
+        torch._foreach_sub_(p, u)
+        fallback._write_params(params, models, p, False)
+    else:
+        fallback._finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, u, skip)

@@ -37,7 +37,9 @@ OPT_CASES = {
 }
 
 
-def optimizer_parity(rank: int, world: int, names: tuple[str, ...] = tuple(OPT_CASES)) -> dict:
+def optimizer_parity(
+    rank: int, world: int, names: tuple[str, ...] = tuple(OPT_CASES), per_shard_run: bool = True
+) -> dict:
     """Sharded step (DTensor params, Shard(0)) vs the same optimizer on full tensors vs per-shard norms.
 
     Every rank builds the same full tensors; grads are given exactly (no model), so the only difference
@@ -51,7 +53,7 @@ def optimizer_parity(rank: int, world: int, names: tuple[str, ...] = tuple(OPT_C
         sharded = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]
         full = [nn.Parameter(t.clone()) for t in init]
         per_shard = [nn.Parameter(p.to_local().clone()) for p in sharded]
-        opts = [_make(cls, ps, cfg) for ps in (sharded, full, per_shard)]
+        opts = [_make(cls, ps, cfg) for ps in ((sharded, full, per_shard) if per_shard_run else (sharded, full))]
         traj, comm = [[t.clone() for t in init]], []
         for step in range(STEPS):
             grads = _full_tensors(100 + step, 3.0, dtype)
@@ -65,12 +67,12 @@ def optimizer_parity(rank: int, world: int, names: tuple[str, ...] = tuple(OPT_C
             plan = opts[0]._shard_plan
             comm.append((plan.all_reduces, plan.bytes_reduced))
             traj.append([p.detach().clone() for p in full])
-        masters = [opts[i].master_params() for i in range(3)]
+        masters = [opt.master_params() for opt in opts]
         out[name] = {
             "sharded": [m.full_tensor() for m in masters[0]],
             "full": [m.detach().clone() for m in masters[1]],
             # the per-shard run, gathered: what a rank-local norm would have produced
-            "per_shard": [_gather_dim0(m.detach(), world) for m in masters[2]],
+            "per_shard": [_gather_dim0(m.detach(), world) for m in masters[2]] if per_shard_run else None,
             "model": [p.full_tensor() for p in sharded],
             "traj": [[t.float() for t in ts] for ts in traj],
             "comm": comm,
@@ -104,13 +106,15 @@ def zero1_parity(rank: int, world: int) -> dict:
         zero = ZeroRedundancyOptimizer(params, optimizer_class=functools.partial(FusedLAMB, process_group=group),
                                        **cfg)
         single = FusedLAMB(ref, **cfg)
+        traj = [[t.clone() for t in init]]
         for step in range(STEPS):
             grads = _full_tensors(100 + step, 3.0)  # identical on every rank, as after DDP's all-reduce
             for p, q, g in zip(params, ref, grads):
                 p.grad, q.grad = g.clone(), g.clone()
             zero.step()
             single.step()
-        out[name] = {"zero": [p.detach().clone() for p in params], "single": [p.detach().clone() for p in ref]}
+            traj.append([p.detach().clone() for p in ref])
+        out[name] = {"zero": [p.detach().clone() for p in params], "single": traj[-1], "traj": traj}
     return out
 
 
@@ -267,6 +271,9 @@ def checkpoint_resume(rank: int, world: int, out_dir: str) -> dict:
         _train(model, opt, scaler, rank, world, steps=n)
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd, "scaler": scaler.state_dict()}, checkpoint_id=path)
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        layout = {k: (tuple(v.size), len(v.chunks)) for k, v in stored.items()
+                  if "0.weight" in k and hasattr(v, "chunks")}
         runs = [_train(model, opt, scaler, rank, world, steps=m, start=n)]
         finals = [_snapshot(model, opt, scaler)]
 
@@ -280,7 +287,7 @@ def checkpoint_resume(rank: int, world: int, out_dir: str) -> dict:
         scaler.load_state_dict(state["scaler"])
         runs.append(_train(model, opt, scaler, rank, world, steps=m, start=n))
         finals.append(_snapshot(model, opt, scaler))
-        out[name] = {"runs": runs, "finals": finals}
+        out[name] = {"runs": runs, "finals": finals, "layout": layout}
     return out
 
 
@@ -291,18 +298,30 @@ def _snapshot(model, opt, scaler) -> dict:
             "steps": [g["step"].clone() for g in opt.param_groups], "scaler": scaler.state_dict()}
 
 
-def bad_groups(rank: int, world: int) -> dict:
-    """A ``process_group`` that is not the DTensor params' mesh group is refused with a clear error (raised
-    before any collective, so no rank hangs)."""
+def edge_cases(rank: int, world: int) -> dict:
+    """(1) Without a scaler, an inf in rank 1's shard makes every rank skip (the flag rides in all-reduce #1),
+    so no tensor ends up with shards from different steps. (2) A ``process_group`` that is not the DTensor
+    params' mesh group is refused with a clear error, raised before any collective (no rank hangs)."""
     mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for cls in (FusedLAMB, FusedAdam):
+        p = nn.Parameter(distribute_tensor(torch.ones(8, 2), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(torch.ones(8, 2), mesh, [Shard(0)])
+        if rank == 1:
+            p.grad.to_local()[0, 0] = float("inf")
+        opt = cls([p], lr=0.1, on_nonfinite="skip")
+        opt.step()
+        out[cls.__name__] = {"unchanged": torch.equal(p.to_local(), torch.ones_like(p.to_local())),
+                             "step": float(opt.param_groups[0]["step"])}
     sub = dist.new_group(ranks=[0])
     p = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
     p.grad = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
     try:
         FusedLAMB([p], process_group=sub).step()
+        out["error"] = None
     except ValueError as e:
-        return {"error": str(e)}
-    return {"error": None}
+        out["error"] = str(e)
+    return out
 
 
 def job(rank: int, world: int, out_dir: str) -> None:
@@ -314,7 +333,7 @@ def job(rank: int, world: int, out_dir: str) -> None:
 
     res, seconds = {}, {}
     with use_backend("torch"):
-        for fn in (optimizer_parity, zero1_parity, scaler_parity, zero_scaler, fsdp_mixed_precision, bad_groups):
+        for fn in (optimizer_parity, zero1_parity, scaler_parity, zero_scaler, fsdp_mixed_precision, edge_cases):
             t = time.perf_counter()
             res[fn.__name__] = fn(rank, world)
             seconds[fn.__name__] = time.perf_counter() - t
@@ -325,7 +344,9 @@ def job(rank: int, world: int, out_dir: str) -> None:
         # the sharded LAMB on the real Triton stage kernels (interpreter on CPU tensors)
         t = time.perf_counter()
         with use_backend("auto"):
-            res["optimizer_parity_triton"] = optimizer_parity(rank, world, names=("lamb", "lamb_l2_bf16"))
+            res["optimizer_parity_triton"] = optimizer_parity(
+                rank, world, names=("lamb", "lamb_l2_bf16"), per_shard_run=False
+            )
         seconds["optimizer_parity_triton"] = time.perf_counter() - t
     res["seconds"] = seconds
     torch.save(res, f"{out_dir}/rank{rank}.pt")

@@ -63,11 +63,6 @@ def _worst(got: list[torch.Tensor], want: list[torch.Tensor], bound: list[torch.
     return max(float(((g.detach().double() - w.double()).abs() / b).max()) for g, w, b in zip(got, want, bound))
 
 
-def _max_ulps(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
-    return max(float(((g.double() - w.double()).abs() / ulp(w.double(), torch.float32)).max())
-               for g, w in zip(got, want))
-
-
 def _check_parity(results: dict, name: str) -> None:
     res = results[name]
     bound = _budget(res["traj"])
@@ -75,7 +70,7 @@ def _check_parity(results: dict, name: str) -> None:
     assert worst <= 1.0, f"{name}: sharded step off by {worst:.3g}x the ulp budget"
     if name.startswith("lamb"):
         # not vacuous: rank-local norms break the same budget by orders of magnitude
-        assert _worst(res["per_shard"], res["full"], bound) > 1e3
+        assert res["per_shard"] is None or _worst(res["per_shard"], res["full"], bound) > 1e3
         # one all-reduce per norm stage: [sum g^2, inf flag] and [sum p^2, sum u^2 per param] (float64)
         assert res["comm"] == [(2, 8 * (2 + 2 * len(res["full"])))] * len(res["comm"])
     else:
@@ -105,9 +100,10 @@ def test_sharded_lamb_on_triton_stage_kernels(ranks, name):
 def test_zero1_lamb_clips_by_the_norm_over_all_ranks(ranks):
     for r in ranks:
         with_group, without = r["zero1_parity"]["with_group"], r["zero1_parity"]["without_group"]
-        # 4 steps of the same grads: the budget's ulp term (plus its 2^-18 term, bounded by lr * 4 per step)
-        assert _max_ulps(with_group["zero"], with_group["single"]) <= 64
-        assert _max_ulps(without["zero"], without["single"]) > 1e4  # each rank clipped by its own norm
+        # the same budget as FSDP2 (only the global grad norm is split here)
+        assert _worst(with_group["zero"], with_group["single"], _budget(with_group["traj"])) <= 1.0
+        # each rank clipped by its own norm: far outside it
+        assert _worst(without["zero"], without["single"], _budget(without["traj"])) > 1e3
 
 
 def test_grad_scaler_matches_sharded_grad_scaler(ranks):
@@ -154,11 +150,22 @@ def test_checkpoint_resume_is_bit_identical(ranks, name):
         assert "master" in cont["state"][0] if name.startswith("lamb") else "master" not in cont["state"][0]
         assert [float(s) for s in cont["steps"]] == [float(s) for s in resumed["steps"]] == [5.0]
         assert cont["scaler"] == resumed["scaler"]
+        # stored sharded: the first layer's weight (16 x 8) and its state, one chunk written by each rank
+        layout = r["checkpoint_resume"][name]["layout"]
+        wanted = ["exp_avg", "exp_avg_sq", "master"] if name.startswith("lamb") else ["exp_avg", "exp_avg_sq"]
+        for key in wanted:
+            assert [v for k, v in layout.items() if k.endswith(f"0.weight.{key}")] == [((16, 8), len(ranks))], layout
+
+
+def test_inf_on_one_rank_skips_every_rank_without_a_scaler(ranks):
+    for r in ranks:
+        for name in ("FusedLAMB", "FusedAdam"):
+            assert r["edge_cases"][name] == {"unchanged": True, "step": 0.0}
 
 
 def test_process_group_other_than_the_mesh_is_refused(ranks):
     for r in ranks:
-        assert "process_group spans other ranks than the device mesh" in r["bad_groups"]["error"]
+        assert "process_group spans other ranks than the device mesh" in r["edge_cases"]["error"]
 
 
 def test_job_time(ranks):
