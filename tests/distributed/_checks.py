@@ -198,13 +198,20 @@ def scaler_parity(rank: int, world: int) -> dict:
 
 def zero_scaler(rank: int, world: int) -> dict:
     """Plain (non-DTensor) grads partitioned over ranks, inf on rank 1 only: with ``process_group`` every
-    rank's flag says skip; without it only rank 1 knows."""
+    rank's flag says skip (for torch's SGD and for an fp16kit optimizer without a group of its own);
+    without it only rank 1 knows."""
     from fp16kit.amp import GradScaler
 
     out = {}
-    for name, group in (("with_group", dist.group.WORLD), ("without_group", None)):
+    cases = {
+        "with_group": (dist.group.WORLD, lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        "without_group": (None, lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        # an fp16kit optimizer that does not know the group: the scaler checks and combines before its step
+        "fused_with_group": (dist.group.WORLD, lambda ps: FusedAdam(ps, lr=0.1)),
+    }
+    for name, (group, make_opt) in cases.items():
         p = nn.Parameter(torch.ones(4))
-        opt = torch.optim.SGD([p], lr=0.1)
+        opt = make_opt([p])
         scaler = GradScaler(init_scale=8.0, process_group=group)
         scaler.scale((p * (rank + 1.0)).sum()).backward()
         if rank == 1:

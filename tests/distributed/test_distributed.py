@@ -124,6 +124,7 @@ def test_grad_scaler_matches_sharded_grad_scaler(ranks):
 def test_grad_scaler_process_group_combines_found_inf(ranks):
     for rank, r in enumerate(ranks):
         assert r["zero_scaler"]["with_group"] == {"scale": 4.0, "stepped": False}
+        assert r["zero_scaler"]["fused_with_group"] == {"scale": 4.0, "stepped": False}
         # without the group only rank 1 (holding the inf) skips: the failure the group prevents
         want = {"scale": 4.0, "stepped": False} if rank == 1 else {"scale": 8.0, "stepped": True}
         assert r["zero_scaler"]["without_group"] == want
