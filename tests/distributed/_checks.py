@@ -253,6 +253,40 @@ def fsdp_mixed_precision(rank: int, world: int) -> dict:
     return out
 
 
+def fsdp_vs_single_process(rank: int, world: int) -> dict:
+    """FSDP2 (fp32) + sharded FusedLAMB vs one process training the same model on the global batch.
+
+    The reference accumulates the per-rank micro-batch gradients (sum over ranks, then divided by the world
+    size), which is what FSDP2's reduce-scatter computes; at 2 ranks the two-term sum is the same in either
+    order, so at equal params the gradients are bit-identical (recorded every step; true at step 0, later
+    steps see params that already differ by the optimizer's rounding) and the optimizer's norms differ.
+    """
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = {"lr": 0.01, "weight_decay": 0.01, "max_grad_norm": 0.5}
+    model = _fsdp_model(0, mesh)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt, ref_opt = FusedLAMB(model.parameters(), **cfg), FusedLAMB(ref.parameters(), **cfg)
+    traj, grads_equal = [[p.detach().clone() for p in ref.parameters()]], []
+    for step in range(5):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _loss(model, step, rank, world).backward()
+        for r in range(world):
+            _loss(ref, step, r, world).backward()
+        for p in ref.parameters():
+            p.grad.div_(world)
+        full = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+        grads_equal.append(all(torch.equal(a, b.grad) for a, b in zip(full, ref.parameters())))
+        opt.step()
+        ref_opt.step()
+        traj.append([p.detach().clone() for p in ref.parameters()])
+    return {"sharded": [p.full_tensor() for p in model.parameters()], "full": traj[-1], "traj": traj,
+            "grads_equal": grads_equal}
+
+
 def checkpoint_resume(rank: int, world: int, out_dir: str) -> dict:
     """N steps, dcp.save (model, FusedLAMB/FusedAdam, GradScaler), M steps; versus a fresh model/optimizer/
     scaler (another init) restored with dcp.load + set_state_dict, M steps: bit-identical."""
@@ -340,7 +374,10 @@ def job(rank: int, world: int, out_dir: str) -> None:
 
     res, seconds = {}, {}
     with use_backend("torch"):
-        for fn in (optimizer_parity, zero1_parity, scaler_parity, zero_scaler, fsdp_mixed_precision, edge_cases):
+        checks = [optimizer_parity, zero1_parity, scaler_parity, zero_scaler, fsdp_mixed_precision, edge_cases]
+        if world == 2:  # see fsdp_vs_single_process: bit-identical gradients need a two-term sum
+            checks.append(fsdp_vs_single_process)
+        for fn in checks:
             t = time.perf_counter()
             res[fn.__name__] = fn(rank, world)
             seconds[fn.__name__] = time.perf_counter() - t
