@@ -50,6 +50,7 @@ from typing import Any, overload
 import torch
 
 from ..kernels import unscale_and_check
+from . import _sharded
 from .loss_scaler import LossScaler
 
 __all__ = ["GradScaler", "OptState"]
@@ -104,6 +105,9 @@ class GradScaler:
             Neither bound refuses or moves a scale given by the user or a checkpoint.
         warn_after_skips: warn when this many steps in a row were skipped (``None``: never); checked on the
             host once every that many updates, never with a per-step sync (see ``LossScaler``).
+        process_group: sharded gradients (ZeRO-style, plain tensors): the group whose ranks hold the other
+            shards; each ``found_inf`` is all-reduced (MAX) over it before any step decision. FSDP2 DTensor
+            gradients need nothing: their device mesh gives the group (``docs/distributed.md``).
 
     The scale trajectory is the state machine of ``LossScaler``: per update,
     ``S <- max(S * backoff_factor, min_scale)`` after ``hysteresis`` consecutive overflows, and
@@ -123,8 +127,10 @@ class GradScaler:
         min_scale: float | None = None,
         max_scale: float | None = None,
         warn_after_skips: int | None = 50,
+        process_group: Any = None,
     ) -> None:
         self._device = None if device is None else torch.device(device).type
+        self._process_group = process_group  # sharded grads: found_inf is combined over it (_sharded.py)
         self._enabled = bool(enabled)
         if self._device == "cuda" and self._enabled and not torch.cuda.is_available():
             warnings.warn("GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
@@ -256,6 +262,7 @@ class GradScaler:
                     if not grad.is_coalesced():
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
+                grad = _sharded.local(grad)  # FSDP2: this rank's shard (flags are combined afterwards)
                 if grad.dtype is _F16:
                     saw_fp16 = True
                 per_device[grad.device].append(grad)
@@ -281,6 +288,7 @@ class GradScaler:
                 flag = scaler.new_found_inf() if device == scaler.device else torch.zeros(1, device=device)
                 unscale_and_check(grads, inv.get(device) if inv is not None else inv_scale, flag)
                 found[device] = flag
+        _sharded.reduce_found_inf(found, _sharded.flag_group(optimizer, self._process_group))
         return found
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -384,7 +392,9 @@ class GradScaler:
             return retval
 
         ready = state["stage"] is OptState.READY
-        if getattr(optimizer, "_fp16kit_checks_inf", False):
+        if getattr(optimizer, "_fp16kit_checks_inf", False) and _sharded.optimizer_combines_flag(
+            optimizer, self._process_group
+        ):
             if ready:
                 device = next(
                     (p.grad.device for g in optimizer.param_groups for p in g["params"] if p.grad is not None),

@@ -31,7 +31,7 @@ import torch
 
 from fp16kit.kernels._checks import check_flag, common_device
 
-from . import _checkpoint
+from . import _checkpoint, _sharding
 from . import functional as F
 from ._validate import check_param_tensor, check_row, check_step_value, naming_group
 
@@ -71,6 +71,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         set_grad_none: bool,
         master_weights: bool,
         on_nonfinite: str,
+        process_group: Any = None,
     ) -> None:
         if on_nonfinite not in _POLICIES:
             raise ValueError(
@@ -85,6 +86,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         #: Steps skipped on the device because a tensor hyper-parameter (``lr``) was NaN, inf or negative:
         #: a one-element int64 tensor on the params' device (None until a group has a tensor lr).
         self.hparam_skips: torch.Tensor | None = None
+        # ZeRO-1: the ranks whose params together form the model (global norm and inf flag summed over them).
+        self.process_group = process_group
         super().__init__(params, defaults)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -273,9 +276,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._flush_warnings()
         self._check_groups()
         all_rows = self._collect()
+        shards = _sharding.localize(self, all_rows)  # FSDP2/ZeRO: local shards and the group to sum over
         device = common_device(
             self._name, [p for rows in all_rows for p in rows.params], [g for rows in all_rows for g in rows.grads]
         )
+        if device is None and shards is not None:
+            device = shards.device  # no grads here, but this rank must still join the collectives
         if device is None:
             return loss
         inv64 = F.inv_scale_from_grad_scale(getattr(self, "grad_scale", None), device)
@@ -286,12 +292,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         else:
             check_flag(f"{self._name}.step", found_inf, device)
         grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], inv64, found_inf)
+        if shards is not None:
+            grad_norm = shards.reduce_norm_and_flag(grad_norm, found_inf)
         bad_hp = F.bad_lr_flag([g["lr"] for g in self.param_groups], device)
         skip = found_inf if bad_hp is None else torch.maximum(found_inf.reshape(1), bad_hp)
         for group, rows in zip(self.param_groups, all_rows):
             step = self._own_step(group, device)
             F.advance_step(step, skip)
             self._update_group(group, rows, step, inv64, skip, grad_norm)
+        if shards is not None:
+            shards.finish(skip)
         if bad_hp is not None:
             if self.hparam_skips is None or self.hparam_skips.device != device:
                 self.hparam_skips = torch.zeros(1, dtype=torch.int64, device=device)

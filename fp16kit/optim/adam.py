@@ -27,9 +27,10 @@ class FusedAdam(FusedOptimizer):
     One fused pass reads g, p, m, v and writes p, m, v (and the rounded model copy in master-weights
     mode), after a read-only check pass over the grads that detects inf/NaN. Constructor as apex's
     FusedAdam (``capturable`` is accepted and ignored: every step is already device-side and sync-free);
-    ``master_weights``, ``on_nonfinite`` and validation as in :class:`fp16kit.optim.FusedLAMB`.
-    ``amsgrad=True`` raises RuntimeError. ``load_state_dict`` accepts ``torch.optim.Adam``/``AdamW``
-    checkpoints (``docs/optim.md``).
+    ``master_weights``, ``on_nonfinite`` and ``process_group`` as in :class:`fp16kit.optim.FusedLAMB`
+    (DTensor params step on their local shards; the inf flag is combined over the shard group, so every
+    rank skips together). ``amsgrad=True`` raises RuntimeError. ``load_state_dict`` accepts
+    ``torch.optim.Adam``/``AdamW`` checkpoints (``docs/optim.md``).
     """
 
     _name = "FusedAdam"
@@ -49,6 +50,7 @@ class FusedAdam(FusedOptimizer):
         master_weights: bool = False,
         *,
         on_nonfinite: str = "warn",
+        process_group: Any = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
@@ -62,9 +64,8 @@ class FusedAdam(FusedOptimizer):
         }
         self.adam_w_mode = bool(adam_w_mode)
         self.capturable = bool(capturable)
-        super().__init__(
-            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
-        )
+        options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group}
+        super().__init__(params, defaults, set_grad_none=set_grad_none, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_hyperparams(

@@ -87,6 +87,7 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
     when enabled, else two ``torch._foreach_norm`` reads (2-norm and max-norm), which unlike ``l2norm``'s
     fallback materialize no scaled copy of the grads.
     """
+    grads = [g for g in grads if g.numel()]  # empty tensors (e.g. a rank's empty FSDP shard) add nothing
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=found_inf.device)
     if select_backend(grads[0].device).backend is not Backend.TORCH:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from . import _sharding
 from . import functional as F
 from ._base import FusedOptimizer, _Rows
 from ._validate import check_hyperparams
@@ -48,6 +49,9 @@ class FusedLAMB(FusedOptimizer):
         on_nonfinite: without a loss scaler, what to do after skipping a step whose grads hold inf/NaN:
             ``"warn"`` (default; on CUDA the warning comes one step later, without a host sync),
             ``"raise"`` (RuntimeError; reads the flag on the host: one sync per step) or ``"skip"``.
+        process_group: ZeRO-1 (each rank steps only its own whole params): the group whose ranks together
+            hold every param; the global norm (hence the clip) and the inf flag are summed over it. Not
+            needed for FSDP2: DTensor params carry their group (``docs/distributed.md``).
 
     Loss scalers: ``_step_supports_amp_scaling = True``, so ``torch.amp.GradScaler`` and fp16kit's
     GradScaler pass ``grad_scale``/``found_inf`` instead of unscaling the grads: the step unscales them
@@ -79,6 +83,7 @@ class FusedLAMB(FusedOptimizer):
         *,
         master_weights: bool = False,
         on_nonfinite: str = "warn",
+        process_group: Any = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
@@ -96,9 +101,8 @@ class FusedLAMB(FusedOptimizer):
         }
         self.adam_w_mode = bool(adam_w_mode)
         self.use_nvlamb = bool(use_nvlamb)
-        super().__init__(
-            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
-        )
+        options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group}
+        super().__init__(params, defaults, set_grad_none=set_grad_none, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_hyperparams(
@@ -134,6 +138,9 @@ class FusedLAMB(FusedOptimizer):
             clip64=F.clip_factor(grad_norm, float(self.defaults["max_grad_norm"])),
             device=device,
         )
+        modes = {"weight_decay": float(group["weight_decay"]), "adam_w_mode": self.adam_w_mode}
+        if _sharding.defer_lamb(self, rows, hp64, **modes, use_nvlamb=self.use_nvlamb):
+            return  # sharded params: stages 1 and 2 run after all groups, around one norm all-reduce
         F.lamb_update(
             rows.params,
             rows.grads,

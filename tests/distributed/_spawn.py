@@ -1,0 +1,72 @@
+"""Run a function in N fresh processes joined by a gloo group on 127.0.0.1, with a hard timeout.
+
+``run(fn, world, out_dir, timeout)`` starts ``fn(rank, world, out_dir)`` in ``world`` spawned processes
+(``torch.multiprocessing``), each with ``torch.distributed`` initialised (gloo, loopback, a free port) and
+one torch thread. A process that has not finished when the timeout expires is killed and the run fails
+with the tail of every rank's log, so a hung collective can never hang CI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    log = open(os.path.join(out_dir, f"log{rank}.txt"), "w")  # noqa: SIM115
+    sys.stdout = sys.stderr = log
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        fn(rank, world, out_dir)
+    except BaseException:
+        traceback.print_exc()
+        log.flush()
+        raise
+    finally:
+        dist.destroy_process_group()
+        log.flush()
+
+
+def run(fn: Callable[[int, int, str], None], world: int, out_dir: str | Path, timeout: float) -> None:
+    """Run ``fn`` on ``world`` ranks; raise AssertionError (with the logs) on failure or timeout."""
+    out_dir = str(out_dir)
+    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), out_dir), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    error = None
+    try:
+        while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                error = f"timed out after {timeout:.0f} s"
+                break
+    except Exception as e:  # a rank raised: ProcessRaisedException / ProcessExitedException
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    if error is not None:
+        logs = "\n".join(
+            f"--- rank {r} ---\n{Path(out_dir, f'log{r}.txt').read_text()[-3000:]}"
+            for r in range(world) if Path(out_dir, f"log{r}.txt").exists()
+        )
+        raise AssertionError(f"{world}-process run failed: {error}\n{logs}")
