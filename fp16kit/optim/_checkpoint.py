@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from fp16kit.distributed import is_dtensor
+
 from ._validate import check_state_tensor, check_step_value, state_dtype
 
 __all__ = ["check_state", "import_groups", "restore_state"]
@@ -146,6 +148,12 @@ def _set_group_step(fn: str, gi: int, group: dict[str, Any], steps: list[float])
     group["step"] = steps[0]
 
 
+def _whole(flag: torch.Tensor) -> torch.Tensor:
+    """A flag over a sharded (FSDP2 DTensor) state tensor, combined over its ranks: every rank sees the same
+    verdict, so every rank raises together instead of one rank leaving the others waiting in a collective."""
+    return flag.full_tensor() if is_dtensor(flag) else flag
+
+
 def check_state(
     fn: str,
     groups: Sequence[dict[str, Any]],
@@ -163,10 +171,10 @@ def check_state(
             for key, t in entry.items():
                 check_state_tensor(fn, gi, i, key, t, p, torch.float32 if key == "master" else state_dtype(p))
                 names.append((gi, i, key, "holds inf or NaN"))
-                flags.append(~torch.isfinite(t).all())
+                flags.append(_whole(~torch.isfinite(t).all()))
                 if key == "exp_avg_sq":
                     names.append((gi, i, key, "holds negative values (a second moment is a mean of squares)"))
-                    flags.append((t < 0).any())
+                    flags.append(_whole((t < 0).any()))
     if not flags:
         return
     bad = torch.stack([f.to(flags[0].device) for f in flags]).nonzero().flatten().tolist()  # one host read
