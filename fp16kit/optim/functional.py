@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fp16kit.kernels import fallback as kernel_fallback
 from fp16kit.kernels import l2norm
 from fp16kit.kernels import optim_fallback as fallback
 from fp16kit.kernels._checks import KERNEL_DTYPES, check_flag, check_pairs, check_tensor_list, common_device
@@ -116,7 +117,7 @@ def _foreach_check_and_norm(
         norms = torch.stack(torch._foreach_norm(chosen, 2, dtype=math)).to(F64)
         largest = torch.stack(torch._foreach_norm(chosen, float("inf"))).to(F64)
         if math is torch.float32:
-            norms = _repair_fp32_norms(chosen, norms, largest)
+            norms = kernel_fallback.repair_fp32_norms(chosen, norms, largest)
         sumsq.append(norms.square().sum())
         amax.append(largest.max())
     inv = inv_scale64.reshape(())
@@ -124,25 +125,6 @@ def _foreach_check_and_norm(
     flag = found_inf.reshape(1)
     torch.maximum(flag, (~torch.isfinite(largest)).float().reshape(1), out=flag)
     return (torch.stack(sumsq).sum().sqrt() * inv).float()
-
-
-# Below this magnitude the squares of an fp32 tensor's elements are subnormal or flush to zero, so its fp32
-# sum of squares loses bits or vanishes; above fp32's range (a norm > ~1.8e19) the sum of squares is inf.
-_TINY_FOR_FP32_SQUARES = 2.0**-60
-
-
-def _repair_fp32_norms(chosen: Sequence[torch.Tensor], norms: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
-    """CPU only: the fp32 per-tensor norms, with the tensors whose fp32 sum of squares over- or underflowed (a
-    finite, nonzero max-norm but an inf norm, or a max-norm below ``_TINY_FOR_FP32_SQUARES``) recomputed with
-    float64 accumulation. Reading the verdict is free on the CPU; on other devices the norms are float64 from
-    the start (a memory-bound reduction there), so this never syncs a device."""
-    finite = torch.isfinite(largest) & (largest > 0)
-    redo = (finite & (~torch.isfinite(norms) | (largest < _TINY_FOR_FP32_SQUARES))).nonzero().flatten().tolist()
-    if not redo:
-        return norms
-    norms = norms.clone()
-    norms[redo] = torch.stack(torch._foreach_norm([chosen[i] for i in redo], 2, dtype=F64))
-    return norms
 
 
 def clip_factor(gnorm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
