@@ -1,4 +1,4 @@
-"""``fp16kit.amp.autocast``: apply the cast policy table (cast-policy.md) to every torch op in a region.
+"""``fp16kit.amp.autocast``: apply the cast policy table (docs/specs/cast-policy.md) to every torch op in a region.
 
 Mechanism: one :class:`torch.overrides.TorchFunctionMode` per thread, pushed by the outermost active region.
 Every torch function, Tensor method and operator reaches its ``__torch_function__``; the op's row is found
@@ -8,7 +8,7 @@ with the mode popped, exactly as if the user had cast the inputs by hand and cal
 which is what makes the result bit-identical to that manual cast. Nested regions do not stack modes: they
 change the one mode's state (dtype, enabled, cache) and restore it on exit, so the innermost region wins.
 
-Eligibility (cast-policy.md): floating tensors only (integer/bool/complex pass through); float64 never cast;
+Eligibility (docs/specs/cast-policy.md): floating tensors only (integer/bool/complex pass through); float64 never cast;
 lists/tuples are searched (``torch.cat([a, b])``); ``dtype=``/``out=`` means "run as called"; in-place ops
 cast their other arguments to ``self``'s dtype, and an FP32 in-place op on an fp16/bf16 tensor raises.
 

@@ -10,7 +10,7 @@ State (all tensors on the scaler's device, shape ``[1]``):
   before backing off. A clean step resets it to ``hysteresis`` and each overflow in a row takes one
   off, which is exactly that formula, so it is derived from the skip counter instead of stored.
 
-``update(found_inf)`` after each step (loss-scaler.md), with ``inf = found_inf != 0`` (NaN counts)::
+``update(found_inf)`` after each step (docs/specs/loss-scaler.md), with ``inf = found_inf != 0`` (NaN counts)::
 
     inf:    growth_tracker = 0;  hysteresis_tracker -= 1 (not below 0)
             if hysteresis_tracker == 0:  S = max(S * backoff_factor, min_scale)    # no floor if None

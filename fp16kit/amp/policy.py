@@ -1,4 +1,4 @@
-"""The op-level cast policy table (cast-policy.md): op -> rule, as data.
+"""The op-level cast policy table (docs/specs/cast-policy.md): op -> rule, as data.
 
 One global table backs both ``fp16kit.amp.autocast`` and the apex-style O1 mode. A *row* names an op the
 way the spec does (``"exp"``, ``"linalg.vector_norm"``, ``"Tensor.__matmul__"``) and carries a :class:`Rule`;
@@ -61,7 +61,7 @@ def _rows(names: str, rule: Rule) -> dict[str, Rule]:
     return dict.fromkeys(names.split(), rule)
 
 
-# The default table of cast-policy.md, verbatim names. Order is the spec's.
+# The default table of docs/specs/cast-policy.md, verbatim names. Order is the spec's.
 DEFAULT_TABLE: dict[str, Rule] = {
     **_rows(
         "conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc linear prelu "
@@ -96,7 +96,8 @@ DEFAULT_TABLE: dict[str, Rule] = {
     "binary_cross_entropy": _B,
 }
 
-# Operator rows also cover their dunder forms (cast-policy.md: "with their Tensor.__op__, __rop__ and __iop__").
+# Operator rows also cover their dunder forms (docs/specs/cast-policy.md: "with their Tensor.__op__, __rop__ and
+# __iop__").
 _DUNDERS: dict[str, tuple[str, ...]] = {
     "add": ("__add__", "__radd__", "__iadd__"),
     "sub": ("__sub__", "__rsub__", "__isub__"),

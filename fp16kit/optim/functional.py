@@ -427,7 +427,7 @@ def lamb_step_(
     inv_scale: Scalar | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One LAMB step (apex ``FusedLAMB`` math, ``specs/lamb.md``) over lists of tensors, in place.
+    """One LAMB step (apex ``FusedLAMB`` math, ``docs/specs/lamb.md``) over lists of tensors, in place.
 
     ``grads[i]`` may be scaled by a loss scale: every element is multiplied by ``inv_scale`` first. The
     global norm (over this call's grads) clips the gradients when it exceeds ``max_grad_norm``; then::
