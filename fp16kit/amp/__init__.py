@@ -27,9 +27,9 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     # cast policy table and registration (docs/specs/cast-policy.md)
     "Rule": ".policy",
-    "register_half_function": ".policy",
-    "register_float_function": ".policy",
-    "register_promote_function": ".policy",
+    "register_half_function": ".functions",
+    "register_float_function": ".functions",
+    "register_promote_function": ".functions",
     "policy_override": ".policy",
     "policy_table": ".policy",
     "print_policy": ".policy",
