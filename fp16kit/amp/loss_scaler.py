@@ -67,6 +67,8 @@ from typing import Any
 
 import torch
 
+from ..kernels import as_fp16kit_flag, new_found_inf
+
 __all__ = ["LossScaler"]
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
@@ -292,7 +294,7 @@ class LossScaler:
 
     def new_found_inf(self) -> torch.Tensor:
         """A zeroed fp32 ``[1]`` overflow flag on the scaler's device, for ``unscale_and_check``."""
-        return torch.zeros(1, dtype=torch.float32, device=self.scale.device)
+        return new_found_inf(self.scale.device)
 
     def get_scale(self) -> float:
         """The current scale as a Python float: a host sync, only when asked for. Also runs the skip check."""
@@ -368,7 +370,7 @@ class LossScaler:
             raise TypeError(
                 "LossScaler.update: found_inf must be a one-element float tensor (e.g. from new_found_inf())."
             )
-        flag = found_inf.reshape(1)
+        flag = as_fp16kit_flag(found_inf)
         if flag.device != self.scale.device:
             flag = flag.to(self.scale.device, non_blocking=True)
         inf, streak = self._inf, self._streak
