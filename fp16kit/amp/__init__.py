@@ -25,11 +25,11 @@ from .._lazy import lazy_exports
 
 # public name -> defining module (relative to this package)
 _EXPORTS = {
-    # cast policy table and registration (cast-policy.md)
+    # cast policy table and registration (docs/specs/cast-policy.md)
     "Rule": ".policy",
-    "register_half_function": ".policy",
-    "register_float_function": ".policy",
-    "register_promote_function": ".policy",
+    "register_half_function": ".functions",
+    "register_float_function": ".functions",
+    "register_promote_function": ".functions",
     "policy_override": ".policy",
     "policy_table": ".policy",
     "print_policy": ".policy",
@@ -46,7 +46,7 @@ _EXPORTS = {
     # loss scaling
     "LossScaler": ".loss_scaler",
     "GradScaler": ".grad_scaler",
-    # apex-style frontend (apex-amp.md)
+    # apex-style frontend (docs/specs/apex-amp.md)
     "initialize": ".frontend",
     "scale_loss": ".frontend",
     "master_params": ".frontend",

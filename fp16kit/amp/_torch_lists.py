@@ -1,4 +1,4 @@
-"""torch's own CUDA autocast lists for the installed torch, read as data (cast-policy.md: they are part of the table).
+"""torch's own CUDA autocast lists for the installed torch, read as data (part of the table: docs/specs/cast-policy.md).
 
 torch ships the op lists its CUDA autocast tests check in ``torch/testing/_internal/autocast_test_lists.py``
 (class ``AutocastTestLists``: ``torch_fp16``, ``torch_fp32``, ``nn_fp32``, ...). Importing that module pulls in

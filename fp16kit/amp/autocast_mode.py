@@ -1,4 +1,8 @@
-"""``fp16kit.amp.autocast``: apply the cast policy table (cast-policy.md) to every torch op in a region.
+"""``fp16kit.amp.autocast``: the one module that applies the cast policy table (docs/specs/cast-policy.md).
+
+The table itself is data in :mod:`fp16kit.amp.policy`; this module subscribes to it (``policy.add_listener``)
+and is the only place that casts. Its sibling modules reach the mechanism through the public names below
+(:func:`active_mode`, :func:`cast_all`, :func:`cast_args`, :func:`rule_wrapper`, :func:`table_wrapper`).
 
 Mechanism: one :class:`torch.overrides.TorchFunctionMode` per thread, pushed by the outermost active region.
 Every torch function, Tensor method and operator reaches its ``__torch_function__``; the op's row is found
@@ -8,8 +12,8 @@ with the mode popped, exactly as if the user had cast the inputs by hand and cal
 which is what makes the result bit-identical to that manual cast. Nested regions do not stack modes: they
 change the one mode's state (dtype, enabled, cache) and restore it on exit, so the innermost region wins.
 
-Eligibility (cast-policy.md): floating tensors only (integer/bool/complex pass through); float64 never cast;
-lists/tuples are searched (``torch.cat([a, b])``); ``dtype=``/``out=`` means "run as called"; in-place ops
+Eligibility (docs/specs/cast-policy.md): floating tensors only (integer/bool/complex pass through); float64 never
+cast; lists/tuples are searched (``torch.cat([a, b])``); ``dtype=``/``out=`` means "run as called"; in-place ops
 cast their other arguments to ``self``'s dtype, and an FP32 in-place op on an fp16/bf16 tensor raises.
 
 Python-level composite torch functions that are *absent* from the table but whose body can reach a table op
@@ -17,22 +21,22 @@ Python-level composite torch functions that are *absent* from the table but whos
 globals answer False, with the mode still pushed, so the ops inside them are seen by the policy (torch's
 autocast works at the aten level, which has the same effect). Composites that cannot reach one (``F.relu``,
 ``F.dropout``) are simply called; the set is recomputed whenever the table changes. Ops in the table are never
-entered: an FP32 ``F.cross_entropy`` casts its inputs once and its internals run as called.
+entered: an FP32 ``F.cross_entropy`` casts its inputs once and its internals run as called. The copies are made
+by :mod:`fp16kit.amp._bytecode`, which checks the torch version first (on an unchecked torch it warns and makes
+none: absent composites then run as called).
 """
 
 from __future__ import annotations
 
-import dis
 import functools
 import threading
-import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import policy
+from . import _bytecode, policy
 from .policy import Rule
 
 __all__ = ["autocast", "disable_casts", "is_autocast_enabled"]
@@ -54,98 +58,15 @@ _NO_KWARGS: dict[str, Any] = {}  # shared, never mutated
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Pass-through copies of Python composite torch functions (see module docstring)
+# Pass-through copies of Python composite torch functions (see module docstring; the bytecode work is _bytecode's)
 # ----------------------------------------------------------------------------------------------------------------
 
-_HTF_NAMES = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
-_HTF_OBJS = tuple(getattr(torch.overrides, n) for n in _HTF_NAMES)
-_PATCHED_GLOBALS: dict[int, dict[str, Any]] = {}
-
-
-def _never(*_args: Any) -> bool:
-    return False
-
-
-def _passthrough_copy(fn: Any) -> Callable[..., Any] | None:
-    """A copy of ``fn`` whose ``has_torch_function*`` globals are ``False``, or None when not applicable."""
-    if not isinstance(fn, types.FunctionType) or fn.__module__ == "torch._tensor":
-        # Tensor's Python methods are thin wrappers over one C method (nothing inside for the policy to see),
-        # and several use zero-argument super(), which Dynamo cannot trace in a copy.
-        return None
-    code, glb = fn.__code__, fn.__globals__
-    used = [n for n in _HTF_NAMES if n in code.co_names]
-    # Only when every check the function makes goes through a patched global; anything else (an attribute
-    # access such as torch.overrides.has_torch_function) would re-dispatch to the mode forever.
-    if not used or any(glb.get(n) is not o for n, o in zip(_HTF_NAMES, _HTF_OBJS) if n in used):
-        return None
-    if "overrides" in code.co_names or ("_C" in code.co_names and "_has_torch_function" in code.co_names):
-        return None
-    patched = _PATCHED_GLOBALS.get(id(glb))
-    if patched is None:
-        patched = dict(glb)  # snapshot of the module's globals (torch internals are not re-bound at runtime)
-        patched.update(dict.fromkeys(_HTF_NAMES, _never))
-        _PATCHED_GLOBALS[id(glb)] = patched
-    copy = types.FunctionType(code, patched, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return copy
-
-
-def _build_passthrough() -> dict[Any, Callable[..., Any]]:
-    out: dict[Any, Callable[..., Any]] = {}
-    for fn in policy._overridable():
-        copy = _passthrough_copy(fn)
-        if copy is not None:
-            out[fn] = copy
-    return out
-
-
-_PASSTHROUGH = _build_passthrough()
-
-
-def _code_facts(code: types.CodeType) -> tuple[set[str], bool]:
-    """Names a code object (and the code nested in it) loads, and whether it applies a binary operator."""
-    names = set(code.co_names)
-    binop = any(
-        ins.opname.startswith(("BINARY_", "INPLACE_")) and ins.opname not in ("BINARY_SUBSCR", "BINARY_SLICE")
-        for ins in dis.get_instructions(code)
-    )
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            inner, inner_binop = _code_facts(const)
-            names |= inner
-            binop = binop or inner_binop
-    return names, binop
-
-
-def _reach(fn: types.FunctionType, depth: int = 3) -> tuple[frozenset[str], bool]:
-    """Names loaded by ``fn`` and by the Python helpers of its module it calls (a few levels deep), and whether
-    any of them applies a binary operator (``a + b`` on tensors is a PROMOTE op)."""
-    names, binop = _code_facts(fn.__code__)
-    out = set(names)
-    if depth:
-        for n in names:
-            g = fn.__globals__.get(n)
-            # helpers of the same module (F._in_projection_packed); not the torch-function machinery itself
-            if isinstance(g, types.FunctionType) and g is not fn and g.__module__ == fn.__module__:
-                inner, inner_binop = _reach(g, depth - 1)
-                out |= inner
-                binop = binop or inner_binop
-    return frozenset(out), binop
-
-
+_PASSTHROUGH = _bytecode.passthrough_copies(policy.overridable())
 # Composite -> what its body can reach. A composite only needs the (slower) pass-through when its body can reach
 # an op of the table, by name or through an operator; F.relu or F.dropout cannot, and are simply run.
-_REACH = {fn: _reach(fn) for fn in _PASSTHROUGH}
-
-
-# e.g. Tensor.unflatten -> torch.unflatten (torch 2.13: Dynamo fails on `super().unflatten` under a mode).
-# Keyed by name: Dynamo hands such methods to the mode as a different variable than the dict key.
-_REDIRECTS: dict[str, Callable[..., Any]] = {}
-for _fn in vars(torch.Tensor).values():
-    if isinstance(_fn, types.FunctionType) and "super" in _fn.__code__.co_names:
-        _base = getattr(torch, _fn.__name__, None)  # torch.unflatten(input, dim, sizes): an in-graph op
-        if _base is not None:
-            _REDIRECTS[_fn.__name__] = _base
+_REACH = {fn: _bytecode.reach(fn) for fn in _PASSTHROUGH}
+# e.g. Tensor.unflatten -> torch.unflatten (see _bytecode.super_redirects)
+_REDIRECTS = _bytecode.super_redirects()
 _is_compiling = torch.compiler.is_compiling
 
 #: id(callable) -> (rule, inplace, row) for table ops, or a pass-through copy for absent composites. The hot path
@@ -165,7 +86,7 @@ _BY_NAME: dict[str, Any] = {}
 def _rebuild_by_name() -> None:
     seen: dict[str, Any] = {}
     ambiguous: set[str] = set()
-    for fn in set(policy._overridable()) | set(policy.RESOLVED):
+    for fn in set(policy.overridable()) | set(policy.RESOLVED):
         name = getattr(fn, "__name__", None)
         if not isinstance(name, str):
             continue
@@ -193,8 +114,7 @@ def _rebuild_dispatch() -> None:
     _rebuild_by_name()
 
 
-policy._LISTENERS.append(_rebuild_dispatch)
-_rebuild_dispatch()
+policy.add_listener(_rebuild_dispatch)  # calls it once now, then after every change of the table
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -204,10 +124,10 @@ _rebuild_dispatch()
 
 def _cast(a: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
     """``a`` with every eligible tensor cast to ``to`` (containers rebuilt only when something changed)."""
-    return _cast_seq((a,), to, mode)[0]
+    return cast_all((a,), to, mode)[0]
 
 
-def _cast_seq(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
+def cast_all(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
     """Every eligible tensor of ``args`` (and of lists/tuples inside it) cast to ``to``.
 
     Returns ``args`` itself, with no allocation, when nothing needs a cast (the common case on the hot path).
@@ -218,7 +138,7 @@ def _cast_seq(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
 
 
 def _cast_seq_or_none(args: Any, to: torch.dtype, mode: _AutocastMode) -> Any:
-    """:func:`_cast_seq`, but ``None`` when nothing needs a cast. (Callers test ``is None``, never ``c is a`` on
+    """:func:`cast_all`, but ``None`` when nothing needs a cast. (Callers test ``is None``, never ``c is a`` on
     containers: Dynamo cannot trace ``is`` between tuples, which would be a graph break under torch.compile.)"""
     out = None
     for i, a in enumerate(args):
@@ -286,7 +206,7 @@ def _banned_error(name: str, qual: str, dtype: torch.dtype) -> RuntimeError:
     )
 
 
-def _cast_args(
+def cast_args(
     mode: _AutocastMode, entry: tuple[Rule, bool, str], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments ``func`` runs with under ``entry``'s rule (the same objects when nothing is cast)."""
@@ -301,7 +221,7 @@ def _cast_args(
         if to is _F64 or not to.is_floating_point:
             return args, kwargs
         if to in _LOW_DTYPES and (rule is _FP32 or rule is _BANNED):
-            qual = policy._NAMES.get(func, name)
+            qual = policy.display_name(func, name)
             if rule is _BANNED:
                 raise _banned_error(name, qual, to)
             example = f" (y = torch.{name}(x))" if name.isidentifier() and hasattr(torch, name) else ""
@@ -325,12 +245,12 @@ def _cast_args(
         if rule is _BANNED:
             low = seen & _LOW_DTYPES
             if low:
-                raise _banned_error(name, policy._NAMES.get(func, name), next(iter(low)))
+                raise _banned_error(name, policy.display_name(func, name), next(iter(low)))
             return args, kwargs
         if len(seen) < 2:
             return args, kwargs  # dtypes agree: PROMOTE leaves them alone
         to = _F32  # fp32 beats fp16/bf16, and fp16 + bf16 meet in fp32 (as torch's type promotion does)
-    new_args = _cast_seq(args, to, mode)
+    new_args = cast_all(args, to, mode)
     new_kwargs = {k: _cast(v, to, mode) for k, v in kwargs.items()} if kwargs else kwargs
     return new_args, new_kwargs
 
@@ -383,25 +303,59 @@ class _AutocastMode(TorchFunctionMode):
             rule = entry[0]
             if not kwargs and not entry[1]:  # the common cases, inlined
                 if rule is _LOW:
-                    return func(*_cast_seq(args, self.dtype, self))
+                    return func(*cast_all(args, self.dtype, self))
                 if rule is _FP32:
-                    return func(*_cast_seq(args, _F32, self))
+                    return func(*cast_all(args, _F32, self))
                 if rule is _PROMOTE:
-                    return func(*_cast_seq(args, _F32, self)) if _mixed(args) else func(*args)
-            args, kwargs = _cast_args(self, entry, func, args, kwargs or _NO_KWARGS)
+                    return func(*cast_all(args, _F32, self)) if _mixed(args) else func(*args)
+            args, kwargs = cast_args(self, entry, func, args, kwargs or _NO_KWARGS)
             return func(*args, **kwargs)
         # an absent composite: run its body with the mode pushed again so the ops inside it are seen
         with self:
             return entry(*args, **(kwargs or {}))
 
 
-def _active() -> _AutocastMode | None:
+def active_mode() -> _AutocastMode | None:
+    """This thread's autocast mode (its state: ``enabled``, ``dtype``), or None outside every region."""
     return getattr(_tls, "mode", None)
+
+
+def rule_wrapper(fn: _T, rule: Rule) -> _T:
+    """``fn`` under a fixed ``rule``: in an enabled region its eligible inputs are cast first; else run as called."""
+    entry = (rule, False, getattr(fn, "__name__", repr(fn)))
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mode = active_mode()
+        if mode is None or not mode.enabled:
+            return fn(*args, **kwargs)
+        args, kwargs = cast_args(mode, entry, fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    wrapper.__fp16kit_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+def table_wrapper(fn: _T) -> _T:
+    """``fn`` (a function that does not dispatch ``__torch_function__``) under its row of the live table, read at
+    call time, so :func:`~fp16kit.amp.policy_override` applies; installed by ``register_*_function``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mode = active_mode()
+        entry = policy.RESOLVED.get(fn)
+        if mode is None or not mode.enabled or entry is None:
+            return fn(*args, **kwargs)
+        args, kwargs = cast_args(mode, entry, fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    wrapper.__fp16kit_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
 
 
 def is_autocast_enabled() -> bool:
     """True inside an enabled :class:`autocast` region on this thread (and not inside :func:`disable_casts`)."""
-    mode = _active()
+    mode = active_mode()
     return mode is not None and mode.enabled
 
 
@@ -435,7 +389,7 @@ class autocast:
         self._saved: list[tuple[_AutocastMode | None, bool, torch.dtype, bool]] = []
 
     def __enter__(self) -> autocast:
-        mode = _active()
+        mode = active_mode()
         if mode is None:
             if not self.enabled:
                 self._saved.append((None, False, self.dtype, self.cache_enabled))
@@ -451,7 +405,7 @@ class autocast:
 
     def __exit__(self, *exc: object) -> None:
         pushed, enabled, dtype, cache_enabled = self._saved.pop()
-        mode = _active()
+        mode = active_mode()
         if pushed is not None:
             pushed.cache.clear()
             _tls.mode = None
@@ -478,7 +432,7 @@ class disable_casts:
         self._saved: list[bool | None] = []
 
     def __enter__(self) -> disable_casts:
-        mode = _active()
+        mode = active_mode()
         self._saved.append(None if mode is None else mode.enabled)
         if mode is not None:
             mode.enabled = False
@@ -486,7 +440,7 @@ class disable_casts:
 
     def __exit__(self, *exc: object) -> None:
         enabled = self._saved.pop()
-        mode = _active()
+        mode = active_mode()
         if mode is not None and enabled is not None:
             mode.enabled = enabled
 

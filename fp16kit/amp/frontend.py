@@ -1,7 +1,7 @@
 """apex.amp's frontend: ``initialize``, ``scale_loss``, ``master_params``, ``state_dict``, ``load_state_dict``.
 
 A script written for apex runs unchanged once ``from apex import amp`` becomes ``from fp16kit import amp``
-(apex-amp.md is the contract; docs/migrating-from-apex.md lists every call). The work is split over
+(docs/specs/apex-amp.md is the contract; docs/migrating-from-apex.md lists every call). The work is split over
 ``fp16kit.amp._frontend``: ``options`` (opt levels, override rules, printed text), ``casting`` (model
 casting and forward hooks), ``masters`` (fp32 master weights, gradient plumbing, master checkpoints),
 ``stepping`` (``scale_loss``, the patched ``step``/``zero_grad``), ``state`` (sessions, amp state dict).

@@ -1,4 +1,8 @@
-"""Decorators that put user code under the cast policy (apex ``amp.half_function`` & co, torch ``custom_fwd``).
+"""Decorators and registrations that put user code under the cast policy (apex ``amp.half_function``,
+``amp.register_half_function`` & co, torch ``custom_fwd``).
+
+* ``register_half_function`` / ``register_float_function`` / ``register_promote_function``: a row of the table for
+  ``module.name`` (``policy.register_row``); a plain Python function is wrapped so the row applies to it.
 
 * :func:`half_function` / :func:`float_function` / :func:`promote_function`: a user function gets a fixed
   rule (LOW / FP32 / PROMOTE). Inside an enabled :class:`~fp16kit.amp.autocast` region its eligible inputs are
@@ -18,59 +22,76 @@ from typing import Any, TypeVar, overload
 import torch
 
 from . import policy
-from .autocast_mode import _active, _cast_args, _cast_seq, autocast, disable_casts
+from .autocast_mode import active_mode, autocast, cast_all, disable_casts, rule_wrapper, table_wrapper
 from .policy import Rule
 
-__all__ = ["custom_bwd", "custom_fwd", "float_function", "half_function", "promote_function"]
+__all__ = [
+    "custom_bwd",
+    "custom_fwd",
+    "float_function",
+    "half_function",
+    "promote_function",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
+]
 
 _T = TypeVar("_T", bound=Callable[..., Any])
 
 
-def _rule_wrapper(fn: _T, rule: Rule) -> _T:
-    entry = (rule, False, getattr(fn, "__name__", repr(fn)))
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        mode = _active()
-        if mode is None or not mode.enabled:
-            return fn(*args, **kwargs)
-        args, kwargs = _cast_args(mode, entry, fn, args, kwargs)
-        return fn(*args, **kwargs)
-
-    wrapper.__fp16kit_wrapped__ = fn  # type: ignore[attr-defined]
-    return wrapper  # type: ignore[return-value]
-
-
 def half_function(fn: _T) -> _T:
     """Decorator: under autocast, cast ``fn``'s eligible tensor inputs to the region's fp16/bf16 dtype (LOW)."""
-    return _rule_wrapper(fn, Rule.LOW)
+    return rule_wrapper(fn, Rule.LOW)
 
 
 def float_function(fn: _T) -> _T:
     """Decorator: under autocast, cast ``fn``'s eligible tensor inputs to float32 (FP32)."""
-    return _rule_wrapper(fn, Rule.FP32)
+    return rule_wrapper(fn, Rule.FP32)
 
 
 def promote_function(fn: _T) -> _T:
     """Decorator: under autocast, if ``fn``'s eligible inputs mix dtypes, cast them all to the widest (PROMOTE)."""
-    return _rule_wrapper(fn, Rule.PROMOTE)
+    return rule_wrapper(fn, Rule.PROMOTE)
 
 
-def _table_wrapper(fn: _T) -> _T:
-    """Wrapper installed by ``register_*_function`` for a function that does not dispatch ``__torch_function__``:
-    the rule is read from the live table at call time, so :func:`~fp16kit.amp.policy_override` applies."""
+# ----------------------------------------------------------------------------------------------------------------
+# registration (apex amp.register_*_function)
+# ----------------------------------------------------------------------------------------------------------------
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        mode = _active()
-        entry = policy.RESOLVED.get(fn)
-        if mode is None or not mode.enabled or entry is None:
-            return fn(*args, **kwargs)
-        args, kwargs = _cast_args(mode, entry, fn, args, kwargs)
-        return fn(*args, **kwargs)
 
-    wrapper.__fp16kit_wrapped__ = fn  # type: ignore[attr-defined]
-    return wrapper  # type: ignore[return-value]
+def _register(module: Any, name: str, rule: Rule) -> None:
+    if not hasattr(module, name):
+        raise ValueError(f"No function named {name} in module {module}.")
+    fn = getattr(module, name)
+    fn = getattr(fn, "__fp16kit_wrapped__", fn)  # registering twice re-targets the original, never the wrapper
+    if fn not in policy.overridable() and getattr(getattr(module, name), "__fp16kit_wrapped__", None) is None:
+        # A plain Python function never reaches __torch_function__: route it through a wrapper that reads the
+        # table at call time (so overrides apply), as apex patches the module attribute.
+        setattr(module, name, table_wrapper(fn))
+    policy.register_row(policy.registration_row(module, name), fn, rule)
+
+
+def register_half_function(module: Any, name: str) -> None:
+    """Make ``module.name`` a LOW op: its eligible inputs are cast to the region's fp16/bf16 dtype.
+
+    Works for torch callables (``register_half_function(torch, "tanh")``) and for user functions (the module
+    attribute is replaced by a wrapper, as apex does: call it before importing ``name`` with ``from m import``).
+    Raises ``ValueError("No function named {name} in module {module}.")`` when the attribute does not exist.
+    """
+    _register(module, name, Rule.LOW)
+
+
+def register_float_function(module: Any, name: str) -> None:
+    """Make ``module.name`` an FP32 op (eligible inputs cast to float32). See :func:`register_half_function`."""
+    _register(module, name, Rule.FP32)
+
+
+def register_promote_function(module: Any, name: str) -> None:
+    """Make ``module.name`` a PROMOTE op (mixed eligible inputs cast to the widest).
+
+    See :func:`register_half_function`.
+    """
+    _register(module, name, Rule.PROMOTE)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -100,13 +121,13 @@ def custom_fwd(fwd: Any = None, *, cast_inputs: torch.dtype | None = None) -> An
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ctx, args = args[0], args[1:]
-        mode = _active()
+        mode = active_mode()
         enabled = mode is not None and mode.enabled
         ctx._fp16kit_state = (enabled and cast_inputs is None, mode.dtype if mode is not None else torch.float16)
         if not enabled or cast_inputs is None:
             return fwd(ctx, *args, **kwargs)
-        args = _cast_seq(args, cast_inputs, mode)
-        kwargs = {k: _cast_seq((v,), cast_inputs, mode)[0] for k, v in kwargs.items()}
+        args = cast_all(args, cast_inputs, mode)
+        kwargs = {k: cast_all((v,), cast_inputs, mode)[0] for k, v in kwargs.items()}
         with disable_casts():
             return fwd(ctx, *args, **kwargs)
 

@@ -49,7 +49,7 @@ from typing import Any, overload
 
 import torch
 
-from ..kernels import unscale_and_check
+from ..kernels import as_torch_flag, checks_inf_itself, merge_found_inf, new_found_inf, unscale_and_check
 from . import _sharded
 from .loss_scaler import LossScaler
 
@@ -276,7 +276,7 @@ class GradScaler:
 
         Returns a fresh overflow flag (fp32 ``[1]``) per device, 1 where a written value is inf/NaN.
         """
-        scaler = self._check_scale_growth_tracker("unscale_")
+        self._check_scale_growth_tracker("unscale_")  # raises when the scaler was never used to scale
         inv = _PerDevice(inv_scale) if isinstance(inv_scale, torch.Tensor) else None
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
@@ -285,7 +285,7 @@ class GradScaler:
                 self._warned_fp16 = True
                 warnings.warn(_FP16_GRAD_WARNING, UserWarning, stacklevel=4)
             for device, grads in per_device.items():
-                flag = scaler.new_found_inf() if device == scaler.device else torch.zeros(1, device=device)
+                flag = new_found_inf(device)
                 unscale_and_check(grads, inv.get(device) if inv is not None else inv_scale, flag)
                 found[device] = flag
         _sharded.reduce_found_inf(found, _sharded.flag_group(optimizer, self._process_group))
@@ -310,17 +310,6 @@ class GradScaler:
         state["stage"] = OptState.UNSCALED
 
     # ------------------------------------------------------------------ stepping
-    @staticmethod
-    def _combined(flags: abc.Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """One 0/1 flag on ``device`` from several (max, not sum: fused kernels test ``found_inf == 1``)."""
-        flags = [f if f.device == device else f.to(device, non_blocking=True) for f in flags]
-        if not flags:  # no gradients at all: nothing overflowed
-            return torch.zeros(1, dtype=torch.float32, device=device)
-        out = flags[0]  # the common case, one flag: no op at all
-        for f in flags[1:]:
-            out = torch.maximum(out, f)
-        return out
-
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` ran) and call ``optimizer.step(*args, **kwargs)`` if no inf/NaN.
 
@@ -355,7 +344,7 @@ class GradScaler:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         retval = None
         # The one host sync of the non-fused path: Python must know whether to call step().
-        if not self._combined(found.values(), scaler.device).item():
+        if not merge_found_inf(found.values(), scaler.device).item():
             retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         return retval
@@ -392,7 +381,7 @@ class GradScaler:
             return retval
 
         ready = state["stage"] is OptState.READY
-        if getattr(optimizer, "_fp16kit_checks_inf", False) and _sharded.optimizer_combines_flag(
+        if checks_inf_itself(optimizer) and _sharded.optimizer_combines_flag(
             optimizer, self._process_group
         ):
             if ready:
@@ -401,12 +390,10 @@ class GradScaler:
                     scaler.device,
                 )
                 optimizer.grad_scale = scaler.scale if device == scaler.device else scaler.scale.to(device)
-                optimizer.found_inf = (
-                    scaler.new_found_inf() if device == scaler.device else torch.zeros(1, device=device)
-                )
+                optimizer.found_inf = new_found_inf(device)
             else:
                 optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
-                optimizer.found_inf = self._combined(state["found_inf_per_device"].values(), scaler.device)
+                optimizer.found_inf = merge_found_inf(state["found_inf_per_device"].values(), scaler.device)
             try:
                 retval = optimizer.step(*args, **kwargs)
                 if ready:
@@ -426,7 +413,7 @@ class GradScaler:
         optimizer.grad_scale = (
             scale * getattr(optimizer, "grad_scale", 1) if ready else getattr(optimizer, "grad_scale", None)
         )
-        optimizer.found_inf = self._combined(state["found_inf_per_device"].values(), scaler.device).view(())
+        optimizer.found_inf = as_torch_flag(merge_found_inf(state["found_inf_per_device"].values(), scaler.device))
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
@@ -466,7 +453,7 @@ class GradScaler:
             found_infs = [f for s in self._per_optimizer_states.values() for f in s["found_inf_per_device"].values()]
             if len(found_infs) == 0:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            scaler.update(self._combined(found_infs, scaler.device))
+            scaler.update(merge_found_inf(found_infs, scaler.device))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # ------------------------------------------------------------------ getters / setters

@@ -10,7 +10,7 @@ State (all tensors on the scaler's device, shape ``[1]``):
   before backing off. A clean step resets it to ``hysteresis`` and each overflow in a row takes one
   off, which is exactly that formula, so it is derived from the skip counter instead of stored.
 
-``update(found_inf)`` after each step (loss-scaler.md), with ``inf = found_inf != 0`` (NaN counts)::
+``update(found_inf)`` after each step (docs/specs/loss-scaler.md), with ``inf = found_inf != 0`` (NaN counts)::
 
     inf:    growth_tracker = 0;  hysteresis_tracker -= 1 (not below 0)
             if hysteresis_tracker == 0:  S = max(S * backoff_factor, min_scale)    # no floor if None
@@ -66,6 +66,8 @@ import warnings
 from typing import Any
 
 import torch
+
+from ..kernels import as_fp16kit_flag, new_found_inf
 
 __all__ = ["LossScaler"]
 
@@ -292,7 +294,7 @@ class LossScaler:
 
     def new_found_inf(self) -> torch.Tensor:
         """A zeroed fp32 ``[1]`` overflow flag on the scaler's device, for ``unscale_and_check``."""
-        return torch.zeros(1, dtype=torch.float32, device=self.scale.device)
+        return new_found_inf(self.scale.device)
 
     def get_scale(self) -> float:
         """The current scale as a Python float: a host sync, only when asked for. Also runs the skip check."""
@@ -368,7 +370,7 @@ class LossScaler:
             raise TypeError(
                 "LossScaler.update: found_inf must be a one-element float tensor (e.g. from new_found_inf())."
             )
-        flag = found_inf.reshape(1)
+        flag = as_fp16kit_flag(found_inf)
         if flag.device != self.scale.device:
             flag = flag.to(self.scale.device, non_blocking=True)
         inf, streak = self._inf, self._streak

@@ -1,4 +1,4 @@
-"""The op-level cast policy table (cast-policy.md): op -> rule, as data.
+"""The op-level cast policy table (docs/specs/cast-policy.md): op -> rule, as data.
 
 One global table backs both ``fp16kit.amp.autocast`` and the apex-style O1 mode. A *row* names an op the
 way the spec does (``"exp"``, ``"linalg.vector_norm"``, ``"Tensor.__matmul__"``) and carries a :class:`Rule`;
@@ -13,8 +13,12 @@ The table has two parts: :data:`DEFAULT_TABLE` (the spec's rows) and :data:`TORC
 installed torch's own CUDA autocast lists that the spec does not name (read by ``_torch_lists``), so an op torch
 adds to its lists gets torch's CUDA dtype here too.
 
+This module is data plus a listener hook (:func:`add_listener`): it imports nothing else of ``fp16kit.amp``
+(only ``_torch_lists``, a parser). The mechanism that applies the table is ``autocast_mode``; the user-facing
+``register_*_function`` (which may wrap a plain Python function) live in ``functions``.
+
 Precedence (later wins): torch's CUDA-list rows, then the spec's default rows, then registrations
-(``register_*_function``, in call order), then the innermost active :func:`policy_override`.
+(``register_*_function``, in call order: :func:`register_row`), then the innermost active :func:`policy_override`.
 """
 
 from __future__ import annotations
@@ -37,12 +41,14 @@ __all__ = [
     "RESOLVED",
     "TORCH_CUDA_TABLE",
     "Rule",
+    "add_listener",
+    "display_name",
+    "overridable",
     "policy_override",
     "policy_table",
     "print_policy",
-    "register_float_function",
-    "register_half_function",
-    "register_promote_function",
+    "register_row",
+    "registration_row",
 ]
 
 
@@ -61,7 +67,7 @@ def _rows(names: str, rule: Rule) -> dict[str, Rule]:
     return dict.fromkeys(names.split(), rule)
 
 
-# The default table of cast-policy.md, verbatim names. Order is the spec's.
+# The default table of docs/specs/cast-policy.md, verbatim names. Order is the spec's.
 DEFAULT_TABLE: dict[str, Rule] = {
     **_rows(
         "conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc linear prelu "
@@ -96,7 +102,8 @@ DEFAULT_TABLE: dict[str, Rule] = {
     "binary_cross_entropy": _B,
 }
 
-# Operator rows also cover their dunder forms (cast-policy.md: "with their Tensor.__op__, __rop__ and __iop__").
+# Operator rows also cover their dunder forms (docs/specs/cast-policy.md: "with their Tensor.__op__, __rop__ and
+# __iop__").
 _DUNDERS: dict[str, tuple[str, ...]] = {
     "add": ("__add__", "__radd__", "__iadd__"),
     "sub": ("__sub__", "__rsub__", "__isub__"),
@@ -152,7 +159,7 @@ def _resolve_row(name: str) -> list[tuple[str, Callable[..., Any]]]:
 
 
 @functools.cache
-def _overridable() -> frozenset[Any]:
+def overridable() -> frozenset[Any]:
     """Callables that dispatch ``__torch_function__`` (so the autocast mode sees them without patching)."""
     out: set[Any] = set()
     for fns in torch.overrides.get_overridable_functions().values():
@@ -178,8 +185,21 @@ _OVERRIDES: list[dict[str, tuple[Rule | None, _Targets]]] = []
 RESOLVED: dict[Callable[..., Any], tuple[Rule, bool, str]] = {}
 #: callable -> qualified display name, for every callable that has (or had) a row.
 _NAMES: dict[Callable[..., Any], str] = {}
-#: listeners called after every rebuild (autocast drops its per-callable caches).
+#: listeners called after every rebuild (autocast rebuilds its dispatch dict); see :func:`add_listener`.
 _LISTENERS: list[Callable[[], None]] = []
+
+
+def add_listener(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` now and after every change of the table (a registration, an override entering or
+    leaving). This is how the mechanism that applies the table (``autocast_mode``) learns of changes: the table
+    is data and never calls into the mechanism by name."""
+    _LISTENERS.append(listener)
+    listener()
+
+
+def display_name(fn: Callable[..., Any], default: str) -> str:
+    """The qualified name the table shows for ``fn`` (``torch.nn.functional.softmax``), or ``default``."""
+    return _NAMES.get(fn, default)
 
 
 def _effective_rows() -> dict[str, tuple[Rule | None, str, _Targets]]:
@@ -243,53 +263,26 @@ _DEFAULT_TARGETS: dict[str, _Targets] = {
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _owner_path(module: Any) -> str:
+def registration_row(module: Any, name: str) -> str:
+    """The row name a registration of ``module.name`` gets: ``torch.tanh``, ``usermod.scale``."""
     if isinstance(module, types.ModuleType):
-        return module.__name__
-    if isinstance(module, type):
-        return f"{module.__module__}.{module.__qualname__}"
-    return type(module).__name__
+        owner = module.__name__
+    elif isinstance(module, type):
+        owner = f"{module.__module__}.{module.__qualname__}"
+    else:
+        owner = type(module).__name__
+    return f"{owner}.{name}"
 
 
-def _register(module: Any, name: str, rule: Rule) -> None:
-    if not hasattr(module, name):
-        raise ValueError(f"No function named {name} in module {module}.")
-    fn = getattr(module, name)
-    fn = getattr(fn, "__fp16kit_wrapped__", fn)  # registering twice re-targets the original, never the wrapper
-    row = f"{_owner_path(module)}.{name}"
-    if fn not in _overridable():
-        # A plain Python function never reaches __torch_function__: route it through a wrapper that reads the
-        # table at call time (so overrides apply), as apex patches the module attribute.
-        from .functions import _table_wrapper  # local import: functions imports autocast imports policy
+def register_row(row: str, fn: Callable[..., Any], rule: Rule) -> None:
+    """Add (or replace, moving it last so it wins) the registered row ``row`` -> ``rule`` for the callable ``fn``.
 
-        if getattr(getattr(module, name), "__fp16kit_wrapped__", None) is None:
-            setattr(module, name, _table_wrapper(fn))
+    Data only: the user-facing ``fp16kit.amp.register_*_function`` (in ``functions``) checks the name and, for a
+    function that never reaches ``__torch_function__``, installs the wrapper that applies the row.
+    """
     _REGISTERED.pop(row, None)
     _REGISTERED[row] = (rule, ((row, fn),))
     _rebuild()
-
-
-def register_half_function(module: Any, name: str) -> None:
-    """Make ``module.name`` a LOW op: its eligible inputs are cast to the region's fp16/bf16 dtype.
-
-    Works for torch callables (``register_half_function(torch, "tanh")``) and for user functions (the module
-    attribute is replaced by a wrapper, as apex does: call it before importing ``name`` with ``from m import``).
-    Raises ``ValueError("No function named {name} in module {module}.")`` when the attribute does not exist.
-    """
-    _register(module, name, Rule.LOW)
-
-
-def register_float_function(module: Any, name: str) -> None:
-    """Make ``module.name`` an FP32 op (eligible inputs cast to float32). See :func:`register_half_function`."""
-    _register(module, name, Rule.FP32)
-
-
-def register_promote_function(module: Any, name: str) -> None:
-    """Make ``module.name`` a PROMOTE op (mixed eligible inputs cast to the widest).
-
-    See :func:`register_half_function`.
-    """
-    _register(module, name, Rule.PROMOTE)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -309,7 +302,7 @@ def _as_rule(rule: Rule | str | None) -> Rule | None:
 def _override_targets(key: str | Callable[..., Any]) -> tuple[str, _Targets]:
     if not isinstance(key, str):
         fn = getattr(key, "__fp16kit_wrapped__", key)
-        if fn not in _overridable() and fn not in _NAMES:
+        if fn not in overridable() and fn not in _NAMES:
             raise ValueError(
                 f"{_qualname(fn)} does not dispatch __torch_function__, so autocast cannot see it; register it "
                 f"first (fp16kit.amp.register_float_function(module, name)) or decorate it (@float_function)."

@@ -1,7 +1,7 @@
 """Device functions: exact widening to fp32, and round-to-nearest-even narrowing, on every backend.
 
 Compiled Triton on a GPU converts fp32 -> bf16 with round-to-nearest-even, but Triton's interpreter
-truncates (specs/kernels.md). Rounding by hand on the bit pattern gives the same bits everywhere,
+truncates (docs/specs/kernels.md). Rounding by hand on the bit pattern gives the same bits everywhere,
 and the same bits as torch's ``Tensor.to(torch.bfloat16)``:
 
     bits  = bitcast<uint32>(y)

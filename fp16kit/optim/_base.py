@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from fp16kit.kernels._checks import check_flag, common_device
+from fp16kit.kernels import check_found_inf, new_found_inf
+from fp16kit.kernels._checks import common_device
 
 from . import _checkpoint, _sharding
 from . import functional as F
@@ -288,9 +289,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         own_flag = found_inf is None
         if own_flag:
-            found_inf = F.new_flag(device)
+            found_inf = new_found_inf(device)
         else:
-            check_flag(f"{self._name}.step", found_inf, device)
+            check_found_inf(f"{self._name}.step", found_inf, device)
         grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], inv64, found_inf)
         if shards is not None:
             grad_norm = shards.reduce_norm_and_flag(grad_norm, found_inf)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from fp16kit.kernels import fallback as kernel_fallback
-from fp16kit.kernels import l2norm
+from fp16kit.kernels import l2norm, new_found_inf
 from fp16kit.kernels import optim_fallback as fallback
 from fp16kit.kernels._checks import KERNEL_DTYPES, check_flag, check_pairs, check_tensor_list, common_device
 from fp16kit.kernels._table import group_by
@@ -67,11 +67,6 @@ def _scalar64(name: str, value: Scalar, device: torch.device) -> torch.Tensor:
             raise ValueError(f"{name} is on {value.device} but the params are on {device}; move it there.")
         return value.detach().reshape(1).to(F64)
     return torch.full((1,), float(value), dtype=F64, device=device)
-
-
-def new_flag(device: torch.device) -> torch.Tensor:
-    """A zeroed ``found_inf`` flag."""
-    return torch.zeros(1, dtype=torch.float32, device=device)
 
 
 def inv_scale_from_grad_scale(grad_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -409,7 +404,7 @@ def lamb_step_(
     inv_scale: Scalar | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One LAMB step (apex ``FusedLAMB`` math, ``specs/lamb.md``) over lists of tensors, in place.
+    """One LAMB step (apex ``FusedLAMB`` math, ``docs/specs/lamb.md``) over lists of tensors, in place.
 
     ``grads[i]`` may be scaled by a loss scale: every element is multiplied by ``inv_scale`` first. The
     global norm (over this call's grads) clips the gradients when it exceeds ``max_grad_norm``; then::
@@ -445,8 +440,8 @@ def lamb_step_(
     check_hyperparams(fn, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
     device, models = _check_lists(fn, params, grads, exp_avgs, exp_avg_sqs, model_params, step, found_inf)
     if device is None:
-        return new_flag(step.device) if found_inf is None else found_inf
-    flag = new_flag(device) if found_inf is None else found_inf
+        return new_found_inf(step.device) if found_inf is None else found_inf
+    flag = new_found_inf(device) if found_inf is None else found_inf
     inv64 = _scalar64("inv_scale", 1.0 if inv_scale is None else inv_scale, device)
     gnorm = check_and_norm(list(grads), inv64, flag)
     skip = _with_bad_lr(flag, lr, device, own=found_inf is None)
@@ -513,8 +508,8 @@ def adam_step_(
     check_hyperparams(fn, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     device, models = _check_lists(fn, params, grads, exp_avgs, exp_avg_sqs, model_params, step, found_inf)
     if device is None:
-        return new_flag(step.device) if found_inf is None else found_inf
-    flag = new_flag(device) if found_inf is None else found_inf
+        return new_found_inf(step.device) if found_inf is None else found_inf
+    flag = new_found_inf(device) if found_inf is None else found_inf
     inv64 = _scalar64("inv_scale", 1.0 if inv_scale is None else inv_scale, device)
     check_and_norm(list(grads), inv64, flag)
     skip = _with_bad_lr(flag, lr, device, own=found_inf is None)

@@ -1,6 +1,6 @@
 """``FusedLAMB``: apex's FusedLAMB (same constructor, same math) on multi-tensor Triton kernels.
 
-Improvements over apex (``specs/lamb.md``): ``p.grad`` is never overwritten; optimizer state is fp32
+Improvements over apex (``docs/specs/lamb.md``): ``p.grad`` is never overwritten; optimizer state is fp32
 for fp16/bf16 params; bf16 works; a non-finite gradient never reaches the weights (under a loss scaler
 the step is skipped on the device, without one it is skipped and reported per ``on_nonfinite``);
 ``master_weights=True`` keeps fp32 masters of fp16/bf16 params (apex's FusedMixedPrecisionLamb).

@@ -14,7 +14,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fp16kit.amp import autocast, disable_casts, is_autocast_enabled
-from fp16kit.amp.autocast_mode import _active
+from fp16kit.amp.autocast_mode import active_mode
 from fp16kit.numerics.assertions import assert_bitwise_equal
 
 LOW = (torch.float16, torch.bfloat16)
@@ -46,7 +46,7 @@ def test_nothing_is_cast_outside_a_region():
     assert F.linear(x, w).dtype == torch.float32
     with autocast():
         pass
-    assert F.linear(x, w).dtype == torch.float32 and _active() is None
+    assert F.linear(x, w).dtype == torch.float32 and active_mode() is None
 
 
 @pytest.mark.parametrize("low", LOW, ids=IDS)
@@ -219,9 +219,9 @@ def test_weight_cast_once_per_region_and_released_on_exit(low):
     with counter:
         with autocast(dtype=low):
             y = F.linear(F.linear(F.linear(x, w), w), w)
-            cached = _active().cache[id(w)][3]
+            cached = active_mode().cache[id(w)][3]
             assert _w_casts(counter, w) == 1
-            assert len(_active().cache) == 1
+            assert len(active_mode().cache) == 1
         cast_ref = weakref.ref(cached)
         del cached
         y.float().sum().backward()
@@ -242,12 +242,12 @@ def test_cache_never_grows_under_no_grad():
         with torch.no_grad():
             for _ in range(5):
                 out = F.linear(x, w)
-            assert len(_active().cache) == 0
+            assert len(active_mode().cache) == 0
             assert not out.requires_grad
         assert _w_casts(counter, w) == 5
         # the next grad-enabled use gets a grad-tracking cast (not a stale no_grad one), which is then cached
         out = F.linear(x, w)
-        assert out.requires_grad and len(_active().cache) == 1
+        assert out.requires_grad and len(active_mode().cache) == 1
         with torch.no_grad():
             F.linear(x, w)  # an existing entry is reused under no_grad
         assert _w_casts(counter, w) == 6
@@ -267,7 +267,7 @@ def test_cache_sees_inplace_updates_and_can_be_disabled():
     with counter, autocast(dtype=torch.float16, cache_enabled=False):
         F.linear(x, w)
         F.linear(x, w)
-        assert len(_active().cache) == 0
+        assert len(active_mode().cache) == 0
     assert _w_casts(counter, w) == 2
 
 
@@ -277,7 +277,7 @@ def test_cache_only_for_leaf_tensors_that_require_grad():
     with autocast(dtype=torch.float16):
         torch.mm(x, x)
         torch.mm(h, h)
-        assert len(_active().cache) == 0
+        assert len(active_mode().cache) == 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -304,9 +304,9 @@ def test_nesting_inner_region_wins_and_outer_is_restored():
                 assert F.linear(x, w).dtype == torch.bfloat16
             assert F.linear(x, w).dtype == torch.float32
         assert F.linear(x, w).dtype == torch.float16
-    assert F.linear(x, w).dtype == torch.float32 and _active() is None
+    assert F.linear(x, w).dtype == torch.float32 and active_mode() is None
     with autocast(enabled=False):  # a disabled outermost region pushes nothing
-        assert _active() is None
+        assert active_mode() is None
     with disable_casts():  # and disable_casts outside a region is a no-op
         assert F.linear(x, w).dtype == torch.float32
 
@@ -314,7 +314,7 @@ def test_nesting_inner_region_wins_and_outer_is_restored():
 def test_region_restored_after_exception():
     with pytest.raises(ZeroDivisionError), autocast(dtype=torch.bfloat16):
         1 / 0  # noqa: B018
-    assert _active() is None and not is_autocast_enabled()
+    assert active_mode() is None and not is_autocast_enabled()
     with autocast():
         with pytest.raises(ZeroDivisionError), disable_casts():
             1 / 0  # noqa: B018

@@ -55,7 +55,7 @@ DTYPE_ONLY = {
 #: torch_function_override_enabled), which omits the torch.<op>_ function forms of in-place ops (torch.exp_;
 #: x.exp_() is covered) and the raw torch._C._nn bindings behind F (F.mse_loss is covered). Documented in
 #: docs/autocast.md; the list is computed, so a torch that starts dispatching them makes them part of the sweep.
-NOT_DISPATCHED_BY_DYNAMO = {qual for _row, qual, fn in TARGETS if fn not in P._overridable()}
+NOT_DISPATCHED_BY_DYNAMO = {qual for _row, qual, fn in TARGETS if fn not in P.overridable()}
 
 
 def _calls(low: torch.dtype) -> list[tuple[str, Any, tuple, dict]]:

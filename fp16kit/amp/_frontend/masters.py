@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...kernels import copy_, unscale_and_check
+from ...kernels import copy_, merge_found_inf_into, new_found_inf, unscale_and_check
 from .casting import LOW_DTYPES
 
 __all__ = ["MASTERS_KEY", "OptimizerStash", "check_optimizer_params", "make_stash", "resync_on_model_load"]
@@ -198,9 +198,9 @@ def _unscale_by_device(srcs: list[torch.Tensor], dsts: list[torch.Tensor], inv_s
         if dev == found_inf.device:
             unscale_and_check(s, inv_scale, found_inf, out=d)
         else:  # a model spread over devices: a flag per device, folded into the scaler's flag
-            flag = torch.zeros(1, dtype=torch.float32, device=dev)
+            flag = new_found_inf(dev)
             unscale_and_check(s, inv_scale.to(dev), flag, out=d)
-            torch.maximum(found_inf, flag.to(found_inf.device), out=found_inf)
+            merge_found_inf_into(found_inf, flag)
 
 
 def _accumulate(adds: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

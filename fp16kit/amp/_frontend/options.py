@@ -1,4 +1,4 @@
-"""Opt levels O0-O3, the override rules, and the text ``amp.initialize`` prints (apex-amp.md).
+"""Opt levels O0-O3, the override rules, and the text ``amp.initialize`` prints (docs/specs/apex-amp.md).
 
 The printed text is apex's, character for character, because people grep logs for it::
 

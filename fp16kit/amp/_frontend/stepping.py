@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ...kernels import flag_for, merge_found_inf
 from .masters import OptimizerStash
 from .state import Session
 
@@ -153,7 +154,8 @@ def run_scale_loss(
     session.skipped[loss_id].add_((found_inf != 0).to(torch.int64))
     if all(stash.fused for stash in stashes):
         for stash in stashes:
-            stash.found_inf = found_inf if stash.found_inf is None else torch.maximum(stash.found_inf, found_inf)
+            earlier = [] if stash.found_inf is None else [stash.found_inf]
+            stash.found_inf = merge_found_inf([*earlier, found_inf], found_inf.device)
         REPORTS.push(session, loss_id, found_inf, scaler.scale)
     elif float(found_inf[0]) != 0.0:  # host read: apex's behaviour for optimizers that cannot skip on the device
         overflow = _Overflow(session, loss_id, scaler.get_scale())
@@ -185,8 +187,8 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
             raise RuntimeError(_CLOSURE_ON_SKIP)
         if flag is not None:
             optimizer.grad_scale = None  # grads were unscaled at scale_loss exit
-            # torch's fused optimizers want torch GradScaler's 0-dim flag; fp16kit's take the [1] flag
-            optimizer.found_inf = flag.reshape(()) if type(optimizer).__module__.startswith("torch.") else flag
+            # the form the optimizer declares (fp16kit's [1] for _fp16kit_checks_inf, else torch's 0-dim)
+            optimizer.found_inf = flag_for(optimizer, flag)
         try:
             if disable_casts:
                 from .. import disable_casts as no_casts

@@ -1,6 +1,6 @@
 """float64 references for the optimizers: LAMB exactly as apex's FusedLAMB computes it, and Adam/AdamW.
 
-These are the specs (``specs/lamb.md``) written as plain float64 torch code, one tensor at a time, with no
+These are the specs (``docs/specs/lamb.md``) written as plain float64 torch code, one tensor at a time, with no
 fusion and no cleverness. Every input is converted to float64 first, every result is a new float64
 tensor: nothing is modified in place. The fp32 kernels and fallbacks of :mod:`fp16kit.optim` are tested
 against them with ulp budgets.
@@ -58,7 +58,7 @@ def lamb_step(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """One LAMB step of one parameter group, in float64. Returns ``(params, exp_avgs, exp_avg_sqs)``.
 
-    Math (apex ``FusedLAMB``, ``specs/lamb.md``)::
+    Math (apex ``FusedLAMB``, ``docs/specs/lamb.md``)::
 
         clip = gnorm / max_grad_norm if 0 < max_grad_norm < gnorm else 1
         bc1, bc2 = (1 - b1**step, 1 - b2**step) if bias_correction else (1, 1)

@@ -1,0 +1,97 @@
+"""The overflow flag ``found_inf``: one owner for its shape, dtype, creation, merging and hand-over.
+
+The flag says "an inf or NaN was seen" (``0`` = all finite; kernels only ever *raise* it to ``1``, never clear
+it). It lives on the device, so nothing here reads it on the host. Two forms of the same value exist:
+
+* **fp16kit's form**: float32 of shape ``[1]``, what :func:`fp16kit.kernels.unscale_and_check`, the fused
+  optimizers and :class:`fp16kit.amp.LossScaler` read and write (a one-element tensor is one pointer for a kernel).
+* **torch's form**: a 0-dim float32 tensor, what ``torch.amp.GradScaler`` hands to optimizers that set
+  ``_step_supports_amp_scaling`` (torch's fused Adam/AdamW/SGD read ``optimizer.found_inf`` in that shape).
+
+:func:`as_fp16kit_flag` and :func:`as_torch_flag` convert between them as *views* (no copy, no sync): raising
+one raises the other. Which form an optimizer takes is declared, not guessed: a class attribute
+``_fp16kit_checks_inf = True`` (:data:`CHECKS_INF_ATTR`; fp16kit's ``FusedLAMB``/``FusedAdam`` set it) says "I
+check for inf/NaN in my own first pass and take fp16kit's ``[1]`` flag"; every other optimizer gets torch's
+0-dim form (:func:`flag_for`). Merging several flags (several devices, several losses) is a ``max``, not a sum:
+fused kernels test ``found_inf == 1`` and a NaN stays a NaN (still non-zero: an overflow).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ._checks import check_flag
+
+__all__ = [
+    "CHECKS_INF_ATTR",
+    "FLAG_DTYPE",
+    "as_fp16kit_flag",
+    "as_torch_flag",
+    "check_found_inf",
+    "checks_inf_itself",
+    "flag_for",
+    "merge_found_inf",
+    "merge_found_inf_into",
+    "new_found_inf",
+]
+
+#: the flag's dtype, in both forms
+FLAG_DTYPE = torch.float32
+#: class attribute of an optimizer that checks for inf/NaN itself and takes fp16kit's ``[1]`` flag
+CHECKS_INF_ATTR = "_fp16kit_checks_inf"
+
+
+def new_found_inf(device: torch.device | str) -> torch.Tensor:
+    """A zeroed flag in fp16kit's form (float32 ``[1]``) on ``device`` (whatever torch's default dtype is)."""
+    return torch.zeros(1, dtype=FLAG_DTYPE, device=device)
+
+
+def check_found_inf(fn: str, flag: Any, device: torch.device | None) -> None:
+    """Raise unless ``flag`` is a one-element float32 tensor (either form) on ``device`` (None: any device)."""
+    check_flag(fn, flag, device)
+
+
+def as_fp16kit_flag(flag: torch.Tensor) -> torch.Tensor:
+    """``flag`` (either form) as fp16kit's ``[1]``: a view of the same storage, so raising it raises ``flag``."""
+    return flag.view(1)
+
+
+def as_torch_flag(flag: torch.Tensor) -> torch.Tensor:
+    """``flag`` (either form) as torch's 0-dim flag: a view of the same storage."""
+    return flag.view(())
+
+
+def checks_inf_itself(optimizer: Any) -> bool:
+    """Does ``optimizer``'s class declare ``_fp16kit_checks_inf = True`` (check in its own pass, ``[1]`` flag)?"""
+    return getattr(type(optimizer), CHECKS_INF_ATTR, False) is True
+
+
+def flag_for(optimizer: Any, flag: torch.Tensor) -> torch.Tensor:
+    """``flag`` in the form ``optimizer`` takes as ``optimizer.found_inf``: fp16kit's ``[1]`` for an optimizer that
+    declares :data:`CHECKS_INF_ATTR`, torch's 0-dim for every other (torch's documented hand-over). A view."""
+    return as_fp16kit_flag(flag) if checks_inf_itself(optimizer) else as_torch_flag(flag)
+
+
+def merge_found_inf(flags: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One flag on ``device`` from several: ``max`` of them (copies from other devices are non-blocking).
+
+    No flags (no gradients at all) gives a fresh zeroed flag: nothing overflowed. One flag on ``device`` is returned
+    as fp16kit's view of itself (no op, the common case), so raising the result raises it; two or more give a new
+    ``[1]`` tensor.
+    """
+    moved = [f if f.device == device else f.to(device, non_blocking=True) for f in flags]
+    if not moved:
+        return new_found_inf(device)
+    out = as_fp16kit_flag(moved[0])
+    for f in moved[1:]:
+        out = torch.maximum(out, as_fp16kit_flag(f))
+    return out
+
+
+def merge_found_inf_into(dst: torch.Tensor, flag: torch.Tensor) -> None:
+    """``dst = max(dst, flag)`` in place (``flag`` copied to ``dst``'s device without blocking)."""
+    src = flag if flag.device == dst.device else flag.to(dst.device, non_blocking=True)
+    torch.maximum(dst, src.view(dst.shape), out=dst)
