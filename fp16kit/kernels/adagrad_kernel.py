@@ -32,6 +32,12 @@ from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
+#: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
+LAUNCH: dict[str, dict] = {
+    # _adagrad_kernel: each operation rounded as in the torch fallback.
+    "_adagrad_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+}
+
 
 @triton.jit
 def _adagrad_kernel(
@@ -112,5 +118,5 @@ def launch_adagrad(
         DECOUPLED=decoupled,
         BLOCK=table.block,
         ALIGNED=table.aligned,
-        num_warps=8,
+        **LAUNCH["_adagrad_kernel"],
     )

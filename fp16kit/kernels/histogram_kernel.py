@@ -37,6 +37,12 @@ from ._chunks import chunk_span, row_pointer
 from ._table import BLOCK, num_programs
 from .histogram import _FORMATS, MIN_EXP, NUM_BINS, ZERO_BIN, upload
 
+#: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
+LAUNCH: dict[str, dict] = {
+    # _histogram_kernel: integer bit arithmetic only.
+    "_histogram_kernel": {"num_warps": 8, "enable_fp_fusion": False},
+}
+
 _PADDED_BINS = 512  # tl.histogram and tl.arange need a power of two
 
 
@@ -159,5 +165,5 @@ def launch_histogram(tensors: Sequence[torch.Tensor], rows: torch.Tensor, out: t
         PADDED_BINS=_PADDED_BINS,
         BLOCK=BLOCK,
         ALIGNED=aligned,
-        num_warps=8,
+        **LAUNCH["_histogram_kernel"],
     )

@@ -34,6 +34,12 @@ from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
+#: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
+LAUNCH: dict[str, dict] = {
+    # _sgd_kernel: each operation rounded as in ``torch.optim.SGD`` and the torch fallback.
+    "_sgd_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+}
+
 
 @triton.jit
 def _sgd_kernel(
@@ -131,5 +137,5 @@ def launch_sgd(
         FIRST_RUN=first_run,
         BLOCK=table.block,
         ALIGNED=table.aligned,
-        num_warps=8,
+        **LAUNCH["_sgd_kernel"],
     )
