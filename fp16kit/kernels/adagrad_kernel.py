@@ -98,7 +98,9 @@ def launch_adagrad(
     decoupled: bool,
 ) -> None:
     """One Adagrad launch for contiguous, non-empty tensors of one dtype combination (fp32 sums)."""
-    table = chunk_table([params, grads, sums, params if models is None else models])
+    table = chunk_table(
+        [params, grads, sums, params if models is None else models], written=(0, 2) if models is None else (0, 2, 3)
+    )
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
     _adagrad_kernel[(num_programs(device, table.num_chunks),)](

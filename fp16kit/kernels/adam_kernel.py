@@ -111,7 +111,10 @@ def launch_adam(
     decoupled: bool,
 ) -> None:
     """One Adam launch for contiguous, non-empty tensors of one dtype combination (fp32 m, v)."""
-    table = chunk_table([params, grads, exp_avgs, exp_avg_sqs, params if models is None else models])
+    table = chunk_table(
+        [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
+        written=(0, 2, 3) if models is None else (0, 2, 3, 4),
+    )
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
     _adam_kernel[(num_programs(device, table.num_chunks),)](

@@ -111,9 +111,8 @@ def _chunk_map(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int, bool
     """``(packed, num_chunks, aligned)``: the address table for one list, built on the host and uploaded
     without a host sync, cached by addresses.
 
-    Not ``_table.chunk_table``: that one uploads with a blocking copy (a host sync on CUDA), which is fine for
-    parameters and optimizer state whose tables are built once, but the doctor histograms gradients that
-    autograd has just allocated, so a cache miss must not stall the step. ``packed`` holds
+    The doctor histograms gradients that autograd has just allocated, so a cache miss must not stall the step:
+    the upload is ``_table.upload``'s (pinned, non-blocking), as ``_table.chunk_table``'s. ``packed`` holds
     ``[ptrs | numels | chunk_start | chunk_tensor]`` (int64).
     """
     device = tensors[0].device

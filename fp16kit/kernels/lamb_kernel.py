@@ -178,7 +178,10 @@ def launch_lamb(
 
     ``models`` (master-weights mode) receives the rounded copy of the updated ``params``.
     """
-    table = chunk_table([params, grads, exp_avgs, exp_avg_sqs, params if models is None else models])
+    table = chunk_table(
+        [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
+        written=(0, 2, 3) if models is None else (0, 2, 3, 4),
+    )
     device = params[0].device
     u_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
     p_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)

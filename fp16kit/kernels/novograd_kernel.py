@@ -156,7 +156,10 @@ def launch_novograd(
 ) -> None:
     """One NovoGrad launch for contiguous, non-empty tensors of one dtype combination (fp32 exp_avg);
     ``denoms`` is the fp32 [N] vector of per-tensor denominators, in the order of ``params``."""
-    table = chunk_table([params, grads, exp_avgs, params if models is None else models])
+    table = chunk_table(
+        [params, grads, exp_avgs, params if models is None else models],
+        written=(0, 2) if models is None else (0, 2, 3),
+    )
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
     _novograd_kernel[(num_programs(device, table.num_chunks),)](

@@ -114,7 +114,8 @@ def launch_sgd(
     """One SGD launch for contiguous, non-empty tensors of one dtype combination (fp32 momentum buffers, or
     ``None`` for plain SGD without momentum)."""
     rows = [params, grads, params if momentum_buffers is None else momentum_buffers]
-    table = chunk_table([*rows, params if models is None else models])
+    written = (0,) + ((2,) if momentum_buffers is not None else ()) + ((3,) if models is not None else ())
+    table = chunk_table([*rows, params if models is None else models], written=written)
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
     _sgd_kernel[(num_programs(device, table.num_chunks),)](

@@ -211,7 +211,8 @@ def _kernel_stage1(job: _Pending, idx: list[int], flag: torch.Tensor) -> tuple[A
     from fp16kit.kernels.lamb_kernel import LAUNCH, _lamb_stage1_kernel
 
     params, grads, exp_avgs, exp_avg_sqs, models = _lists(job, idx)
-    table = chunk_table([params, grads, exp_avgs, exp_avg_sqs, params if models[0] is None else models])
+    table = chunk_table([params, grads, exp_avgs, exp_avg_sqs, params if models[0] is None else models],
+                        written=(0, 2, 3) if models[0] is None else (0, 2, 3, 4))
     device = params[0].device
     u_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
     p_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
