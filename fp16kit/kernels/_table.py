@@ -33,6 +33,7 @@ __all__ = [
     "ChunkTable",
     "chunk_table",
     "group_by",
+    "index_tensor",
     "num_programs",
     "release_graph_tables",
     "triton_dtype",
@@ -76,8 +77,9 @@ class ChunkTable:
 
 
 _tables: OrderedDict[tuple, ChunkTable] = OrderedDict()
-#: Tables used during CUDA graph capture: out of the LRU's reach until release_graph_tables().
-_graph_tables: dict[tuple, ChunkTable] = {}
+#: Tables (and index tensors) used during CUDA graph capture: out of the caches' reach until
+#: release_graph_tables().
+_graph_tables: dict[tuple, object] = {}
 
 
 def _capturing(device: torch.device) -> bool:
@@ -113,11 +115,7 @@ def chunk_table(
     table = _tables.get(key) or _graph_tables.get(key)
     if table is None:
         if capturing:
-            raise RuntimeError(
-                "fp16kit: an address table would be built during CUDA graph capture (a host-to-device copy that "
-                "the graph cannot replay). Run one step eagerly before capturing so that every table exists, and "
-                "capture with the same tensors (no re-allocated grads: zero_grad(set_to_none=False))."
-            )
+            raise RuntimeError(_CAPTURE_ERROR.format(what="an address table"))
         verify_rows(lists, device, written)
         table = _build(lists, block, device)
         _tables[key] = table
@@ -129,6 +127,31 @@ def chunk_table(
     while len(_tables) > CACHE_SIZE:
         _tables.popitem(last=False)
     return table
+
+
+_CAPTURE_ERROR = (
+    "fp16kit: {what} would be built during CUDA graph capture (a host-to-device copy from a host buffer that "
+    "replays would not refresh). Run one step eagerly before capturing so that every table exists, and capture "
+    "with the same tensors (no re-allocated grads: zero_grad(set_to_none=False))."
+)
+_indices: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+
+def index_tensor(idx: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``idx`` as an int64 tensor on ``device``, uploaded once (:func:`upload`, no host sync) and cached, so that
+    a repeated call (e.g. ``l2norm`` scattering a mixed-dtype list's groups) copies nothing. The same capture
+    rules as :func:`chunk_table`: a miss during CUDA graph capture raises, a hit is held for the graph."""
+    key = (device, tuple(idx))
+    hit = _indices.get(key) or _graph_tables.get(key)
+    if hit is None:
+        if _capturing(device):
+            raise RuntimeError(_CAPTURE_ERROR.format(what="an index tensor"))
+        if len(_indices) >= CACHE_SIZE:
+            _indices.clear()
+        hit = _indices[key] = upload(list(idx), device)
+    if _capturing(device):
+        _graph_tables[key] = hit
+    return hit[0]
 
 
 def release_graph_tables() -> int:

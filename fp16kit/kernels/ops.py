@@ -25,7 +25,7 @@ from ._checks import (
     common_device,
     resolve_inputs,
 )
-from ._table import upload
+from ._table import index_tensor
 from .backend import Backend, select_backend
 
 __all__ = ["copy_", "l2norm", "unscale_and_check"]
@@ -85,7 +85,7 @@ def _scatter(dst: torch.Tensor, chosen: list[int], values: torch.Tensor) -> None
     if len(chosen) == dst.numel() and chosen == list(range(len(chosen))):
         dst.copy_(values)
     else:
-        dst[upload(chosen, dst.device)[0]] = values  # pinned, non-blocking: no host sync (a mixed-dtype list)
+        dst[index_tensor(chosen, dst.device)] = values  # cached: no copy, no host sync per call
 
 
 def _bump(written: list[torch.Tensor]) -> None:
