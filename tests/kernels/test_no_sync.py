@@ -263,6 +263,15 @@ def test_no_host_sync_on_any_launch_path_cuda(monkeypatch):
             for p in g["params"]:
                 p.grad = torch.randn_like(p)
         opts.append(cls(groups, **kwargs))
+    for opt in opts:
+        opt.step()  # creates the optimizer state and its constants (not a launch path)
+    # Cold: every table a miss (an empty cache, fresh gradient buffers), then warm.
+    monkeypatch.setattr(_table, "_tables", OrderedDict())
+    monkeypatch.setattr(_table, "_indices", {})
+    for opt in opts:
+        for g in opt.param_groups:
+            for p in g["params"]:
+                p.grad = torch.randn_like(p)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
