@@ -9,6 +9,16 @@ list of tiny tensors does not become a huge grid.
 Tables are cached by the tensors' addresses and sizes. Parameters and optimizer state never move, so
 their tables are built once; gradients re-allocated after ``zero_grad(set_to_none=True)`` get new
 addresses, which is a cache miss, never a stale table.
+
+No host sync, hit or miss (docs/kernels.md, "GPU readiness"): a table is packed on the host, in pinned memory,
+and uploaded with one non-blocking copy (:func:`upload`); the pinned buffer is kept in the table, so it outlives
+the copy. The cache holds ``CACHE_SIZE`` tables, far more than the (parameter group x dtype) lists of a model,
+so a steady training step builds none.
+
+CUDA graphs: a captured kernel keeps the table's device addresses. So a table build during stream capture is an
+error (run one eager step before capturing, which builds every table), and a table used during capture is
+*held*: the LRU never evicts it (it would free memory that replays still read) until
+:func:`release_graph_tables` is called, after the graphs that use it are deleted.
 """
 
 from __future__ import annotations
@@ -19,7 +29,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ChunkTable", "chunk_table", "group_by", "num_programs", "triton_dtype", "verify_rows"]
+__all__ = [
+    "ChunkTable",
+    "chunk_table",
+    "group_by",
+    "index_tensor",
+    "num_programs",
+    "release_graph_tables",
+    "triton_dtype",
+    "upload",
+    "verify_rows",
+]
 
 #: Elements per chunk. Large blocks suit both targets: on a GPU 4096 elements keep every warp busy
 #: with 16-32 B per thread per tensor; in the interpreter the cost is per program and per loop
@@ -30,7 +50,10 @@ BLOCK = 4096
 #: that the cross-program paths (atomics, per-chunk partials) are exercised by CPU tests too.
 INTERPRETER_PROGRAMS = 2
 
-_CACHE_SIZE = 64
+#: Tables kept by the LRU cache. A table is a few int64s per tensor and chunk, so 1024 of them cost little
+#: memory, and no realistic model has that many (parameter group x dtype x call site) lists: a step over more
+#: than the old limit of 64 missed on every call.
+CACHE_SIZE = 1024
 
 
 @dataclass(frozen=True)
@@ -50,43 +73,119 @@ class ChunkTable:
     num_chunks: int
     block: int
     aligned: bool  # every address is a multiple of 16 bytes: kernels may use 16-byte vector loads
+    host: torch.Tensor | None = None  # the pinned source of the (non-blocking) upload, alive as long as the table
 
 
 _tables: OrderedDict[tuple, ChunkTable] = OrderedDict()
+#: Tables (and index tensors) used during CUDA graph capture: out of the caches' reach until
+#: release_graph_tables().
+_graph_tables: dict[tuple, object] = {}
 
 
-def chunk_table(lists: Sequence[Sequence[torch.Tensor]], block: int = BLOCK) -> ChunkTable:
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a graph (never on other devices)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def chunk_table(
+    lists: Sequence[Sequence[torch.Tensor]], block: int = BLOCK, *, written: tuple[int, ...] = ()
+) -> ChunkTable:
     """The (cached) table for parallel lists of contiguous tensors on one device.
 
     All lists have the same length, tensor ``t`` has the same number of elements in each list, and each list
     has one dtype. A kernel walks ``numels[t]`` elements from every row's address: these conditions are what
-    keeps it inside the tensors' storage, so they are verified (:func:`verify_rows`) whenever a table is built;
-    the cache key holds every tensor's address, size, dtype and contiguity, so a hit was verified too.
+    keeps it inside the tensors' storage, so they are verified (:func:`verify_rows`) whenever a table is built.
+    ``written`` names the rows the kernel writes: no element of them may be shared by two entries, nor with a
+    read row other than as the identical in-place view (``_checks.check_writes``), because two programs would
+    race on it. The cache key holds every tensor's address, size, dtype and contiguity (and ``written``), so a
+    hit was verified too.
+
+    Raises ``RuntimeError`` for a build during CUDA graph capture; a table used during capture is held until
+    :func:`release_graph_tables` (module docstring).
     """
     first = lists[0]
     device = first[0].device
     key = (
         device,
         block,
+        written,
         tuple((t.data_ptr(), t.numel(), t.dtype, t.is_contiguous()) for tensors in lists for t in tensors),
     )
-    table = _tables.get(key)
-    if table is not None:
+    capturing = _capturing(device)
+    table = _tables.get(key) or _graph_tables.get(key)
+    if table is None:
+        if capturing:
+            raise RuntimeError(_CAPTURE_ERROR.format(what="an address table"))
+        verify_rows(lists, device, written)
+        table = _build(lists, block, device)
+        _tables[key] = table
+    else:
+        _tables[key] = table
         _tables.move_to_end(key)
-        return table
-    verify_rows(lists, device)
-    table = _build(lists, block, device)
-    _tables[key] = table
-    if len(_tables) > _CACHE_SIZE:
+    if capturing:
+        _graph_tables[key] = table
+    while len(_tables) > CACHE_SIZE:
         _tables.popitem(last=False)
     return table
 
 
-def verify_rows(lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> None:
+_CAPTURE_ERROR = (
+    "fp16kit: {what} would be built during CUDA graph capture (a host-to-device copy from a host buffer that "
+    "replays would not refresh). Run one step eagerly before capturing so that every table exists, and capture "
+    "with the same tensors (no re-allocated grads: zero_grad(set_to_none=False))."
+)
+_indices: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+
+def index_tensor(idx: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``idx`` as an int64 tensor on ``device``, uploaded once (:func:`upload`, no host sync) and cached, so that
+    a repeated call (e.g. ``l2norm`` scattering a mixed-dtype list's groups) copies nothing. The same capture
+    rules as :func:`chunk_table`: a miss during CUDA graph capture raises, a hit is held for the graph."""
+    key = (device, tuple(idx))
+    hit = _indices.get(key) or _graph_tables.get(key)
+    if hit is None:
+        if _capturing(device):
+            raise RuntimeError(_CAPTURE_ERROR.format(what="an index tensor"))
+        if len(_indices) >= CACHE_SIZE:
+            _indices.clear()
+        hit = _indices[key] = upload(list(idx), device)
+    if _capturing(device):
+        _graph_tables[key] = hit
+    return hit[0]
+
+
+def release_graph_tables() -> int:
+    """Let the LRU cache evict the tables held for captured CUDA graphs again; call it once the graphs that
+    used them are deleted. Returns how many were held."""
+    count = len(_graph_tables)
+    _graph_tables.clear()
+    return count
+
+
+def upload(values: list[int] | torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``values`` (a list of ints or a CPU tensor) on ``device`` without a host sync, and its pinned host source.
+
+    A ``.to("cuda")`` of pageable memory makes torch synchronize the stream after the copy; a non-blocking copy
+    from pinned memory does not. Keep the returned host tensor alive until the copy is done (a table keeps it for
+    its lifetime; torch's pinned-memory allocator also holds the block until the copy's stream passes it).
+    Returns ``(device_tensor, None)`` for a non-CUDA device (the copy is synchronous there anyway).
+    """
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device), None
+    if not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True), host
+
+
+def verify_rows(
+    lists: Sequence[Sequence[torch.Tensor]], device: torch.device, written: tuple[int, ...] = ()
+) -> None:
     """What the address table relies on, checked before any launch: parallel lists of equal length; tensor ``t``
-    has the same number of elements in every list; one dtype per list; one device; contiguous tensors. A
+    has the same number of elements in every list; one dtype per list; one device; contiguous tensors; rows in
+    ``written`` share no element with each other or with a read row, except as the identical in-place view. A
     violation is a bug in the caller (the public ops route other layouts to the torch fallback), reported as a
-    ``ValueError`` instead of a kernel reading or writing outside a tensor."""
+    ``ValueError`` instead of a kernel reading or writing outside a tensor or two programs racing."""
     first = lists[0]
     for r, tensors in enumerate(lists):
         if len(tensors) != len(first):
@@ -107,6 +206,16 @@ def verify_rows(lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -
                     f"address table: list {r}, tensor {t} {problem}; a kernel would address memory outside it. "
                     f"Route such tensors to the torch fallback, or fix the caller's pairing."
                 )
+    if written:
+        from ._checks import check_writes
+
+        # One check over all rows (entries numbered row-major): the written entries against each other and against
+        # the read rows; a read row that is a written row's own list (a placeholder row) is that row, not a reader.
+        reads = [q for q in range(len(lists)) if q not in written and all(lists[q] is not lists[r] for r in written)]
+        fn = f"address table (rows {list(written)} written, rows {reads} read, {len(first)} tensors per row)"
+        check_writes(
+            fn, "written", [x for r in written for x in lists[r]], "read", [x for q in reads for x in lists[q]]
+        )
 
 
 def _build(lists: Sequence[Sequence[torch.Tensor]], block: int, device: torch.device) -> ChunkTable:
@@ -117,8 +226,8 @@ def _build(lists: Sequence[Sequence[torch.Tensor]], block: int, device: torch.de
     chunk_tensor = torch.repeat_interleave(torch.arange(num_tensors, dtype=torch.int32), counts)
     first_chunk = torch.cumsum(counts, 0) - counts
     chunk_start = (torch.arange(int(counts.sum()), dtype=torch.int64) - first_chunk[chunk_tensor.long()]) * block
-    # One host-to-device copy per table; tables are cached, so this is off the hot path.
-    packed = torch.cat([ptrs, numels, chunk_start, counts, first_chunk, chunk_tensor.long()]).to(device)
+    # One non-blocking host-to-device copy per table from pinned memory (no host sync); tables are cached.
+    packed, host = upload(torch.cat([ptrs, numels, chunk_start, counts, first_chunk, chunk_tensor.long()]), device)
     n_ptrs, n_chunks = ptrs.numel(), chunk_start.numel()
     ptrs_d, rest = packed[:n_ptrs], packed[n_ptrs:]
     numels_d, rest = rest[:num_tensors], rest[num_tensors:]
@@ -136,6 +245,7 @@ def _build(lists: Sequence[Sequence[torch.Tensor]], block: int, device: torch.de
         num_chunks=n_chunks,
         block=block,
         aligned=bool((ptrs % 16 == 0).all()),
+        host=host,
     )
 
 

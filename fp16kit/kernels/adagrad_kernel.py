@@ -32,6 +32,12 @@ from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
+#: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
+LAUNCH: dict[str, dict] = {
+    # _adagrad_kernel: each operation rounded as in the torch fallback.
+    "_adagrad_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+}
+
 
 @triton.jit
 def _adagrad_kernel(
@@ -92,7 +98,9 @@ def launch_adagrad(
     decoupled: bool,
 ) -> None:
     """One Adagrad launch for contiguous, non-empty tensors of one dtype combination (fp32 sums)."""
-    table = chunk_table([params, grads, sums, params if models is None else models])
+    table = chunk_table(
+        [params, grads, sums, params if models is None else models], written=(0, 2) if models is None else (0, 2, 3)
+    )
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
     _adagrad_kernel[(num_programs(device, table.num_chunks),)](
@@ -112,5 +120,5 @@ def launch_adagrad(
         DECOUPLED=decoupled,
         BLOCK=table.block,
         ALIGNED=table.aligned,
-        num_warps=8,
+        **LAUNCH["_adagrad_kernel"],
     )

@@ -33,6 +33,12 @@ from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
+#: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
+LAUNCH: dict[str, dict] = {
+    # _adam_kernel: each operation rounded as in ``torch.optim.Adam``'s for-each path and the torch fallback.
+    "_adam_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+}
+
 
 @triton.jit
 def _adam_kernel(
@@ -105,7 +111,10 @@ def launch_adam(
     decoupled: bool,
 ) -> None:
     """One Adam launch for contiguous, non-empty tensors of one dtype combination (fp32 m, v)."""
-    table = chunk_table([params, grads, exp_avgs, exp_avg_sqs, params if models is None else models])
+    table = chunk_table(
+        [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
+        written=(0, 2, 3) if models is None else (0, 2, 3, 4),
+    )
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
     _adam_kernel[(num_programs(device, table.num_chunks),)](
@@ -125,5 +134,5 @@ def launch_adam(
         DECOUPLED=decoupled,
         BLOCK=table.block,
         ALIGNED=table.aligned,
-        num_warps=8,
+        **LAUNCH["_adam_kernel"],
     )

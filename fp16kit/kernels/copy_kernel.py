@@ -16,6 +16,12 @@ from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
+#: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
+LAUNCH: dict[str, dict] = {
+    # _copy_kernel: a cast has no multiply-add; pinned so that a Triton default cannot change the PTX.
+    "_copy_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+}
+
 
 @triton.jit
 def _copy_kernel(
@@ -43,7 +49,7 @@ def _copy_kernel(
 
 def launch_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """One launch for contiguous, non-empty pairs with one source dtype and one destination dtype."""
-    table = chunk_table([src, dst])
+    table = chunk_table([src, dst])  # destinations checked by ops.copy_ (check_writes)
     grid = (num_programs(src[0].device, table.num_chunks),)
     _copy_kernel[grid](
         table.ptrs,
@@ -56,5 +62,5 @@ def launch_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Non
         DST_DTYPE=triton_dtype(dst[0].dtype),
         BLOCK=table.block,
         ALIGNED=table.aligned,
-        num_warps=8,
+        **LAUNCH["_copy_kernel"],
     )

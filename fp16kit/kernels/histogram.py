@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ._checks import check_tensor_list, common_device
+from ._table import upload as _upload
 from .backend import Backend, select_backend
 
 __all__ = ["INF_BIN", "MAX_EXP", "MIN_EXP", "NAN_BIN", "NUM_BINS", "ZERO_BIN", "exponent_histogram"]
@@ -114,17 +115,9 @@ def _plan(device: torch.device, items: list[torch.Tensor]) -> tuple[list[list[in
 
 
 def upload(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An int64 tensor of ``values`` (a list or a CPU tensor) on ``device``, without waiting for the device.
-
-    A plain ``.to("cuda")`` of a pageable CPU tensor makes torch synchronize the stream after the copy (a host
-    sync); a non-blocking copy from pinned memory does not (torch's pinned-memory cache keeps the buffer until
-    the copy is done). This matters because ``fp16kit.doctor`` histograms freshly allocated gradients, whose
-    address tables cannot always come from a cache.
-    """
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    """An int64 tensor of ``values`` on ``device`` without a host sync (``_table.upload``: pinned, non-blocking).
+    ``fp16kit.doctor`` histograms freshly allocated gradients, whose tables cannot always come from a cache."""
+    return _upload(values, device)[0]
 
 
 def _rows(device: torch.device, idx: list[int]) -> torch.Tensor:

@@ -37,6 +37,12 @@ from ._chunks import chunk_span, row_pointer
 from ._table import BLOCK, num_programs
 from .histogram import _FORMATS, MIN_EXP, NUM_BINS, ZERO_BIN, upload
 
+#: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
+LAUNCH: dict[str, dict] = {
+    # _histogram_kernel: integer bit arithmetic only.
+    "_histogram_kernel": {"num_warps": 8, "enable_fp_fusion": False},
+}
+
 _PADDED_BINS = 512  # tl.histogram and tl.arange need a power of two
 
 
@@ -105,9 +111,8 @@ def _chunk_map(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int, bool
     """``(packed, num_chunks, aligned)``: the address table for one list, built on the host and uploaded
     without a host sync, cached by addresses.
 
-    Not ``_table.chunk_table``: that one uploads with a blocking copy (a host sync on CUDA), which is fine for
-    parameters and optimizer state whose tables are built once, but the doctor histograms gradients that
-    autograd has just allocated, so a cache miss must not stall the step. ``packed`` holds
+    The doctor histograms gradients that autograd has just allocated, so a cache miss must not stall the step:
+    the upload is ``_table.upload``'s (pinned, non-blocking), as ``_table.chunk_table``'s. ``packed`` holds
     ``[ptrs | numels | chunk_start | chunk_tensor]`` (int64).
     """
     device = tensors[0].device
@@ -159,5 +164,5 @@ def launch_histogram(tensors: Sequence[torch.Tensor], rows: torch.Tensor, out: t
         PADDED_BINS=_PADDED_BINS,
         BLOCK=BLOCK,
         ALIGNED=aligned,
-        num_warps=8,
+        **LAUNCH["_histogram_kernel"],
     )

@@ -24,6 +24,15 @@ from ._chunks import chunk_span, load_chunk, row_pointer
 from ._rounding import to_fp32
 from ._table import ChunkTable, chunk_table, num_programs, triton_dtype
 
+#: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
+LAUNCH: dict[str, dict] = {
+    # _sumsq_kernel: ``y * y`` must not contract into the float64 sum: the same bits as the unscale kernel's norm
+    # partials and the torch fallback.
+    "_sumsq_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+    # _segment_sum_kernel: a plain sum, no multiply-add.
+    "_segment_sum_kernel": {"num_warps": 8, "enable_fp_fusion": False},
+}
+
 
 @triton.jit
 def _sumsq_kernel(
@@ -73,7 +82,10 @@ def segment_sums(partials: torch.Tensor, table: ChunkTable) -> torch.Tensor:
     dtype (float32 for LAMB's update norms, float64 for ``l2norm``)."""
     out = torch.empty(table.num_tensors, dtype=partials.dtype, device=partials.device)
     grid = (num_programs(partials.device, table.num_tensors),)
-    _segment_sum_kernel[grid](partials, table.chunk_counts, table.first_chunk, out, table.num_tensors, BLOCK=1024)
+    _segment_sum_kernel[grid](
+        partials, table.chunk_counts, table.first_chunk, out, table.num_tensors, BLOCK=1024,
+        **LAUNCH["_segment_sum_kernel"],
+    )
     return out
 
 
@@ -100,6 +112,6 @@ def launch_sumsq(
         CHECK=found_inf is not None,
         BLOCK=table.block,
         ALIGNED=table.aligned,
-        num_warps=8,
+        **LAUNCH["_sumsq_kernel"],
     )
     return partials, table

@@ -41,6 +41,16 @@ from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 from .l2norm_kernel import segment_sums
 
+#: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
+LAUNCH: dict[str, dict] = {
+    # _lamb_stage1_kernel: the moments and ``u`` must round each operation as the torch fallback and the float64
+    # reference do.
+    "_lamb_stage1_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+    # _lamb_stage2_kernel: the same ``u`` as stage 1 bit for bit (the trust-ratio norms were taken from stage 1's
+    # ``u``); 8 warps: at 16 ptxas (with Triton's ``--regAllocOptLevel=2``) caps it at 64 registers and spills.
+    "_lamb_stage2_kernel": {"num_warps": 8, "enable_fp_fusion": False},
+}
+
 
 @triton.jit
 def _lamb_update(m, v, p, mask, hp_ptr, DECOUPLED: tl.constexpr):
@@ -168,7 +178,10 @@ def launch_lamb(
 
     ``models`` (master-weights mode) receives the rounded copy of the updated ``params``.
     """
-    table = chunk_table([params, grads, exp_avgs, exp_avg_sqs, params if models is None else models])
+    table = chunk_table(
+        [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
+        written=(0, 2, 3) if models is None else (0, 2, 3, 4),
+    )
     device = params[0].device
     u_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
     p_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
@@ -187,7 +200,7 @@ def launch_lamb(
         DECOUPLED=decoupled,
         BLOCK=table.block,
         ALIGNED=table.aligned,
-        num_warps=8,
+        **LAUNCH["_lamb_stage1_kernel"],
     )
     u_sumsq, p_sumsq = segment_sums(u_partials, table), segment_sums(p_partials, table)
     _lamb_stage2_kernel[grid](
@@ -203,5 +216,5 @@ def launch_lamb(
         TRUST=trust,
         BLOCK=table.block,
         ALIGNED=table.aligned,
-        num_warps=8,
+        **LAUNCH["_lamb_stage2_kernel"],
     )

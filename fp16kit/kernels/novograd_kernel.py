@@ -35,6 +35,14 @@ from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
+#: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
+LAUNCH: dict[str, dict] = {
+    # _absmax_kernel: a max, no multiply-add.
+    "_absmax_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+    # _novograd_kernel: each operation rounded as in the torch fallback.
+    "_novograd_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+}
+
 
 @triton.jit
 def _absmax_kernel(
@@ -78,7 +86,7 @@ def absmax_per_tensor(tensors: Sequence[torch.Tensor], pre_scale: torch.Tensor) 
         IN_DTYPE=triton_dtype(tensors[0].dtype),
         BLOCK=table.block,
         ALIGNED=table.aligned,
-        num_warps=8,
+        **LAUNCH["_absmax_kernel"],
     )
     # Chunks of a tensor are adjacent in the table: a segmented max over the per-chunk partials.
     return torch.segment_reduce(partials, "max", lengths=table.chunk_counts)
@@ -148,7 +156,10 @@ def launch_novograd(
 ) -> None:
     """One NovoGrad launch for contiguous, non-empty tensors of one dtype combination (fp32 exp_avg);
     ``denoms`` is the fp32 [N] vector of per-tensor denominators, in the order of ``params``."""
-    table = chunk_table([params, grads, exp_avgs, params if models is None else models])
+    table = chunk_table(
+        [params, grads, exp_avgs, params if models is None else models],
+        written=(0, 2) if models is None else (0, 2, 3),
+    )
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
     _novograd_kernel[(num_programs(device, table.num_chunks),)](
@@ -168,5 +179,5 @@ def launch_novograd(
         REG_INSIDE=reg_inside_moment,
         BLOCK=table.block,
         ALIGNED=table.aligned,
-        num_warps=8,
+        **LAUNCH["_novograd_kernel"],
     )

@@ -25,6 +25,7 @@ from ._checks import (
     common_device,
     resolve_inputs,
 )
+from ._table import index_tensor
 from .backend import Backend, select_backend
 
 __all__ = ["copy_", "l2norm", "unscale_and_check"]
@@ -84,7 +85,7 @@ def _scatter(dst: torch.Tensor, chosen: list[int], values: torch.Tensor) -> None
     if len(chosen) == dst.numel() and chosen == list(range(len(chosen))):
         dst.copy_(values)
     else:
-        dst[torch.tensor(chosen, device=dst.device)] = values
+        dst[index_tensor(chosen, dst.device)] = values  # cached: no copy, no host sync per call
 
 
 def _bump(written: list[torch.Tensor]) -> None:

@@ -34,6 +34,12 @@ from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
+#: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
+LAUNCH: dict[str, dict] = {
+    # _sgd_kernel: each operation rounded as in ``torch.optim.SGD`` and the torch fallback.
+    "_sgd_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+}
+
 
 @triton.jit
 def _sgd_kernel(
@@ -108,7 +114,8 @@ def launch_sgd(
     """One SGD launch for contiguous, non-empty tensors of one dtype combination (fp32 momentum buffers, or
     ``None`` for plain SGD without momentum)."""
     rows = [params, grads, params if momentum_buffers is None else momentum_buffers]
-    table = chunk_table([*rows, params if models is None else models])
+    written = (0,) + ((2,) if momentum_buffers is not None else ()) + ((3,) if models is not None else ())
+    table = chunk_table([*rows, params if models is None else models], written=written)
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
     _sgd_kernel[(num_programs(device, table.num_chunks),)](
@@ -131,5 +138,5 @@ def launch_sgd(
         FIRST_RUN=first_run,
         BLOCK=table.block,
         ALIGNED=table.aligned,
-        num_warps=8,
+        **LAUNCH["_sgd_kernel"],
     )

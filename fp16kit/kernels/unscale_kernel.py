@@ -20,6 +20,13 @@ from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
+#: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
+LAUNCH: dict[str, dict] = {
+    # _unscale_kernel: the unscale result must be bit-exact against the float64 reference, and its float64 norm
+    # partials must equal ``l2norm``'s (no contraction of ``y * y`` into the sum).
+    "_unscale_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+}
+
 
 @triton.jit
 def _unscale_kernel(
@@ -68,7 +75,7 @@ def launch_unscale(
 
     Returns the per-chunk partial sums of squares (float64, one per chunk) when ``with_norm``.
     """
-    table = chunk_table([inputs, outputs])
+    table = chunk_table([inputs, outputs])  # outputs checked by ops.unscale_and_check (check_writes)
     device = inputs[0].device
     partials = torch.empty(table.num_chunks if with_norm else 1, dtype=torch.float64, device=device)
     grid = (num_programs(device, table.num_chunks),)
@@ -87,6 +94,6 @@ def launch_unscale(
         WITH_NORM=with_norm,
         BLOCK=table.block,
         ALIGNED=table.aligned,
-        num_warps=8,
+        **LAUNCH["_unscale_kernel"],
     )
     return partials if with_norm else None

@@ -208,10 +208,11 @@ def _lists(job: _Pending, idx: list[int]) -> tuple[list, list, list, list, list]
 def _kernel_stage1(job: _Pending, idx: list[int], flag: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """``launch_lamb``'s first half: stage-1 kernel (m, v written) and per-tensor sums of p^2 and u^2."""
     from fp16kit.kernels.l2norm_kernel import segment_sums
-    from fp16kit.kernels.lamb_kernel import _lamb_stage1_kernel
+    from fp16kit.kernels.lamb_kernel import LAUNCH, _lamb_stage1_kernel
 
     params, grads, exp_avgs, exp_avg_sqs, models = _lists(job, idx)
-    table = chunk_table([params, grads, exp_avgs, exp_avg_sqs, params if models[0] is None else models])
+    table = chunk_table([params, grads, exp_avgs, exp_avg_sqs, params if models[0] is None else models],
+                        written=(0, 2, 3) if models[0] is None else (0, 2, 3, 4))
     device = params[0].device
     u_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
     p_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
@@ -220,7 +221,7 @@ def _kernel_stage1(job: _Pending, idx: list[int], flag: torch.Tensor) -> tuple[A
         job.hp64.float(), flag, u_partials, p_partials,
         P_DTYPE=triton_dtype(params[0].dtype), G_DTYPE=triton_dtype(grads[0].dtype),
         L2_MODE=job.modes["l2_mode"], DECOUPLED=job.modes["decoupled"],
-        BLOCK=table.block, ALIGNED=table.aligned, num_warps=8,
+        BLOCK=table.block, ALIGNED=table.aligned, **LAUNCH["_lamb_stage1_kernel"],
     )
     return table, segment_sums(p_partials, table), segment_sums(u_partials, table)
 
@@ -229,7 +230,7 @@ def _kernel_stage2(
     job: _Pending, idx: list[int], table: Any, u_sumsq: torch.Tensor, p_sumsq: torch.Tensor, flag: torch.Tensor
 ) -> None:
     """``launch_lamb``'s second half with the completed (all-reduced) per-tensor sums."""
-    from fp16kit.kernels.lamb_kernel import _lamb_stage2_kernel
+    from fp16kit.kernels.lamb_kernel import LAUNCH, _lamb_stage2_kernel
 
     params, _, _, _, models = _lists(job, idx)
     device = params[0].device
@@ -239,7 +240,7 @@ def _kernel_stage2(
         job.hp64.float(), flag, u_sumsq, p_sumsq,
         P_DTYPE=p_dtype, MODEL_DTYPE=p_dtype if models[0] is None else triton_dtype(models[0].dtype),
         HAS_MODEL=models[0] is not None, DECOUPLED=job.modes["decoupled"], TRUST=job.modes["trust"],
-        BLOCK=table.block, ALIGNED=table.aligned, num_warps=8,
+        BLOCK=table.block, ALIGNED=table.aligned, **LAUNCH["_lamb_stage2_kernel"],
     )
 
 

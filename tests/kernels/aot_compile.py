@@ -1,25 +1,49 @@
 """Compile every fp16kit Triton kernel for a CUDA GPU target without a GPU (run by test_gpu_compile.py).
 
 Triton compiles to PTX and a cubin with its bundled ptxas, no device needed. Must run with
-TRITON_INTERPRET=0 (interpreter mode replaces jitted functions). Prints one JSON object: for each case,
-either {"ok": true, "v4_loads": n, "v4_stores": n} or {"ok": false, "error": "..."}.
+TRITON_INTERPRET=0 (interpreter mode replaces jitted functions). Each kernel is compiled with its module's
+``LAUNCH`` options (``num_warps``, ``enable_fp_fusion``): the ones its launcher passes, so the PTX is the
+PTX a GPU would run. Prints one JSON object: for each case, either {"ok": false, "error": "..."} or
+{"ok": true, "v4_loads": n, "v4_stores": n, "fma": n, "ftz": n, "approx": n, "div_full": n, "registers": n,
+"spill_stores": n, "spill_loads": n, "num_warps": n} where ``fma`` counts ``fma`` instructions in the PTX and
+the register/spill figures are ``ptxas -v``'s (Triton's bundled ptxas, run again on the PTX with the flags
+Triton uses).
 """
 
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fp16kit.kernels import adam_kernel, copy_kernel, l2norm_kernel, lamb_kernel, unscale_kernel
+from fp16kit.kernels import (
+    adagrad_kernel,
+    adam_kernel,
+    copy_kernel,
+    histogram_kernel,
+    l2norm_kernel,
+    lamb_kernel,
+    novograd_kernel,
+    sgd_kernel,
+    unscale_kernel,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "doctor"))
+import aot_histogram  # (the histogram kernel's signature and constexprs, shared with its own test)
 
 INT_ARGS = {"num_tensors", "num_chunks"}
+#: Kernels outside the multi-tensor convention (all pointers fp32 unless named): their own signatures.
+HISTOGRAM_SIG = {**aot_histogram.SIGNATURE}
 I64_PTRS = {"ptrs", "numels", "chunk_start", "counts_ptr", "first_ptr"}
 I32_PTRS = {"chunk_tensor"}
 
@@ -76,20 +100,81 @@ CASES = {
         adam_kernel._adam_kernel,
         dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, L2_MODE=False, DECOUPLED=True, BLOCK=4096,
              ALIGNED=True)),
+    "adam (fp16 params, L2)": (
+        adam_kernel._adam_kernel,
+        dict(P_DTYPE=F16, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=False, L2_MODE=True, DECOUPLED=False, BLOCK=4096,
+             ALIGNED=True)),
+    "lamb stage 1 (fp32 masters, fp16 grads, decoupled)": (
+        lamb_kernel._lamb_stage1_kernel,
+        dict(P_DTYPE=F32, G_DTYPE=F16, L2_MODE=False, DECOUPLED=True, BLOCK=4096, ALIGNED=True)),
+    "sgd (fp32 masters -> fp16 model, nesterov)": (
+        sgd_kernel._sgd_kernel,
+        dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, WD=True, WD_AFTER=False, MOMENTUM=True,
+             NESTEROV=True, FIRST_RUN=False, BLOCK=4096, ALIGNED=True)),
+    "adagrad (fp32 masters -> bf16 model, decoupled)": (
+        adagrad_kernel._adagrad_kernel,
+        dict(P_DTYPE=F32, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=True, L2_MODE=False, DECOUPLED=True, BLOCK=4096,
+             ALIGNED=True)),
+    "novograd (fp32 masters -> fp16 model)": (
+        novograd_kernel._novograd_kernel,
+        dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, REG_INSIDE=False, BLOCK=4096, ALIGNED=True)),
+    "novograd absmax bf16": (novograd_kernel._absmax_kernel, dict(IN_DTYPE=BF16, BLOCK=4096, ALIGNED=True)),
+    **{
+        f"exponent histogram {name}": (histogram_kernel._histogram_kernel, consts, HISTOGRAM_SIG)
+        for name, consts in (
+            ("fp32", aot_histogram.constexprs(torch.float32, True)),
+            ("fp16", aot_histogram.constexprs(torch.float16, True)),
+            ("bf16", aot_histogram.constexprs(torch.bfloat16, False)),
+        )
+    },
 }
+
+#: PTX that must not appear in any kernel: flush-to-zero, approximate math, and the non-IEEE full-range division.
+FORBIDDEN = {"ftz": r"\.ftz\b", "approx": r"\.approx\b", "div_full": r"\bdiv\.full\b"}
+
+
+def launch_options(fn) -> dict:
+    """The options the kernel's launcher passes (its module's ``LAUNCH``)."""
+    return dict(sys.modules[fn.fn.__module__].LAUNCH[fn.fn.__name__])
+
+
+def ptxas_usage(ptx: str, arch: int, fp_fusion: bool) -> dict:
+    """``ptxas -v``'s register and spill figures for the kernel in ``ptx`` (Triton's bundled ptxas)."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "k.ptx")
+        src.write_text(ptx)
+        cmd = [get_ptxas(arch).path, "-v", *([] if fp_fusion else ["--fmad=false"]), "--regAllocOptLevel=2",
+               f"--gpu-name={sm_arch_from_capability(arch)}", str(src), "-o", str(Path(tmp, "k.o"))]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {
+        "registers": int(regs.group(1)) if regs else -1,
+        "spill_stores": int(spills.group(1)) if spills else -1,
+        "spill_loads": int(spills.group(2)) if spills else -1,
+    }
 
 
 def main() -> None:
-    target = GPUTarget("cuda", int(sys.argv[1]) if len(sys.argv) > 1 else 90, 32)
+    arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
+    target = GPUTarget("cuda", arch, 32)
     out = {}
     for name, (fn, constexprs, *overrides) in CASES.items():
         try:
+            options = launch_options(fn)
             src = ASTSource(fn=fn, signature=signature(fn, constexprs, *overrides), constexprs=constexprs)
-            ptx = triton.compile(src, target=target, options={"num_warps": 8}).asm["ptx"]
+            ptx = triton.compile(src, target=target, options=options).asm["ptx"]
+            code = "\n".join(line.split("//")[0] for line in ptx.splitlines())  # instructions, not comments
             out[name] = {
                 "ok": True,
                 "v4_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx)),
                 "v4_stores": len(re.findall(r"st\.global(?:\.\w+)*\.v4", ptx)),
+                "fma": len(re.findall(r"^\s*(?:@!?%p\d+\s+)?fma\.", code, re.MULTILINE)),
+                **{key: len(re.findall(pattern, code)) for key, pattern in FORBIDDEN.items()},
+                **ptxas_usage(ptx, arch, options["enable_fp_fusion"]),
+                "num_warps": options["num_warps"],
             }
         except Exception as err:  # report every failing kernel, not only the first
             out[name] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:2000]}
