@@ -1,4 +1,4 @@
-"""Command line: ``python -m fp16kit [info|demo]`` (``info`` is the default)."""
+"""Command line: ``python -m fp16kit [info|demo|run]`` (``info`` is the default)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="train a small model at opt levels O0-O3 and bf16; table and plot",
                           add_help=False)
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    sub.add_parser("run", help="run an unmodified apex script on fp16kit: run [--force] SCRIPT [ARGS...]",
+                   add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:  # the script's own arguments pass through untouched
+        from .compat import main as run_main
+
+        return run_main(argv[1:])
     if argv[:1] == ["demo"]:  # hand everything after "demo" over untouched (REMAINDER drops leading options)
         from .demo import main as demo_main
 

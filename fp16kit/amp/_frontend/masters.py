@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ...kernels import copy_, unscale_and_check
+from .._apex_state import ApexStashNames, install_optimizer_shims
 from .casting import LOW_DTYPES
 
 __all__ = ["MASTERS_KEY", "OptimizerStash", "make_stash", "resync_on_model_load"]
@@ -48,7 +49,7 @@ __all__ = ["MASTERS_KEY", "OptimizerStash", "make_stash", "resync_on_model_load"
 MASTERS_KEY = "fp16kit_amp_masters"
 
 
-class OptimizerStash:
+class OptimizerStash(ApexStashNames):  # apex's list names: compatibility views (amp/_apex_state.py)
     """What amp keeps per optimizer (attached as ``optimizer._amp_stash``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, session: Any) -> None:
@@ -199,6 +200,7 @@ def make_stash(optimizer: torch.optim.Optimizer, session: Any, master_weights: b
     if stash.masters:
         _install_master_hooks(optimizer, stash)
     optimizer._amp_stash = stash
+    install_optimizer_shims(optimizer)
     return stash
 
 
