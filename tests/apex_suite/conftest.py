@@ -1,0 +1,111 @@
+"""apex's own L0 tests as an acceptance suite for fp16kit (never committed here: point at an apex checkout).
+
+    FP16KIT_APEX_TESTS=/path/to/apex  PYTHONPATH=$PWD  python -m pytest -q tests/apex_suite -p no:cacheprovider
+
+``/path/to/apex`` holds ``tests/L0/run_amp`` and ``tests/L0/run_optimizers`` (an apex clone at commit
+e13873debc4699d39c6861074b9a3b2a02327f92, the last one with ``apex/amp``; see docs/migrating-from-apex.md
+for the extraction commands and the recorded results). Without the variable only this plugin's own checks
+run (tests/apex_suite/test_cuda_mapping.py).
+
+What this conftest does when the variable is set:
+
+* collects ``run_amp`` and ``run_optimizers`` from the checkout under this directory's node, with their own
+  directories on ``sys.path`` (apex runs them from there: ``from utils import ...``);
+* installs the import aliases (``fp16kit.compat.install_apex``): ``apex``, ``amp_C``, ``apex_C``;
+* maps CUDA to the CPU (``cuda_mapping.py``) while those tests are imported and run;
+* runs fp16kit's kernels with the torch fallback (``FP16KIT_APEX_BACKEND`` picks another, e.g. ``auto``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+from cuda_mapping import cuda_on_cpu, patch_cuda_module  # noqa: E402
+
+ROOT_ENV = "FP16KIT_APEX_TESTS"
+SUITES = ("run_amp", "run_optimizers")
+
+
+def _suite_dirs() -> list[Path]:
+    root = os.environ.get(ROOT_ENV)
+    if not root:
+        return []
+    base = Path(root).expanduser().resolve()
+    dirs = [base / "tests" / "L0" / s for s in SUITES]
+    missing = [str(d) for d in dirs if not d.is_dir()]
+    if missing:
+        raise pytest.UsageError(f"{ROOT_ENV}={root}: expected apex's test folders {', '.join(missing)}. Point it at "
+                                "an apex checkout (commit e13873de..., see docs/migrating-from-apex.md).")
+    return dirs
+
+
+_APEX_DIRS = _suite_dirs()
+_unpatch = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _unpatch
+    if not _APEX_DIRS:
+        return
+    from fp16kit.compat import install_apex
+
+    install_apex()
+    _unpatch = patch_cuda_module()
+    for d in _APEX_DIRS:
+        sys.path.insert(0, str(d))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _unpatch is not None:
+        _unpatch()
+
+
+class _ApexSuite(pytest.File):
+    """apex's test folders, collected as packages below this conftest's node (they live outside the repo)."""
+
+    def collect(self):  # type: ignore[override]
+        for d in _APEX_DIRS:
+            yield pytest.Package.from_parent(self, path=d)
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    if _APEX_DIRS and file_path == HERE / "conftest.py":
+        return _ApexSuite.from_parent(parent, path=file_path)
+    return None
+
+
+def _is_apex(item: pytest.Item) -> bool:
+    return any(Path(str(item.path)).is_relative_to(d) for d in _APEX_DIRS)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    if not (_APEX_DIRS and any(Path(str(collector.path)).is_relative_to(d) for d in _APEX_DIRS)):
+        return (yield)
+    with cuda_on_cpu():  # importing a test module runs its module-level code
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    if not _is_apex(item):
+        return (yield)
+    from fp16kit.kernels import use_backend
+
+    with use_backend(os.environ.get("FP16KIT_APEX_BACKEND", "torch")), cuda_on_cpu():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    if not _is_apex(item):
+        return (yield)
+    with cuda_on_cpu():
+        return (yield)
