@@ -13,12 +13,14 @@ Mapping (apex option -> what runs):
   ``allreduce_communicators``, ``gradient_average_split_factor``, ``prof=True``: no torch equivalent; each
   warns once per process and is ignored (gradients are the same, only scheduling differs).
 
-Like apex, buffers are not broadcast before each forward (``broadcast_buffers=False``); any other torch DDP
+Like apex, buffers are not synchronized before each forward (``forward_sync_buffers=False``, or
+``broadcast_buffers=False`` on older torch); any other torch DDP
 keyword (``find_unused_parameters``, ``broadcast_buffers``, ...) is passed through.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -29,6 +31,7 @@ from torch import nn
 __all__ = ["DistributedDataParallel"]
 
 _warned: set[str] = set()
+_TORCH_DDP_ARGS = frozenset(inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters)
 
 _NO_EQUIVALENT = {
     "allreduce_trigger_params": "torch DDP starts a bucket's all-reduce when the bucket is ready",
@@ -54,8 +57,11 @@ class _HookState:
         self.group, self.fp32, self.average, self.predivide = group, fp32, average, predivide
 
 
-def _apex_allreduce_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """apex's all-reduce of one bucket: [fp32 cast], ``* 1/predivide``, sum, [``* predivide/world``], cast back."""
+def _apex_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]  # torch checks real annotations, if any
+    """apex's all-reduce of one bucket: [fp32 cast], ``* 1/predivide``, sum, [``* predivide/world``], cast back.
+
+    ``state``: a :class:`_HookState`; ``bucket``: a ``dist.GradBucket``; returns a future of the bucket buffer.
+    """
     buf = bucket.buffer()
     work = buf.float() if state.fp32 and buf.dtype != torch.float32 else buf
     if state.predivide != 1.0:
@@ -126,7 +132,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         else:
             bucket_mb = int(message_size) * 4 / 2**20
         torch_kwargs.setdefault("bucket_cap_mb", bucket_mb)
-        torch_kwargs.setdefault("broadcast_buffers", False)
+        if "broadcast_buffers" not in torch_kwargs and "forward_sync_buffers" not in torch_kwargs:
+            # apex did not sync buffers before each forward (newer torch spells this forward_sync_buffers)
+            key = "forward_sync_buffers" if "forward_sync_buffers" in _TORCH_DDP_ARGS else "broadcast_buffers"
+            torch_kwargs[key] = False
         super().__init__(module, **torch_kwargs)
         self.message_size = int(message_size)
         self.delay_allreduce = bool(delay_allreduce)

@@ -13,7 +13,8 @@ What this conftest does when the variable is set:
   directories on ``sys.path`` (apex runs them from there: ``from utils import ...``);
 * installs the import aliases (``fp16kit.compat.install_apex``): ``apex``, ``amp_C``, ``apex_C``;
 * maps CUDA to the CPU (``cuda_mapping.py``) while those tests are imported and run;
-* runs fp16kit's kernels with the torch fallback (``FP16KIT_APEX_BACKEND`` picks another, e.g. ``auto``).
+* runs fp16kit's kernels with the torch fallback (``FP16KIT_APEX_BACKEND`` picks another, e.g. ``auto``);
+* ``FP16KIT_APEX_FILES=test_adam.py,test_lamb.py`` restricts the run to those files.
 """
 
 from __future__ import annotations
@@ -68,11 +69,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 class _ApexSuite(pytest.File):
-    """apex's test folders, collected as packages below this conftest's node (they live outside the repo)."""
+    """apex's test files, collected as modules below this conftest's node (they live outside the repo);
+    ``FP16KIT_APEX_FILES=test_adam.py,test_lamb.py`` restricts the run to those files."""
 
     def collect(self):  # type: ignore[override]
+        only = [n for n in os.environ.get("FP16KIT_APEX_FILES", "").split(",") if n]
         for d in _APEX_DIRS:
-            yield pytest.Package.from_parent(self, path=d)
+            for path in sorted(d.glob("test_*.py")):
+                if not only or path.name in only:
+                    yield pytest.Module.from_parent(self, path=path)
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
