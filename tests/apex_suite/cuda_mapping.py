@@ -90,8 +90,9 @@ def patch_cuda_module() -> Callable[[], None]:
     for t in _TENSOR_TYPES:
         put(f"{t}Tensor", _cpu_tensor_type(t))
     put("synchronize", lambda device=None: None)
-    put("manual_seed", torch.manual_seed)
-    put("manual_seed_all", torch.manual_seed)
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly, no recursion
+    put("manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)))
+    put("manual_seed_all", lambda seed: None)
     put("device", lambda device=None: contextlib.nullcontext())
     put("current_device", lambda: 0)
     put("set_device", lambda device: None)
