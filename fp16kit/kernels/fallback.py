@@ -62,12 +62,14 @@ def unscale(
     """
     if not inputs:
         return
-    in_place = inputs[0].data_ptr() == outputs[0].data_ptr()
+    same = [i.data_ptr() == o.data_ptr() for i, o in zip(inputs, outputs)]  # a call may mix both kinds of pairs
+    in_place = all(same)
     widening = outputs[0].dtype in (torch.float32, torch.float64) and outputs[0].dtype == _math_dtype(inputs[0].dtype)
     if sq_norm is None and (in_place or widening):
         # torch's fused op: one pass that multiplies in fp32 opmath (one rounding) and checks the inputs.
-        if not in_place:
-            torch._foreach_copy_(list(outputs), list(inputs))  # exact widening
+        if not in_place:  # exact widening of every pair that is not in place
+            moved = [k for k, s in enumerate(same) if not s]
+            torch._foreach_copy_([outputs[k] for k in moved], [inputs[k] for k in moved])
         torch._amp_foreach_non_finite_check_and_unscale_(list(outputs), found_inf, inv_scale)
         if _may_overflow(inv_scale):  # a finite input can still overflow after the multiply
             flag_nonfinite_(outputs, found_inf)
