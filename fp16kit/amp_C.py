@@ -231,13 +231,14 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
 
         found_inf > 0:  hysteresis_tracker -= 1
                         if hysteresis_tracker > 0: growth_tracker = 0; stop      (overflow tolerated)
-        found_inf != 0: scale = fp32(scale * backoff_factor); growth_tracker = 0
+        found_inf != 0: scale = ftz(fp32(scale * backoff_factor)); growth_tracker = 0
         else:           growth_tracker += 1
                         if growth_tracker == growth_interval:
                             scale = fp32(scale * growth_factor) unless that is inf; growth_tracker = 0
         found_inf <= 0: hysteresis_tracker = hysteresis
 
-    Products are formed in float64 and rounded once (apex multiplies the float by a double). No host sync.
+    Products are formed in float64 and rounded once (apex multiplies the float by a double); a backed-off scale
+    below fp32's smallest normal becomes 0, as apex's flush-to-zero build does (its test checks it). No host sync.
     The public fp16kit way: ``fp16kit.amp.LossScaler(hysteresis=...)`` (docs/grad-scaler.md).
     """
     fn = "update_scale_hysteresis"
@@ -259,7 +260,10 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
         successful = growth + 1
         grow = clean & (successful == int(growth_interval))
         grown = (scale64 * float(growth_factor)).float()
-        new_scale = torch.where(backoff, (scale64 * float(backoff_factor)).float(), current_scale.reshape(1))
+        backed = (scale64 * float(backoff_factor)).float()
+        # apex's kernel is built with --use_fast_math: a backed-off scale below the smallest normal flushes to 0
+        backed = torch.where(backed.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(backed), backed)
+        new_scale = torch.where(backoff, backed, current_scale.reshape(1))
         new_scale = torch.where(grow & torch.isfinite(grown), grown, new_scale)
         new_growth = torch.where(clean & ~grow, successful, torch.zeros_like(growth))
         new_hyst = torch.where(inf <= 0, torch.full_like(hyst, int(hysteresis)), hyst)

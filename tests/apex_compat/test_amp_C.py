@@ -284,6 +284,7 @@ def _apex_rules(scale, growth, hyst, found, gf, bf, interval, hysteresis):
             return scale, 0, hyst
     if found != 0 or math.isnan(found):
         scale, growth = f32(scale * bf), 0
+        scale = 0.0 if scale < 2.0**-126 else scale  # flush to zero
     else:
         if growth + 1 == interval:
             grown = f32(scale * gf)
@@ -298,7 +299,7 @@ def _apex_rules(scale, growth, hyst, found, gf, bf, interval, hysteresis):
 
 @FEW
 @given(st.lists(st.sampled_from([0.0, 1.0, 0.0, 0.0, float("nan"), -1.0, 2.0]), min_size=1, max_size=12),
-       st.integers(1, 3), st.integers(1, 4), st.sampled_from([65536.0, 2.0**127, 1.0]))
+       st.integers(1, 3), st.integers(1, 4), st.sampled_from([65536.0, 2.0**127, 1.0, 2.0**-124]))
 def test_update_scale_hysteresis_follows_apex_rules(founds, hysteresis, interval, scale0) -> None:
     scale = torch.tensor([scale0])
     growth = torch.tensor([0], dtype=torch.int32)

@@ -13,14 +13,18 @@ What this conftest does when the variable is set:
   directories on ``sys.path`` (apex runs them from there: ``from utils import ...``);
 * installs the import aliases (``fp16kit.compat.install_apex``): ``apex``, ``amp_C``, ``apex_C``;
 * maps CUDA to the CPU (``cuda_mapping.py``) while those tests are imported and run;
+* stands in for ``expecttest`` when it is not installed (torch's internal test helpers import it);
 * runs fp16kit's kernels with the torch fallback (``FP16KIT_APEX_BACKEND`` picks another, e.g. ``auto``);
 * ``FP16KIT_APEX_FILES=test_adam.py,test_lamb.py`` restricts the run to those files.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+import types
+import unittest
 from pathlib import Path
 
 import pytest
@@ -59,6 +63,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
     install_apex()
     _unpatch = patch_cuda_module()
+    if importlib.util.find_spec("expecttest") is None:
+        # torch.testing._internal (imported by apex's test_adam.py) needs it only to define its TestCase base
+        sys.modules["expecttest"] = types.SimpleNamespace(TestCase=unittest.TestCase)  # type: ignore[assignment]
     for d in _APEX_DIRS:
         sys.path.insert(0, str(d))
 

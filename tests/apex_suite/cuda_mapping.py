@@ -7,7 +7,9 @@ Two parts, both undone on exit:
   ``Tensor.cuda()`` return the tensor itself, maps ``Tensor.type("torch.cuda.HalfTensor")`` to the CPU type,
   and reports ``Tensor.type()`` with CUDA names (tests compare against ``"torch.cuda.HalfTensor"``);
 * :func:`patch_cuda_module` - ``torch.cuda.<Type>Tensor`` constructors become the CPU ones,
-  ``synchronize``/``manual_seed``/``device(...)``/``current_device`` become CPU equivalents. ``is_available()``
+  ``synchronize``/``manual_seed``/``device(...)``/``current_device`` become CPU equivalents,
+  ``torch.amp.autocast("cuda")`` is CPU autocast in fp16 and ``torch.amp.GradScaler("cuda")`` scales on the CPU
+  (it would otherwise disable itself without CUDA and make loss-scaling tests vacuous). ``is_available()``
   and ``device_count()`` stay honest (0 on a CPU machine), so multi-GPU tests still skip themselves.
 """
 
@@ -79,13 +81,31 @@ class _NullStream:
         return None
 
 
-def patch_cuda_module() -> Callable[[], None]:
-    """Replace CUDA-only ``torch.cuda`` entry points by CPU equivalents; returns the function that undoes it."""
-    saved: dict[str, Any] = {}
+class _CpuAutocast(torch.amp.autocast):
+    """``autocast("cuda")`` becomes CPU autocast with CUDA's default dtype (fp16)."""
 
-    def put(name: str, value: Any) -> None:
-        saved[name] = getattr(torch.cuda, name, None)
-        setattr(torch.cuda, name, value)
+    def __init__(self, device_type: str = "cuda", dtype: torch.dtype | None = None, enabled: bool = True,
+                 cache_enabled: bool | None = None) -> None:
+        if device_type == "cuda":
+            device_type, dtype = "cpu", dtype or torch.float16
+        super().__init__(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+
+class _CpuGradScaler(torch.amp.GradScaler):
+    """``GradScaler("cuda")`` on a machine without CUDA would disable itself; scale on the CPU instead."""
+
+    def __init__(self, device: str = "cuda", *args: Any, **kwargs: Any) -> None:
+        super().__init__("cpu" if device == "cuda" else device, *args, **kwargs)
+
+
+def patch_cuda_module() -> Callable[[], None]:
+    """Replace CUDA-only ``torch.cuda`` entry points by CPU equivalents (and ``torch.amp``'s autocast and
+    GradScaler for device "cuda" by their CPU versions); returns the function that undoes it."""
+    saved: list[tuple[Any, str, Any]] = []
+
+    def put(name: str, value: Any, module: Any = torch.cuda) -> None:
+        saved.append((module, name, getattr(module, name, None)))
+        setattr(module, name, value)
 
     for t in _TENSOR_TYPES:
         put(f"{t}Tensor", _cpu_tensor_type(t))
@@ -98,9 +118,12 @@ def patch_cuda_module() -> Callable[[], None]:
     put("set_device", lambda device: None)
     put("current_stream", lambda device=None: _NullStream())
     put("empty_cache", lambda: None)
+    put("autocast", _CpuAutocast, torch.amp)
+    put("autocast", _CpuAutocast, torch)
+    put("GradScaler", _CpuGradScaler, torch.amp)
 
     def undo() -> None:
-        for name, value in saved.items():
-            setattr(torch.cuda, name, value)
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
 
     return undo
