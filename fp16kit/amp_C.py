@@ -178,7 +178,7 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Te
 
     Math (apex): ``g' = g / c`` with ``c = global_grad_norm / max_grad_norm`` when ``global_grad_norm >
     max_grad_norm``, else 1; ``mode`` 0 adds ``weight_decay * p`` to ``g'`` (L2), 1 adds it to the update
-    (decoupled); then ``fp16kit.optim.functional.lamb_step_`` (specs/lamb.md) with ``step`` the 1-based step
+    (decoupled); then ``fp16kit.optim.functional.lamb_step_`` (docs/optim.md) with ``step`` the 1-based step
     number, ``beta3 = 1 - beta1`` when ``grad_averaging`` else 1, bias correction when ``bias_correction``.
     The division by ``c`` is a multiplication by ``1/c`` (within one fp32 rounding of apex's quotient).
     Moments must be fp32 (fp16kit keeps optimizer state in fp32). inf/NaN in a gradient: nothing changes
