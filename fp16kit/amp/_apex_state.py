@@ -15,6 +15,9 @@ apex internal                                           public fp16kit way
 ``optimizer._amp_stash.all_fp16_params``                the model's low-precision parameters
 ``optimizer._lazy_init_maybe_master_weights()``         nothing: masters exist from ``amp.initialize`` on
 =====================================================  ===========================================================
+
+``optimizer.add_param_group`` is wrapped as apex wrapped it: params added after ``initialize`` join amp's
+gradient bookkeeping (fp32 masters for fp16/bf16 params under master weights).
 """
 
 from __future__ import annotations
@@ -166,11 +169,44 @@ class ApexStashNames:
         return [p for p in self.direct if p.dtype == torch.float32]
 
 
+def _register_new_params(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
+    """Params of a group added after ``amp.initialize`` join amp's bookkeeping, as those of ``initialize`` do:
+    under master weights an fp16/bf16 param is swapped for an fp32 master in the group; every other param is
+    updated directly (its gradients unscaled by ``scale_loss`` like the others)."""
+    from torch import nn
+
+    from ._frontend.casting import LOW_DTYPES
+
+    stash = optimizer._amp_stash  # type: ignore[attr-defined]
+    params = group["params"]
+    for i, p in enumerate(params):
+        if stash.session.master_weights and p.dtype in LOW_DTYPES:
+            master = nn.Parameter(p.detach().float())
+            params[i] = master
+            stash.model.append(p)
+            stash.masters.append(master)
+        else:
+            stash.direct.append(p)
+            stash.direct_stash.append(None)
+
+
 def install_optimizer_shims(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer._lazy_init_maybe_master_weights()``: apex created masters lazily at the first step and
-    scripts force it before loading a checkpoint; fp16kit creates them in ``amp.initialize``, so it is a no-op."""
+    """apex's per-optimizer patches, after ``amp.initialize`` has attached ``optimizer._amp_stash``:
+
+    * ``optimizer._lazy_init_maybe_master_weights()``: apex created masters lazily at the first step and scripts
+      force it before loading a checkpoint; fp16kit creates them in ``amp.initialize``, so it is a no-op;
+    * ``optimizer.add_param_group(group)``: apex registered the new params with amp (masters under O2); without
+      it their gradients would reach ``step`` still multiplied by the loss scale.
+    """
 
     def _lazy_init_maybe_master_weights() -> None:
         return None
 
+    original_add_param_group = optimizer.add_param_group
+
+    def add_param_group(param_group: dict[str, Any]) -> None:
+        original_add_param_group(param_group)  # torch validates the group and fills in the defaults
+        _register_new_params(optimizer, optimizer.param_groups[-1])
+
     optimizer._lazy_init_maybe_master_weights = _lazy_init_maybe_master_weights  # type: ignore[attr-defined]
+    optimizer.add_param_group = add_param_group  # type: ignore[method-assign]

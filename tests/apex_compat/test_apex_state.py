@@ -86,3 +86,34 @@ def test_amp_state_is_a_private_name() -> None:
     from fp16kit.amp import _amp_state as again
 
     assert again is _amp_state
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_param_group_added_after_initialize_gets_unscaled_grads(opt_level) -> None:
+    """apex's test_add_param_group: without the wrap, the new group's grads reached step() still scaled."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Linear(3, 2), nn.Linear(3, 2)
+
+    x = torch.randn(5, 3)
+    m0, m1 = build()
+    ref_opt = torch.optim.SGD(m0.parameters(), lr=0.25, momentum=0.5)
+    ref_opt.add_param_group({"params": m1.parameters(), "lr": 0.5})
+    for _ in range(2):
+        ref_opt.zero_grad()
+        (m0(x).square().mean() + m1(x).square().mean()).backward()
+        ref_opt.step()
+
+    a0, a1 = build()
+    opt = torch.optim.SGD(a0.parameters(), lr=0.25, momentum=0.5)
+    [a0, a1], opt = amp.initialize([a0, a1], opt, opt_level=opt_level, loss_scale=128.0, verbosity=0)
+    opt.add_param_group({"params": a1.parameters(), "lr": 0.5})
+    n_masters = len(opt._amp_stash.all_fp32_from_fp16_params)
+    assert n_masters == (4 if opt_level == "O2" else 0)
+    for _ in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(a0(x).float().square().mean() + a1(x).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    for p, q in zip([*m0.parameters(), *m1.parameters()], [*a0.parameters(), *a1.parameters()]):
+        torch.testing.assert_close(q.float(), p, rtol=1e-2, atol=2e-3)  # fp16 math: a few fp16 ulps
