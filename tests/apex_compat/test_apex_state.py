@@ -26,7 +26,7 @@ def test_loss_scalers_and_opt_properties_view_the_latest_initialize() -> None:
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 4.0
     loss = model(torch.randn(8, 4)).float().sum()
     with amp.scale_loss(loss, opt, loss_id=0) as scaled:
-        assert float(scaled) == pytest.approx(4.0 * float(loss), rel=1e-6)
+        assert float(scaled.detach()) == pytest.approx(4.0 * float(loss.detach()), rel=1e-6)
         scaled.backward()
     props = _amp_state.opt_properties
     assert (props.opt_level, props.master_weights, props.loss_scale, props.cast_model_type) == (
