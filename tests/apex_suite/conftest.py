@@ -101,8 +101,8 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
     return None
 
 
-#: apex tests sized for a GPU: each makes hundreds of launches over 10^7-element lists (hours on a shared CPU).
-#: Skipped unless FP16KIT_APEX_ALL=1; fp16kit's own tests cover the same ops (tests/apex_compat/test_amp_C.py).
+#: apex tests sized for a GPU: each makes hundreds of calls over lists of up to 5 * 10^7 elements (1 to 15+ minutes
+#: each on a shared CPU). Skipped unless FP16KIT_APEX_ALL=1; tests/apex_compat/test_amp_C.py covers the same ops.
 GPU_SIZED = {
     ("test_multi_tensor_scale.py", "test_fuzz"),
     ("test_multi_tensor_axpby.py", "test_fuzz"),
@@ -119,8 +119,8 @@ def _is_apex(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not _APEX_DIRS or os.environ.get("FP16KIT_APEX_ALL") == "1":
         return
-    skip = pytest.mark.skip(reason="GPU-sized fuzz test (10^7-element lists, hundreds of launches); FP16KIT_APEX_ALL=1 "
-                                   "runs it")
+    skip = pytest.mark.skip(reason="GPU-sized fuzz test (lists of up to 5e7 elements, hundreds of calls: minutes on a "
+                                   "CPU); FP16KIT_APEX_ALL=1 runs it")
     for item in items:
         if _is_apex(item) and (Path(str(item.path)).name, item.name) in GPU_SIZED:
             item.add_marker(skip)
