@@ -14,7 +14,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("amp", "doctor", "kernels", "numerics", "optim")
+_SUBMODULES = ("amp", "amp_C", "compat", "doctor", "kernels", "multi_tensor_apply", "numerics", "optim", "parallel")
 
 __all__ = ["__version__", *_SUBMODULES]
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m fp16kit [info|demo|doctor]`` (``info`` is the default)."""
+"""Command line: ``python -m fp16kit [info|demo|doctor|run]`` (``info`` is the default)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
     sub.add_parser("doctor", help="watch the demo model's gradients: fp16/bf16 ranges, loss scale, layers for fp32",
                    add_help=False)
+    sub.add_parser("run", help="run an unmodified apex script on fp16kit: run [--force] SCRIPT [ARGS...]",
+                   add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["doctor"]:  # everything after "doctor" is its own
         from .doctor.cli import main as doctor_main
 
         return doctor_main(argv[1:])
+    if argv[:1] == ["run"]:  # the script's own arguments pass through untouched
+        from .compat import main as run_main
+
+        return run_main(argv[1:])
     if argv[:1] == ["demo"]:  # hand everything after "demo" over untouched (REMAINDER drops leading options)
         from .demo import main as demo_main
 

@@ -52,8 +52,10 @@ _EXPORTS = {
     "master_params": ".frontend",
     "state_dict": ".frontend",
     "load_state_dict": ".frontend",
+    # apex internals as compatibility views (docs/migrating-from-apex.md)
+    "_amp_state": "._apex_state",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(name for name in _EXPORTS if not name.startswith("_"))
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

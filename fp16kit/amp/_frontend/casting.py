@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._apex_state import low_precision_models_allowed
+
 __all__ = ["cast_model", "check_models", "install_forward_hooks", "install_fp32_state_dict"]
 
 _MARK = "_fp16kit_amp_initialized"
@@ -64,7 +66,7 @@ def check_models(models: list[nn.Module]) -> None:
                 "(build a fresh model, or keep using the one it returned)."
             )
         for name, param in model.named_parameters():
-            if param.dtype in LOW_DTYPES:
+            if param.dtype in LOW_DTYPES and not low_precision_models_allowed():
                 raise RuntimeError(
                     f"Found param {name} with type {param.type()}, expected a float32 parameter.\n"
                     "When using amp.initialize, you do not need to call .half() on your model\n"

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from ...kernels import copy_, merge_found_inf_into, new_found_inf, unscale_and_check
+from .._apex_state import ApexStashNames, install_optimizer_shims
 from .casting import LOW_DTYPES
 
 __all__ = ["MASTERS_KEY", "OptimizerStash", "check_optimizer_params", "make_stash", "resync_on_model_load"]
@@ -64,7 +65,7 @@ __all__ = ["MASTERS_KEY", "OptimizerStash", "check_optimizer_params", "make_stas
 MASTERS_KEY = "fp16kit_amp_masters"
 
 
-class OptimizerStash:
+class OptimizerStash(ApexStashNames):  # apex's list names: compatibility views (amp/_apex_state.py)
     """What amp keeps per optimizer (attached as ``optimizer._amp_stash``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, session: Any, master_weights: bool = False) -> None:
@@ -282,6 +283,7 @@ def make_stash(optimizer: torch.optim.Optimizer, session: Any, master_weights: b
         _install_master_hooks(optimizer, stash)
     _install_add_param_group(optimizer, stash)
     optimizer._amp_stash = stash
+    install_optimizer_shims(optimizer)
     return stash
 
 
