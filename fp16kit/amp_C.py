@@ -102,7 +102,8 @@ def _norms(fn: str, noop_flag: torch.Tensor, tensor_lists: TensorLists, pre_scal
         raise ValueError(f"amp_C.{fn}: tensor_lists[0] is empty; apex needs at least one tensor to pick a device.")
     flag = _new_flag(device)
     total, each = l2norm(xs, per_tensor=True, pre_scale=pre_scale, found_inf=flag)
-    # apex also flags a sum of squares that overflows fp32 (finite elements, infinite norm)
+    # apex also flags a norm that overflows fp32 (finite elements, infinite norm); fp16kit's squares are summed
+    # in float64, so unlike apex's only a norm beyond fp32's range is inf
     torch.maximum(flag, (~torch.isfinite(total)).float().reshape(1), out=flag)
     _raise_noop(noop_flag, flag)
     empty = torch.empty(0, dtype=torch.float32, device=device)
@@ -112,8 +113,9 @@ def _norms(fn: str, noop_flag: torch.Tensor, tensor_lists: TensorLists, pre_scal
 def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists,
                         per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm, per_tensor_norms)`` of ``tensor_lists = [tensors]``: fp32 ``[1]`` and ``[n]`` (``[0]`` unless
-    ``per_tensor``). ``norm = sqrt(sum_i sum_j fp32(x_ij)^2)`` (``fp16kit.kernels.l2norm``); the flag is set
-    when an element or the sum of squares is inf/NaN."""
+    ``per_tensor``). ``norm = sqrt(sum_i sum_j fp32(x_ij)^2)`` (``fp16kit.kernels.l2norm``, squares summed in
+    float64); the flag is set when an element or the norm is inf/NaN (apex also flagged finite norms above
+    ~1.8e19, whose fp32 sum of squares overflowed)."""
     return _norms("multi_tensor_l2norm", noop_flag, tensor_lists, 1.0, per_tensor)
 
 

@@ -140,9 +140,14 @@ def test_l2norm_triton_matches_fallback(tensors, pre_scale) -> None:
         torch.testing.assert_close(a, b, rtol=gamma(n, torch.float32), atol=0, equal_nan=True)
 
 
-def test_l2norm_flags_a_sum_of_squares_that_overflows() -> None:
+def test_l2norm_flags_a_norm_that_overflows_but_not_a_large_finite_one() -> None:
+    """apex squares in fp32, so 1e30s gave an inf norm and a raised flag; fp16kit's norm does not overflow
+    (float64 squares, docs/kernels.md "Norm range"): the right 2e30, no flag. A norm beyond fp32 is still inf,
+    and flagged as apex flags it."""
     flag = noop()
     total, _ = amp_C.multi_tensor_l2norm(1, flag, [[torch.full((4,), 1e30)]])
+    assert int(flag) == 0 and float(total) == pytest.approx(2e30, rel=1e-6)
+    total, _ = amp_C.multi_tensor_l2norm(1, flag, [[torch.full((4,), torch.finfo(torch.float32).max)]])
     assert int(flag) == 1 and math.isinf(float(total))
 
 
