@@ -16,6 +16,7 @@ from numbers import Real
 from typing import Any, ClassVar
 
 import torch
+from torch.optim.optimizer import required
 
 from fp16kit.kernels._checks import KERNEL_DTYPES
 from fp16kit.kernels._table import group_by
@@ -44,6 +45,10 @@ def check_range(fn: str, name: str, value: Any, *, low: float = 0.0, low_open: b
 
 def check_lr(fn: str, lr: Any) -> None:
     """A float lr >= 0 (finite), or a one-element floating tensor (on the device: not read, no sync)."""
+    if lr is required:
+        raise TypeError(
+            f"{fn}: lr is required (as in torch.optim.SGD and apex): pass lr=..., or set 'lr' in every param group."
+        )
     if isinstance(lr, torch.Tensor):
         _number(fn, "lr", lr)
         return

@@ -76,8 +76,8 @@ class FusedSGD(ApexStateOptimizer):
         master_weights: bool = False,
         on_nonfinite: str = "warn",
     ) -> None:
-        if lr is required:
-            raise TypeError("FusedSGD: lr is required (as in torch.optim.SGD and apex), e.g. FusedSGD(params, lr=0.1).")
+        # As in apex, lr may be left out when every param group sets its own (torch's add_param_group then
+        # raises for a group without one).
         defaults = {
             "lr": lr,
             "momentum": momentum,
@@ -85,7 +85,7 @@ class FusedSGD(ApexStateOptimizer):
             "weight_decay": weight_decay,
             "nesterov": nesterov,
         }
-        self._check_group(defaults)
+        self._check_group({**defaults, "lr": 0.0} if lr is required else defaults)
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
         super().__init__(

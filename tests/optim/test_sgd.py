@@ -317,3 +317,14 @@ def test_kernel_compiles_for_sm90_with_vector_memory_ops():
         },
     )
     assert all(r["v4_loads"] > 0 and r["v4_stores"] > 0 for r in result.values()), result
+
+
+def test_lr_may_come_from_every_param_group_alone():
+    """apex's FusedSGD (and its amp tests) leave ``lr`` out when each group sets one."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = FusedSGD([{"params": [a], "lr": 0.25}, {"params": [b], "lr": 0.5}], momentum=0.125)
+    a.grad, b.grad = torch.ones(3), torch.ones(2)
+    opt.step()
+    assert torch.equal(a.detach(), torch.full((3,), 0.75)) and torch.equal(b.detach(), torch.full((2,), 0.5))
+    with pytest.raises(TypeError, match="lr is required"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
