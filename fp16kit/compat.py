@@ -63,6 +63,12 @@ def _module(name: str, doc: str, attrs: dict[str, Any] | None = None, package: b
     return mod
 
 
+def _apex_flavour(cls: type) -> type:
+    """``cls`` as apex's optimizer behaves: after a GradScaler step ``p.grad`` holds the unscaled gradients
+    (``unscale_grads``; apex's tests and scripts read them, e.g. for logging or clipping checks)."""
+    return type(cls.__name__, (cls,), {"unscale_grads": True, "__module__": "apex.optimizers", "__doc__": cls.__doc__})
+
+
 def _lazy_from(module: types.ModuleType, target: str, names: tuple[str, ...]) -> None:
     """``module.<name>`` for ``name`` in ``names`` resolves to ``<target>.<name>`` on first use."""
 
@@ -76,6 +82,8 @@ def _lazy_from(module: types.ModuleType, target: str, names: tuple[str, ...]) ->
                 f"{module.__name__}.{name} maps to {target}.{name}, which this fp16kit does not provide; "
                 f"docs/migrating-from-apex.md lists what to use instead."
             ) from None
+        if isinstance(value, type) and hasattr(value, "unscale_grads"):
+            value = _apex_flavour(value)
         setattr(module, name, value)
         return value
 

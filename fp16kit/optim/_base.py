@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fp16kit.kernels import check_found_inf, new_found_inf
+from fp16kit.kernels import check_found_inf, new_found_inf, unscale_and_check
 from fp16kit.kernels._checks import common_device
 
 from . import _checkpoint, _sharding
@@ -63,6 +63,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     _name = "FusedOptimizer"
     # The per-param state tensors shaped like the param (besides the optional fp32 "master").
     _moment_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    #: After a step that a GradScaler handed its scale to, write the unscaled gradients back into ``p.grad``
+    #: (apex's optimizers leave them so; torch's fused optimizers and fp16kit by default leave them scaled).
+    #: The apex aliases (``fp16kit.compat.install_apex``) set it; set it on an optimizer to get the same.
+    unscale_grads: bool = False
 
     def __init__(
         self,
@@ -303,6 +307,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._update_group(group, rows, step, inv64, skip, grad_norm)
         if shards is not None:
             shards.finish(skip)
+        if self.unscale_grads and getattr(self, "grad_scale", None) is not None:
+            # apex's semantics after a GradScaler step: p.grad holds unscaled gradients (one extra write pass,
+            # after the update has read them scaled). fp16kit's default leaves them scaled, as torch's fused
+            # optimizers do.
+            grads = [g for rows in all_rows for g in rows.grads if g.numel()]
+            if grads:
+                unscale_and_check(grads, inv64.float(), new_found_inf(device))
         if bad_hp is not None:
             if self.hparam_skips is None or self.hparam_skips.device != device:
                 self.hparam_skips = torch.zeros(1, dtype=torch.int64, device=device)

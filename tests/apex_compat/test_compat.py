@@ -44,7 +44,8 @@ def test_seed_idiom_takes_the_apex_path(aliases) -> None:
 
     assert amp is fp16kit.amp and apex.amp is amp
     assert amp_C is fp16kit.amp_C and multi_tensor_applier is fp16kit.multi_tensor_apply.multi_tensor_applier
-    assert (FusedAdam, FusedLAMB) == (fp16kit.optim.FusedAdam, fp16kit.optim.FusedLAMB)
+    assert issubclass(FusedAdam, fp16kit.optim.FusedAdam) and issubclass(FusedLAMB, fp16kit.optim.FusedLAMB)
+    assert FusedAdam.unscale_grads and not fp16kit.optim.FusedAdam.unscale_grads  # apex's grads (see below)
     assert DistributedDataParallel.__module__ == "fp16kit.parallel.distributed"
     assert SyncBatchNorm is fp16kit.parallel.SyncBatchNorm and convert_syncbn_model is not None
     assert _amp_state is fp16kit.amp._amp_state
@@ -141,3 +142,28 @@ def test_apex_style_script_runs_unchanged_on_one_and_two_gloo_processes(tmp_path
         assert torch.equal(a, b)
     for a, b in zip(r0["masters"], single["masters"]):  # and the 2-rank run follows the global-batch run
         torch.testing.assert_close(a, b, rtol=0, atol=5e-3)
+
+
+@pytest.mark.parametrize("flavour", ["apex", "fp16kit"])
+def test_grads_after_a_grad_scaler_step(aliases, flavour) -> None:
+    """apex's optimizers leave unscaled grads in ``p.grad`` after ``GradScaler.step`` (its tests compare them with
+    torch.optim.Adam's); fp16kit's own leave them scaled, as torch's fused optimizers do (one write pass less).
+    Both take the same step."""
+    import apex.optimizers
+
+    cls = apex.optimizers.FusedAdam if flavour == "apex" else fp16kit.optim.FusedAdam
+    torch.manual_seed(0)
+    ref_model = torch.nn.Linear(4, 3)
+    model = torch.nn.Linear(4, 3)
+    model.load_state_dict(ref_model.state_dict())
+    ref_opt, opt = torch.optim.Adam(ref_model.parameters(), lr=0.1), cls(model.parameters(), lr=0.1)
+    ref_scaler, scaler = torch.amp.GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x = torch.randn(8, 4)
+    for m, o, sc in ((ref_model, ref_opt, ref_scaler), (model, opt, scaler)):
+        sc.scale(m(x).square().mean()).backward()
+        sc.step(o)
+        sc.update()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach())
+        want = q.grad if flavour == "apex" else q.grad * 1024.0
+        torch.testing.assert_close(p.grad, want)
