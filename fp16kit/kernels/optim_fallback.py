@@ -11,16 +11,47 @@ hyper-parameters as host numbers; Adam is ``torch.optim.Adam``'s own foreach seq
 value is computed out of place and committed with ``torch.where(found_inf != 0, old, new)``, which keeps
 old values bit for bit even when the new ones are NaN. ``host_branch`` overrides the choice, per call or
 for a block (:func:`masked_commits`): tests exercise the masked path on CPU.
+
+Fast CPU path (no compiler needed): when the caller hands over the step counter (``fused``), CPU rows of
+contiguous fp32/fp64 tensors run Adam's elementwise math in torch's fused CPU Adam kernel
+(``torch._fused_adam_``/``torch._fused_adamw_``: one vectorized, multi-threaded pass reading g, p, m, v and
+writing p, m, v), instead of ~8 foreach passes. LAMB's stage 1 *is* that Adam update direction when grad
+averaging is on and there is no L2 term: the kernel runs with lr = 1 on a zeroed scratch buffer standing in
+for the param, which leaves ``-(m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`` there; the decoupled decay, the
+per-tensor norms and ``p += ratio * buf`` follow, batch by batch (~1M elements, so the batch's p and buffer
+are still in cache for the norms and the update). The kernel computes its bias corrections from the step
+counter in float64 (``1 - beta**t``) exactly as ``functional.py`` does; the path is taken only where they
+agree with ``hp64`` (else bias correction is off) and ``beta3 == 1 - beta1``. It is never given
+``grad_scale``: torch's CPU kernel writes the unscaled grads back into ``grad`` (fp16kit leaves grads
+untouched), so a loss scale or clip is applied to a scaled copy first. Rounding differs from the foreach
+sequence by a few fp32 roundings (``sqrt(v) / sqrt(bc2)`` for ``sqrt(v / bc2)``, ``m * (1 / bc1)`` for
+``m / bc1``), inside the ulp budgets of ``tests/optim/optim_helpers.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["adam_", "lamb_", "masked_commits"]
+__all__ = ["FusedAdamArgs", "adam_", "lamb_", "masked_commits"]
+
+
+class FusedAdamArgs(NamedTuple):
+    """What torch's fused CPU Adam kernel needs beyond the ``hp`` tensor: the (already advanced) step counter
+    it derives the bias corrections from, and the float64 hyper-parameters (``hp`` may be rounded to fp32)."""
+
+    step: torch.Tensor
+    hp64: torch.Tensor
+
+
+# Elements per batch of LAMB's fused path: p and the update buffer of a batch (8 MiB in fp32) stay in the
+# caches between the kernel, the norms and the final update.
+_BATCH = 1 << 20
+_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 _forced_host_branch: list[bool] = []
 
@@ -97,8 +128,10 @@ def lamb_(
     decoupled: bool,
     trust: bool,
     host_branch: bool | None = None,
+    fused: FusedAdamArgs | None = None,
 ) -> None:
-    """Both LAMB stages (see ``lamb_kernel.py`` for the math); ``models[i]`` may be None."""
+    """Both LAMB stages (see ``lamb_kernel.py`` for the math); ``models[i]`` may be None. ``fused`` enables
+    the fast CPU path (module docstring)."""
     if not params:
         return
     skip = _skip(found_inf, host_branch)
@@ -106,7 +139,7 @@ def lamb_(
         return
     if skip is False:
         modes = {"l2_mode": l2_mode, "decoupled": decoupled, "trust": trust}
-        _lamb_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, **modes)
+        _lamb_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, **modes, fused=fused)
         return
     lr, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = hp.unbind()
     p = _math(params, hp.dtype)  # may alias the params: only out-of-place ops on it
@@ -150,10 +183,12 @@ def _lamb_host(
     l2_mode: bool,
     decoupled: bool,
     trust: bool,
+    fused: FusedAdamArgs | None = None,
 ) -> None:
     """LAMB when the skip was decided on the host (CPU): in place, host-number hyper-parameters (reading a
     CPU tensor costs no sync), no copy of the grads when there is nothing to unscale or clip: ~13 passes and
-    two temporaries instead of ~22 passes and seven."""
+    two temporaries instead of ~22 passes and seven; with ``fused`` and where it applies, torch's fused Adam
+    kernel for stage 1 (module docstring): ~4 passes."""
     lr, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = hp.tolist()
     p = _math(params, hp.dtype)
     g = _math(grads, hp.dtype)  # read only
@@ -161,6 +196,10 @@ def _lamb_host(
         g = torch._foreach_mul(g, inv_scale)
         if clip != 1.0:
             torch._foreach_div_(g, clip)
+    if fused is not None and not l2_mode and _fused_takes(fused, p, g, exp_avgs, exp_avg_sqs, lamb=True):
+        _lamb_fused(p, g, exp_avgs, exp_avg_sqs, fused, lr=lr, wd=wd if decoupled else 0.0, trust=trust)
+        _write_params(params, models, p, False)
+        return
     if l2_mode:
         g = torch._foreach_add(g, p, alpha=wd)
     m, v = list(exp_avgs), list(exp_avg_sqs)
@@ -210,15 +249,18 @@ def adam_(
     l2_mode: bool,
     decoupled: bool,
     host_branch: bool | None = None,
+    fused: FusedAdamArgs | None = None,
 ) -> None:
-    """One Adam/AdamW step (see ``adam_kernel.py`` for the math); ``models[i]`` may be None."""
+    """One Adam/AdamW step (see ``adam_kernel.py`` for the math); ``models[i]`` may be None. ``fused``
+    enables the fast CPU path (module docstring)."""
     if not params:
         return
     skip = _skip(found_inf, host_branch)
     if skip is True:
         return
     if skip is False:
-        _adam_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, l2_mode=l2_mode, decoupled=decoupled)
+        modes = {"l2_mode": l2_mode, "decoupled": decoupled}
+        _adam_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, **modes, fused=fused)
         return
     _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = hp.unbind()
     p = _math(params, hp.dtype)
@@ -251,14 +293,37 @@ def _adam_host(
     *,
     l2_mode: bool,
     decoupled: bool,
+    fused: FusedAdamArgs | None = None,
 ) -> None:
     """Adam when the skip was decided on the host (CPU): ``torch.optim.Adam``'s own foreach sequence, in place,
-    with the hyper-parameters as host numbers (reading a CPU tensor costs no sync): 8 passes, 1 temporary."""
+    with the hyper-parameters as host numbers (reading a CPU tensor costs no sync): 8 passes, 1 temporary;
+    with ``fused`` and where it applies, torch's fused Adam kernel: one pass (module docstring)."""
     _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = hp.tolist()
     p = _math(params, hp.dtype)
     g = _math(grads, hp.dtype)
     if inv_scale != 1.0:
         g = torch._foreach_mul(g, inv_scale)
+    if fused is not None and _fused_takes(fused, p, g, exp_avgs, exp_avg_sqs, lamb=False):
+        lr64, beta1_64, beta2_64, _, _, eps64, wd64 = fused.hp64.tolist()[:7]
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        kernel(
+            p,
+            g,
+            list(exp_avgs),
+            list(exp_avg_sqs),
+            [],
+            [fused.step] * len(p),
+            lr=lr64,
+            beta1=beta1_64,
+            beta2=beta2_64,
+            weight_decay=wd64 if (decoupled or l2_mode) else 0.0,
+            eps=eps64,
+            amsgrad=False,
+            maximize=False,
+        )
+        bump_versions(p, exp_avgs, exp_avg_sqs)
+        _write_params(params, models, p, False)
+        return
     if l2_mode:
         g = torch._foreach_add(g, p, alpha=wd)
     torch._foreach_lerp_(list(exp_avgs), g, one_minus_beta1)
@@ -271,3 +336,120 @@ def _adam_host(
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(p, list(exp_avgs), denom, neg_step_size)
     _write_params(params, models, p, False)
+
+
+def _fused_takes(
+    fused: FusedAdamArgs,
+    p: Sequence[torch.Tensor],
+    g: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    lamb: bool,
+) -> bool:
+    """Whether torch's fused CPU Adam kernel computes exactly this step's math: CPU, one fp32/fp64 dtype,
+    contiguous (the kernel walks raw memory), bias corrections equal to ``1 - beta**t`` from the step counter
+    as the kernel derives them, and for LAMB ``beta3 == 1 - beta1`` (grad averaging)."""
+    hp = fused.hp64.tolist()
+    beta1, beta2 = hp[1], hp[2]
+    if lamb:
+        bc1, bc2 = hp[7], hp[8]
+        if hp[3] != 1.0 - beta1:
+            return False
+    else:
+        bc1, bc2 = -hp[0] / hp[7] if hp[7] else math.nan, hp[8] ** 2
+    t = float(fused.step.reshape(()))
+    if not (t >= 1 and t == int(t)) or fused.step.device.type != "cpu":
+        return False
+    want1, want2 = 1.0 - beta1 ** int(t), 1.0 - beta2 ** int(t)
+    if lamb and (bc1 != want1 or bc2 != want2):
+        return False
+    if not lamb and not (math.isclose(bc1, want1, rel_tol=1e-12) and math.isclose(bc2, want2, rel_tol=1e-12)):
+        return False
+    dtype = p[0].dtype
+    if p[0].device.type != "cpu" or dtype not in (torch.float32, torch.float64):
+        return False
+    return all(
+        t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+        for lst in (p, g, exp_avgs, exp_avg_sqs)
+        for t in lst
+    )
+
+
+def bump_versions(*lists: Sequence[torch.Tensor | None]) -> None:
+    """Bump ``_version`` of tensors written through raw addresses (a Triton kernel, torch's fused Adam
+    kernel; torch's in-place ops do it themselves): autograd then detects a modified saved tensor, and
+    autocast's weight cache a new weight. ``None`` entries are ignored; a spurious bump is harmless."""
+    torch.autograd.graph.increment_version([t for lst in lists for t in lst if t is not None])
+
+
+def _batches(p: Sequence[torch.Tensor]) -> Iterator[list[int]]:
+    """Consecutive index runs of at most ``_BATCH`` elements (a larger tensor alone)."""
+    run: list[int] = []
+    size = 0
+    for i, t in enumerate(p):
+        if run and size + t.numel() > _BATCH:
+            yield run
+            run, size = [], 0
+        run.append(i)
+        size += t.numel()
+    if run:
+        yield run
+
+
+def _scratch_views(rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Zeroed buffers shaped like ``rows``, views of one module-level scratch tensor per (device, dtype) that
+    grows to the largest batch seen (so no allocation, and no page faults, per step)."""
+    need = sum(t.numel() for t in rows)
+    key = (rows[0].device, rows[0].dtype)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < need:
+        buf = _scratch[key] = torch.empty(max(need, 1), dtype=rows[0].dtype, device=rows[0].device)
+    out, offset = [], 0
+    for t in rows:
+        out.append(buf[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    torch._foreach_zero_(out)
+    return out
+
+
+def _lamb_fused(
+    p: list[torch.Tensor],
+    g: list[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    fused: FusedAdamArgs,
+    *,
+    lr: float,
+    wd: float,
+    trust: bool,
+) -> None:
+    """LAMB stage 1 in torch's fused Adam kernel, then the trust ratio and the update, batch by batch:
+    ``buf = 0 - (1 / bc1) m / (sqrt(v) / sqrt(bc2) + eps)`` (= -u without decay), ``buf -= wd p``,
+    ``p += ratio * buf`` with ``ratio = lr |p| / |buf|`` (``|buf| = |u|``) or ``lr``."""
+    _, beta1, beta2, _, _, eps, *_ = fused.hp64.tolist()
+    for rows in _batches(p):
+        pb = [p[i] for i in rows]
+        buf = _scratch_views(pb)
+        torch._fused_adam_(
+            buf,
+            [g[i] for i in rows],
+            [exp_avgs[i] for i in rows],
+            [exp_avg_sqs[i] for i in rows],
+            [],
+            [fused.step] * len(rows),
+            lr=1.0,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=0.0,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+        )
+        bump_versions([exp_avgs[i] for i in rows], [exp_avg_sqs[i] for i in rows])
+        if wd != 0.0:
+            torch._foreach_add_(buf, pb, alpha=-wd)
+        ratios = _trust_ratios(pb, buf, lr, trust)
+        ratios = [float(r) for r in ratios] if isinstance(ratios, list) else [float(ratios)] * len(pb)
+        for q, b, r in zip(pb, buf, ratios):
+            q.add_(b, alpha=r)

@@ -114,9 +114,11 @@ def _foreach_check_and_norm(
         chosen = [grads[i] for i in rows]
         math = F64 if chosen[0].dtype == F64 or chosen[0].device.type != "cpu" else torch.float32
         norms = torch.stack(torch._foreach_norm(chosen, 2, dtype=math)).to(F64)
-        largest = torch.stack(torch._foreach_norm(chosen, float("inf"))).to(F64)
-        if math is torch.float32:
+        if math is torch.float32:  # CPU: one read of the grads (see _max_norms)
+            largest = _max_norms(chosen, norms, inv_scale64)
             norms = _repair_fp32_norms(chosen, norms, largest)
+        else:
+            largest = torch.stack(torch._foreach_norm(chosen, float("inf"))).to(F64)
         sumsq.append(norms.square().sum())
         amax.append(largest.max())
     inv = inv_scale64.reshape(())
@@ -129,6 +131,25 @@ def _foreach_check_and_norm(
 # Below this magnitude the squares of an fp32 tensor's elements are subnormal or flush to zero, so its fp32
 # sum of squares loses bits or vanishes; above fp32's range (a norm > ~1.8e19) the sum of squares is inf.
 _TINY_FOR_FP32_SQUARES = 2.0**-60
+
+
+def _max_norms(chosen: Sequence[torch.Tensor], norms: torch.Tensor, inv_scale64: torch.Tensor) -> torch.Tensor:
+    """CPU, fp32 math: per-tensor max-norms where the caller needs them, the 2-norms as stand-ins elsewhere,
+    so the grads are read once instead of twice. The max-norm is read (a second pass over that tensor only)
+    where the 2-norm is not finite, where ``norm * inv_scale > 2**127`` (the scaled max might overflow), or
+    where ``norm <= 2 sqrt(n) * _TINY_FOR_FP32_SQUARES`` (the max might be below the tiny threshold). For the
+    other tensors ``max <= norm`` (up to rounding, which the 2**127 margin absorbs) and ``max >= tiny``, so
+    ``_repair_fp32_norms`` and the inf/NaN flag decide exactly as with the true max-norms."""
+    numel = torch.tensor([t.numel() for t in chosen], dtype=F64)
+    tiny = 2.0 * numel.sqrt() * _TINY_FOR_FP32_SQUARES
+    inv = float(inv_scale64.reshape(()))
+    suspect = ~torch.isfinite(norms) | (norms * inv > 2.0**127) | (norms <= tiny)
+    redo = suspect.nonzero().flatten().tolist()
+    if not redo:
+        return norms
+    largest = norms.clone()
+    largest[redo] = torch.stack(torch._foreach_norm([chosen[i] for i in redo], float("inf"))).to(F64)
+    return largest
 
 
 def _repair_fp32_norms(chosen: Sequence[torch.Tensor], norms: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
@@ -261,11 +282,8 @@ def _pick(tensors: Sequence, rows: list[int]) -> list:
     return [tensors[i] for i in rows]
 
 
-def _bump_versions(*lists: Sequence[torch.Tensor | None]) -> None:
-    """Bump ``_version`` of tensors a kernel wrote through raw addresses (torch's in-place ops do it
-    themselves): autograd then detects a modified saved tensor, and autocast's weight cache a new weight.
-    Done whether or not ``found_inf`` skipped the write on the device: a spurious bump is harmless."""
-    torch.autograd.graph.increment_version([t for lst in lists for t in lst if t is not None])
+# Done whether or not ``found_inf`` skipped the write on the device: a spurious bump is harmless.
+_bump_versions = fallback.bump_versions
 
 
 def _dispatch(
@@ -278,9 +296,11 @@ def _dispatch(
     hp64: torch.Tensor,
     found_inf: torch.Tensor,
     modes: dict[str, bool],
+    step: torch.Tensor | None,
 ) -> None:
     """Run ``kind`` ("lamb" or "adam") on the kernel rows (one launch set per dtype combination) and the
-    fallback rows (per math dtype)."""
+    fallback rows (per math dtype). ``step`` (the counter ``hp64`` was derived from) lets the CPU fallback
+    hand the Adam math to torch's fused CPU Adam kernel (``optim_fallback.py``)."""
     if not params:
         return
     kernel_groups, rest_groups = _split_rows(params[0].device, params, grads, exp_avgs, exp_avg_sqs, models)
@@ -305,7 +325,8 @@ def _dispatch(
             _cpu_native.lamb_(*lists, hp, flag, **modes)
             _bump_versions(lists[0], lists[2], lists[3], [])
             continue
-        step_fn(*lists, _pick(models, rows), hp, flag, **modes)
+        fused = None if step is None else fallback.FusedAdamArgs(step, hp64)
+        step_fn(*lists, _pick(models, rows), hp, flag, **modes, fused=fused)
 
 
 def lamb_update(
@@ -320,14 +341,16 @@ def lamb_update(
     weight_decay: float,
     adam_w_mode: bool,
     use_nvlamb: bool,
+    step: torch.Tensor | None = None,
 ) -> None:
-    """Stages 1 and 2 for one group (validated lists, one device); a no-op on the device when found_inf is set."""
+    """Stages 1 and 2 for one group (validated lists, one device); a no-op on the device when found_inf is set.
+    ``step``: the counter ``hp64`` was built from (optional; it enables the fast CPU path)."""
     modes = {
         "l2_mode": not adam_w_mode and weight_decay != 0,
         "decoupled": adam_w_mode and weight_decay != 0,
         "trust": use_nvlamb or weight_decay != 0,
     }
-    _dispatch("lamb", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes)
+    _dispatch("lamb", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step)
 
 
 def adam_update(
@@ -341,10 +364,12 @@ def adam_update(
     *,
     weight_decay: float,
     adam_w_mode: bool,
+    step: torch.Tensor | None = None,
 ) -> None:
-    """The Adam pass for one group (validated lists, one device); a no-op on the device when found_inf is set."""
+    """The Adam pass for one group (validated lists, one device); a no-op on the device when found_inf is set.
+    ``step``: the counter ``hp64`` was built from (optional; it enables the fast CPU path)."""
     modes = {"l2_mode": not adam_w_mode and weight_decay != 0, "decoupled": adam_w_mode and weight_decay != 0}
-    _dispatch("adam", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes)
+    _dispatch("adam", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -492,6 +517,7 @@ def lamb_step_(
         weight_decay=float(weight_decay),
         adam_w_mode=adam_w_mode,
         use_nvlamb=use_nvlamb,
+        step=step,
     )
     return flag
 
@@ -557,5 +583,6 @@ def adam_step_(
         skip,
         weight_decay=float(weight_decay),
         adam_w_mode=adam_w_mode,
+        step=step,
     )
     return flag
