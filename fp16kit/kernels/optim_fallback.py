@@ -191,15 +191,16 @@ def _lamb_host(
     kernel for stage 1 (module docstring): ~4 passes."""
     lr, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = hp.tolist()
     p = _math(params, hp.dtype)
+    if fused is not None and not l2_mode and _fused_takes(fused, p, exp_avgs, exp_avg_sqs, lamb=True):
+        scaling = (inv_scale, clip)
+        _lamb_fused(p, grads, exp_avgs, exp_avg_sqs, fused, scaling, lr=lr, wd=wd if decoupled else 0.0, trust=trust)
+        _write_params(params, models, p, False)
+        return
     g = _math(grads, hp.dtype)  # read only
     if inv_scale != 1.0 or clip != 1.0:
         g = torch._foreach_mul(g, inv_scale)
         if clip != 1.0:
             torch._foreach_div_(g, clip)
-    if fused is not None and not l2_mode and _fused_takes(fused, p, g, exp_avgs, exp_avg_sqs, lamb=True):
-        _lamb_fused(p, g, exp_avgs, exp_avg_sqs, fused, lr=lr, wd=wd if decoupled else 0.0, trust=trust)
-        _write_params(params, models, p, False)
-        return
     if l2_mode:
         g = torch._foreach_add(g, p, alpha=wd)
     m, v = list(exp_avgs), list(exp_avg_sqs)
@@ -300,30 +301,13 @@ def _adam_host(
     with ``fused`` and where it applies, torch's fused Adam kernel: one pass (module docstring)."""
     _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = hp.tolist()
     p = _math(params, hp.dtype)
+    if fused is not None and _fused_takes(fused, p, exp_avgs, exp_avg_sqs, lamb=False):
+        _adam_fused(p, grads, exp_avgs, exp_avg_sqs, fused, inv_scale, l2_mode=l2_mode, decoupled=decoupled)
+        _write_params(params, models, p, False)
+        return
     g = _math(grads, hp.dtype)
     if inv_scale != 1.0:
         g = torch._foreach_mul(g, inv_scale)
-    if fused is not None and _fused_takes(fused, p, g, exp_avgs, exp_avg_sqs, lamb=False):
-        lr64, beta1_64, beta2_64, _, _, eps64, wd64 = fused.hp64.tolist()[:7]
-        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-        kernel(
-            p,
-            g,
-            list(exp_avgs),
-            list(exp_avg_sqs),
-            [],
-            [fused.step] * len(p),
-            lr=lr64,
-            beta1=beta1_64,
-            beta2=beta2_64,
-            weight_decay=wd64 if (decoupled or l2_mode) else 0.0,
-            eps=eps64,
-            amsgrad=False,
-            maximize=False,
-        )
-        bump_versions(p, exp_avgs, exp_avg_sqs)
-        _write_params(params, models, p, False)
-        return
     if l2_mode:
         g = torch._foreach_add(g, p, alpha=wd)
     torch._foreach_lerp_(list(exp_avgs), g, one_minus_beta1)
@@ -341,15 +325,15 @@ def _adam_host(
 def _fused_takes(
     fused: FusedAdamArgs,
     p: Sequence[torch.Tensor],
-    g: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     *,
     lamb: bool,
 ) -> bool:
-    """Whether torch's fused CPU Adam kernel computes exactly this step's math: CPU, one fp32/fp64 dtype,
-    contiguous (the kernel walks raw memory), bias corrections equal to ``1 - beta**t`` from the step counter
-    as the kernel derives them, and for LAMB ``beta3 == 1 - beta1`` (grad averaging)."""
+    """Whether torch's fused CPU Adam kernel computes exactly this step's math: CPU, params and moments of
+    one fp32/fp64 dtype, contiguous (the kernel walks raw memory; grads of other layouts or dtypes are copied
+    into a contiguous scratch buffer), bias corrections equal to ``1 - beta**t`` from the step counter as the
+    kernel derives them, and for LAMB ``beta3 == 1 - beta1`` (grad averaging)."""
     hp = fused.hp64.tolist()
     beta1, beta2 = hp[1], hp[2]
     if lamb:
@@ -371,7 +355,7 @@ def _fused_takes(
         return False
     return all(
         t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
-        for lst in (p, g, exp_avgs, exp_avg_sqs)
+        for lst in (p, exp_avgs, exp_avg_sqs)
         for t in lst
     )
 
@@ -397,58 +381,93 @@ def _batches(p: Sequence[torch.Tensor]) -> Iterator[list[int]]:
         yield run
 
 
-def _scratch_views(rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Zeroed buffers shaped like ``rows``, views of one module-level scratch tensor per (device, dtype) that
-    grows to the largest batch seen (so no allocation, and no page faults, per step)."""
+def _scratch_views(name: str, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Buffers shaped like ``rows`` (uninitialized), views of one module-level scratch tensor per (name,
+    device, dtype) that grows to the largest batch seen: no allocation, and no page faults, per step."""
     need = sum(t.numel() for t in rows)
-    key = (rows[0].device, rows[0].dtype)
+    key = (name, rows[0].device, rows[0].dtype)
     buf = _scratch.get(key)
     if buf is None or buf.numel() < need:
-        buf = _scratch[key] = torch.empty(max(need, 1), dtype=rows[0].dtype, device=rows[0].device)
+        buf = _scratch[key] = torch.empty(max(need, _BATCH), dtype=rows[0].dtype, device=rows[0].device)
     out, offset = [], 0
     for t in rows:
         out.append(buf[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
-    torch._foreach_zero_(out)
     return out
+
+
+def _grads_for(pb: list[torch.Tensor], grads: list[torch.Tensor], inv_scale: float, clip: float) -> list[torch.Tensor]:
+    """The kernel's grads for one batch: the caller's own where nothing is to be done (the kernel only reads
+    them), else ``(g * inv_scale) / clip`` in the math dtype, computed in a scratch buffer (in cache) with
+    the roundings of the foreach path (``_foreach_mul`` then ``_foreach_div``)."""
+    if inv_scale == 1.0 and clip == 1.0 and all(g.dtype == q.dtype and g.is_contiguous() for g, q in zip(grads, pb)):
+        return grads
+    out = _scratch_views("grad", pb)
+    for dst, g in zip(out, grads):
+        dst.copy_(g)  # exact: a widening conversion or a plain copy
+    if inv_scale != 1.0:
+        torch._foreach_mul_(out, inv_scale)
+    if clip != 1.0:
+        torch._foreach_div_(out, clip)
+    return out
+
+
+def _adam_fused(
+    p: list[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    fused: FusedAdamArgs,
+    inv_scale: float,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+) -> None:
+    """Adam/AdamW in torch's fused CPU kernel (``p`` contiguous, in place), batch by batch."""
+    lr, beta1, beta2, _, _, eps, wd = fused.hp64.tolist()[:7]
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    for rows in _batches(p):
+        pb, mb, vb = [p[i] for i in rows], [exp_avgs[i] for i in rows], [exp_avg_sqs[i] for i in rows]
+        gb = _grads_for(pb, [grads[i] for i in rows], inv_scale, 1.0)
+        kernel(
+            pb, gb, mb, vb, [], [fused.step] * len(rows),
+            lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd if (decoupled or l2_mode) else 0.0, eps=eps,
+            amsgrad=False, maximize=False,
+        )  # fmt: skip
+        bump_versions(pb, mb, vb)
 
 
 def _lamb_fused(
     p: list[torch.Tensor],
-    g: list[torch.Tensor],
+    grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     fused: FusedAdamArgs,
+    scaling: tuple[float, float],
     *,
     lr: float,
     wd: float,
     trust: bool,
 ) -> None:
     """LAMB stage 1 in torch's fused Adam kernel, then the trust ratio and the update, batch by batch:
-    ``buf = 0 - (1 / bc1) m / (sqrt(v) / sqrt(bc2) + eps)`` (= -u without decay), ``buf -= wd p``,
-    ``p += ratio * buf`` with ``ratio = lr |p| / |buf|`` (``|buf| = |u|``) or ``lr``."""
+    ``buf = -wd p`` (or 0), ``buf -= (1 / bc1) m / (sqrt(v) / sqrt(bc2) + eps)`` (the kernel with lr = 1 and
+    ``buf`` as its param), so ``buf = -u``; then ``p += ratio * buf`` with ``ratio = lr |p| / |buf|``
+    (``|buf| = |u|``) or ``lr``. ``scaling = (inv_scale, clip)``."""
     _, beta1, beta2, _, _, eps, *_ = fused.hp64.tolist()
     for rows in _batches(p):
-        pb = [p[i] for i in rows]
-        buf = _scratch_views(pb)
-        torch._fused_adam_(
-            buf,
-            [g[i] for i in rows],
-            [exp_avgs[i] for i in rows],
-            [exp_avg_sqs[i] for i in rows],
-            [],
-            [fused.step] * len(rows),
-            lr=1.0,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=0.0,
-            eps=eps,
-            amsgrad=False,
-            maximize=False,
-        )
-        bump_versions([exp_avgs[i] for i in rows], [exp_avg_sqs[i] for i in rows])
+        pb, mb, vb = [p[i] for i in rows], [exp_avgs[i] for i in rows], [exp_avg_sqs[i] for i in rows]
+        gb = _grads_for(pb, [grads[i] for i in rows], *scaling)
+        buf = _scratch_views("update", pb)
         if wd != 0.0:
-            torch._foreach_add_(buf, pb, alpha=-wd)
+            for b, q in zip(buf, pb):
+                torch.mul(q, -wd, out=b)
+        else:
+            torch._foreach_zero_(buf)
+        torch._fused_adam_(
+            buf, gb, mb, vb, [], [fused.step] * len(rows),
+            lr=1.0, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+        )  # fmt: skip
+        bump_versions(mb, vb)
         ratios = _trust_ratios(pb, buf, lr, trust)
         ratios = [float(r) for r in ratios] if isinstance(ratios, list) else [float(ratios)] * len(pb)
         for q, b, r in zip(pb, buf, ratios):
