@@ -403,12 +403,19 @@ def _grads_for(pb: list[torch.Tensor], grads: list[torch.Tensor], inv_scale: flo
     if inv_scale == 1.0 and clip == 1.0 and all(g.dtype == q.dtype and g.is_contiguous() for g, q in zip(grads, pb)):
         return grads
     out = _scratch_views("grad", pb)
+    # One op per tensor where the dtypes agree (each op over a large tensor is a parallel region, and on a
+    # loaded machine waking the worker threads costs more than the pass itself).
     for dst, g in zip(out, grads):
-        dst.copy_(g)  # exact: a widening conversion or a plain copy
-    if inv_scale != 1.0:
-        torch._foreach_mul_(out, inv_scale)
-    if clip != 1.0:
-        torch._foreach_div_(out, clip)
+        if g.dtype != dst.dtype:
+            dst.copy_(g)  # exact widening conversion
+            g = dst
+        if inv_scale != 1.0:
+            torch.mul(g, inv_scale, out=dst)
+            g = dst
+        if clip != 1.0:
+            torch.div(g, clip, out=dst)
+        elif g is not dst:
+            dst.copy_(g)
     return out
 
 
