@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["FusedAdamArgs", "adam_", "lamb_", "masked_commits"]
+__all__ = ["FusedAdamArgs", "adam_", "foreach_only", "lamb_", "masked_commits"]
 
 
 class FusedAdamArgs(NamedTuple):
@@ -64,6 +64,20 @@ def masked_commits() -> Iterator[None]:
         yield
     finally:
         _forced_host_branch.pop()
+
+
+_foreach_only: list[bool] = []
+
+
+@contextlib.contextmanager
+def foreach_only() -> Iterator[None]:
+    """Within the block, the CPU host path never uses torch's fused Adam kernel (the foreach sequence only):
+    for benchmarks (the path before the fast one) and tests that compare the two."""
+    _foreach_only.append(True)
+    try:
+        yield
+    finally:
+        _foreach_only.pop()
 
 
 def _skip(found_inf: torch.Tensor, host_branch: bool | None) -> bool | torch.Tensor:
@@ -334,6 +348,8 @@ def _fused_takes(
     one fp32/fp64 dtype, contiguous (the kernel walks raw memory; grads of other layouts or dtypes are copied
     into a contiguous scratch buffer), bias corrections equal to ``1 - beta**t`` from the step counter as the
     kernel derives them, and for LAMB ``beta3 == 1 - beta1`` (grad averaging)."""
+    if _foreach_only:
+        return False
     hp = fused.hp64.tolist()
     beta1, beta2 = hp[1], hp[2]
     if lamb:
