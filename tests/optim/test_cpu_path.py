@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from optim_helpers import adam_step_and_check, lamb_step_and_check, make_params, set_grads
 
 from fp16kit.kernels import optim_fallback, use_backend
-from fp16kit.optim import FusedAdam, FusedLAMB
+from fp16kit.optim import FusedAdam, FusedLAMB, _cpu_native
 from fp16kit.optim import functional as F
 
 SHAPES = st.lists(st.sampled_from([(1,), (9,), (4, 4), (2, 3, 5), (64,), (300,)]), min_size=1, max_size=4)
@@ -182,3 +183,37 @@ def test_one_read_norm_equals_two_read_norm(lists, inv, monkeypatch):
     assert torch.equal(flag_one, flag_two)
     if not bool(flag_two):
         assert torch.equal(norm_one, norm_two), (norm_one, norm_two)
+
+
+def test_native_build_never_stalls_a_step(monkeypatch):
+    """FP16KIT_CPU_NATIVE=1 (enabled, not built): steps take the torch path while the build runs in a thread."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def slow_compile():
+        started.set()
+        release.wait(30)
+        _cpu_native._build["error"] = RuntimeError("no compiler in this test")
+
+    monkeypatch.setattr(_cpu_native, "_compile", slow_compile)
+    monkeypatch.setattr(_cpu_native, "_module", None)
+    monkeypatch.setattr(_cpu_native, "_state", {"enabled": True})
+    monkeypatch.setattr(_cpu_native, "_build", {"thread": None, "error": None})
+    params = make_params([(8,), (3, 4)], torch.float32, 3)
+    opt = FusedLAMB(two_groups(params))
+    try:
+        with kernel_calls() as calls:
+            lamb_step_and_check(opt)  # would block here if the build ran in the caller's thread
+        assert started.wait(10) and calls, "the step did not go on on the torch path during the build"
+    finally:
+        release.set()
+        _cpu_native._build["thread"].join(30)
+    with pytest.warns(UserWarning, match="native CPU LAMB unavailable"):
+        assert not _cpu_native.enabled()
+
+
+def test_native_build_name_is_keyed_by_cpu_features(monkeypatch):
+    name = _cpu_native.build_name()
+    monkeypatch.setattr(_cpu_native, "cpu_features", lambda: "x86_64|other cpu|avx avx2 avx512f")
+    assert _cpu_native.build_name() != name
+    assert _cpu_native.build_name().startswith("fp16kit_cpu_lamb_v")
