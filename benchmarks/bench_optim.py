@@ -312,15 +312,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="BERT-base-shaped only, fewer rounds")
     ap.add_argument("--native", action="store_true", help="also build and measure the native CPU LAMB kernel")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "optim.md"))
     args = ap.parse_args()
     rounds = args.rounds or (5 if args.quick else 15)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lines = [
         "# Optimizer step benchmark (fp16kit.optim)",
         "",
         f"Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} CPU threads; command: `python benchmarks/bench_optim.py"
-        f"{' --quick' if args.quick else ''}{' --native' if args.native else ''}`.",
+        f"{' --quick' if args.quick else ''}{' --native' if args.native else ''}"
+        f"{f' --threads {args.threads}' if args.threads else ''}`.",
         "apex FusedLAMB is measured only where apex imports (it needs a CUDA build; not on CPU-only machines).",
         "",
     ]
