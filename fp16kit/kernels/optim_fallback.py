@@ -37,7 +37,11 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["FusedAdamArgs", "adam_", "foreach_only", "lamb_", "masked_commits"]
+from ._table import group_by
+
+__all__ = ["FusedAdamArgs", "adam_", "check_and_norm", "foreach_only", "lamb_", "masked_commits"]
+
+F64 = torch.float64
 
 
 class FusedAdamArgs(NamedTuple):
@@ -78,6 +82,75 @@ def foreach_only() -> Iterator[None]:
         yield
     finally:
         _foreach_only.pop()
+
+
+def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+    """Torch fallback of the optimizers' check-and-norm pass (``fp16kit.optim.functional.check_and_norm``):
+    ``inv_scale * sqrt(sum g^2)`` (0-dim fp32) and the flag ``any(|g| * inv_scale)`` non-finite, fp32 math
+    (fp64 for fp64). Reading CPU tensors on the host here syncs nothing (the CPU has no queue).
+
+    ``|g|max * inv_scale`` overflows exactly when some ``g * inv_scale`` does (rounding is monotonic), so the
+    flag equals the kernel's; the norm differs from the norm of scaled values by at most one rounding.
+    Empty grads are left out (``_foreach_norm`` has no inf-norm of an empty tensor; they add nothing).
+    """
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=found_inf.device)
+    sumsq, amax = [], []
+    for rows in group_by([F64 if g.dtype == F64 else torch.float32 for g in grads]).values():
+        chosen = [grads[i] for i in rows]
+        math = F64 if chosen[0].dtype == F64 or chosen[0].device.type != "cpu" else torch.float32
+        norms = torch.stack(torch._foreach_norm(chosen, 2, dtype=math)).to(F64)
+        if math is torch.float32:  # CPU: one read of the grads (see _max_norms)
+            largest = _max_norms(chosen, norms, inv_scale64)
+            norms = _repair_fp32_norms(chosen, norms, largest)
+        else:
+            largest = torch.stack(torch._foreach_norm(chosen, float("inf"))).to(F64)
+        sumsq.append(norms.square().sum())
+        amax.append(largest.max())
+    inv = inv_scale64.reshape(())
+    largest = torch.stack(amax).max().float() * inv.float()
+    flag = found_inf.reshape(1)
+    torch.maximum(flag, (~torch.isfinite(largest)).float().reshape(1), out=flag)
+    return (torch.stack(sumsq).sum().sqrt() * inv).float()
+
+
+# Below this magnitude the squares of an fp32 tensor's elements are subnormal or flush to zero, so its fp32
+# sum of squares loses bits or vanishes; above fp32's range (a norm > ~1.8e19) the sum of squares is inf.
+_TINY_FOR_FP32_SQUARES = 2.0**-60
+
+
+def _max_norms(chosen: Sequence[torch.Tensor], norms: torch.Tensor, inv_scale64: torch.Tensor) -> torch.Tensor:
+    """CPU, fp32 math: per-tensor max-norms where the caller needs them, the 2-norms as stand-ins elsewhere,
+    so the grads are read once instead of twice. The max-norm is read (a second pass over that tensor only)
+    where the 2-norm is not finite, where ``norm * inv_scale > 2**127`` (the scaled max might overflow), or
+    where ``norm <= 2 sqrt(n) * _TINY_FOR_FP32_SQUARES`` (the max might be below the tiny threshold). For the
+    other tensors ``max <= norm`` (up to rounding, which the 2**127 margin absorbs) and ``max >= tiny``, so
+    ``_repair_fp32_norms`` and the inf/NaN flag decide exactly as with the true max-norms."""
+    numel = torch.tensor([t.numel() for t in chosen], dtype=F64)
+    tiny = 2.0 * numel.sqrt() * _TINY_FOR_FP32_SQUARES
+    inv = float(inv_scale64.reshape(()))
+    suspect = ~torch.isfinite(norms) | (norms * inv > 2.0**127) | (norms <= tiny)
+    redo = suspect.nonzero().flatten().tolist()
+    if not redo:
+        return norms
+    largest = norms.clone()
+    largest[redo] = torch.stack(torch._foreach_norm([chosen[i] for i in redo], float("inf"))).to(F64)
+    return largest
+
+
+def _repair_fp32_norms(chosen: Sequence[torch.Tensor], norms: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
+    """CPU only: the fp32 per-tensor norms, with the tensors whose fp32 sum of squares over- or underflowed (a
+    finite, nonzero max-norm but an inf norm, or a max-norm below ``_TINY_FOR_FP32_SQUARES``) recomputed with
+    float64 accumulation. Reading the verdict is free on the CPU; on other devices the norms are float64 from
+    the start (a memory-bound reduction there), so this never syncs a device."""
+    finite = torch.isfinite(largest) & (largest > 0)
+    redo = (finite & (~torch.isfinite(norms) | (largest < _TINY_FOR_FP32_SQUARES))).nonzero().flatten().tolist()
+    if not redo:
+        return norms
+    norms = norms.clone()
+    norms[redo] = torch.stack(torch._foreach_norm([chosen[i] for i in redo], 2, dtype=F64))
+    return norms
 
 
 def _skip(found_inf: torch.Tensor, host_branch: bool | None) -> bool | torch.Tensor:
