@@ -548,11 +548,20 @@ def _lamb_fused(
     """LAMB stage 1 in torch's fused Adam kernel, then the trust ratio and the update, batch by batch:
     ``buf = -wd p`` (or 0), ``buf -= (1 / bc1) m / (sqrt(v) / sqrt(bc2) + eps)`` (the kernel with lr = 1 and
     ``buf`` as its param), so ``buf = -u``; then ``p += ratio * buf`` with ``ratio = lr |p| / |buf|``
-    (``|buf| = |u|``) or ``lr``. ``scaling = (inv_scale, clip)``."""
-    _, beta1, beta2, _, _, eps, *_ = fused.hp64.tolist()
+    (``|buf| = |u|``). Without the trust ratio (then ``wd == 0``) the step is ``p -= lr u``: the kernel runs
+    on ``p`` itself with the learning rate, no buffer, no norms. ``scaling = (inv_scale, clip)``."""
+    lr64, beta1, beta2, _, _, eps, *_ = fused.hp64.tolist()
     for rows in _batches(p):
         pb, mb, vb = [p[i] for i in rows], [exp_avgs[i] for i in rows], [exp_avg_sqs[i] for i in rows]
         gb = _grads_for(pb, [grads[i] for i in rows], *scaling)
+        steps = [fused.step] * len(rows)
+        if not trust:
+            torch._fused_adam_(
+                pb, gb, mb, vb, [], steps,
+                lr=lr64, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+            )  # fmt: skip
+            bump_versions(pb, mb, vb)
+            continue
         buf = _scratch_views("update", pb)
         if wd != 0.0:
             for b, q in zip(buf, pb):
@@ -560,11 +569,11 @@ def _lamb_fused(
         else:
             torch._foreach_zero_(buf)
         torch._fused_adam_(
-            buf, gb, mb, vb, [], [fused.step] * len(rows),
+            buf, gb, mb, vb, [], steps,
             lr=1.0, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
         )  # fmt: skip
         bump_versions(mb, vb)
         ratios = _trust_ratios(pb, buf, lr, trust)
-        ratios = [float(r) for r in ratios] if isinstance(ratios, list) else [float(ratios)] * len(pb)
-        for q, b, r in zip(pb, buf, ratios):
+        assert isinstance(ratios, list)
+        for q, b, r in zip(pb, buf, torch.stack(ratios).tolist()):
             q.add_(b, alpha=r)
