@@ -14,7 +14,7 @@ import torch
 
 from ._checks import same_view
 
-__all__ = ["copy_", "flag_nonfinite_", "repair_fp32_norms", "scaled", "sumsq_per_tensor", "unscale"]
+__all__ = ["copy_", "flag_nonfinite_", "scaled", "sumsq_per_tensor", "unscale"]
 
 
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -147,23 +147,3 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for the whole list, except that float64 -> fp16/bf16 rounds once, correctly."""
     if dst:
         torch._foreach_copy_(list(dst), _narrowable(src, dst[0].dtype))
-
-
-# Below this magnitude the squares of an fp32 tensor's elements are subnormal or flush to zero, so its fp32
-# sum of squares loses bits or vanishes; above fp32's range (a norm > ~1.8e19) the sum of squares is inf.
-_TINY_FOR_FP32_SQUARES = 2.0**-60
-
-
-def repair_fp32_norms(chosen: Sequence[torch.Tensor], norms: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
-    """CPU only: ``norms`` (the fp32 per-tensor 2-norms of ``chosen``, widened to float64; ``largest`` their
-    max-norms), with the tensors whose fp32 sum of squares over- or underflowed (a finite, nonzero max-norm but an
-    inf norm, or a max-norm below ``_TINY_FOR_FP32_SQUARES``) recomputed with float64 accumulation. Reading the
-    verdict back is free on the CPU; on other devices ``fp16kit.optim.functional`` takes float64 norms from the
-    start (a memory-bound reduction there), so this never syncs a device."""
-    finite = torch.isfinite(largest) & (largest > 0)
-    redo = (finite & (~torch.isfinite(norms) | (largest < _TINY_FOR_FP32_SQUARES))).nonzero().flatten().tolist()
-    if not redo:
-        return norms
-    norms = norms.clone()
-    norms[redo] = torch.stack(torch._foreach_norm([chosen[i] for i in redo], 2, dtype=torch.float64))
-    return norms

@@ -11,16 +11,51 @@ hyper-parameters as host numbers; Adam is ``torch.optim.Adam``'s own foreach seq
 value is computed out of place and committed with ``torch.where(found_inf != 0, old, new)``, which keeps
 old values bit for bit even when the new ones are NaN. ``host_branch`` overrides the choice, per call or
 for a block (:func:`masked_commits`): tests exercise the masked path on CPU.
+
+Fast CPU path (no compiler needed): when the caller hands over the step counter (``fused``), CPU rows of
+contiguous fp32/fp64 tensors run Adam's elementwise math in torch's fused CPU Adam kernel
+(``torch._fused_adam_``/``torch._fused_adamw_``: one vectorized, multi-threaded pass reading g, p, m, v and
+writing p, m, v), instead of ~8 foreach passes. LAMB's stage 1 *is* that Adam update direction when grad
+averaging is on and there is no L2 term: the kernel runs with lr = 1 on a zeroed scratch buffer standing in
+for the param, which leaves ``-(m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`` there; the decoupled decay, the
+per-tensor norms and ``p += ratio * buf`` follow, batch by batch (~1M elements, so the batch's p and buffer
+are still in cache for the norms and the update). The kernel computes its bias corrections from the step
+counter in float64 (``1 - beta**t``) exactly as ``functional.py`` does; the path is taken only where they
+agree with ``hp64`` (else bias correction is off) and ``beta3 == 1 - beta1``. It is never given
+``grad_scale``: torch's CPU kernel writes the unscaled grads back into ``grad`` (fp16kit leaves grads
+untouched), so a loss scale or clip is applied to a scaled copy first. Rounding differs from the foreach
+sequence by a few fp32 roundings (``sqrt(v) / sqrt(bc2)`` for ``sqrt(v / bc2)``, ``m * (1 / bc1)`` for
+``m / bc1``), inside the ulp budgets of ``tests/optim/optim_helpers.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["adam_", "lamb_", "masked_commits"]
+from ._table import group_by
+
+__all__ = ["FusedAdamArgs", "adam_", "check_and_norm", "foreach_only", "lamb_", "masked_commits"]
+
+F64 = torch.float64
+
+
+class FusedAdamArgs(NamedTuple):
+    """What torch's fused CPU Adam kernel needs beyond the ``hp`` tensor: the (already advanced) step counter
+    it derives the bias corrections from, and the float64 hyper-parameters (``hp`` may be rounded to fp32)."""
+
+    step: torch.Tensor
+    hp64: torch.Tensor
+
+
+# Elements per batch of LAMB's fused path: p and the update buffer of a batch (8 MiB in fp32) stay in the
+# caches between the kernel, the norms and the final update.
+_BATCH = 1 << 20
+_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 _forced_host_branch: list[bool] = []
 
@@ -33,6 +68,89 @@ def masked_commits() -> Iterator[None]:
         yield
     finally:
         _forced_host_branch.pop()
+
+
+_foreach_only: list[bool] = []
+
+
+@contextlib.contextmanager
+def foreach_only() -> Iterator[None]:
+    """Within the block, the CPU host path never uses torch's fused Adam kernel (the foreach sequence only):
+    for benchmarks (the path before the fast one) and tests that compare the two."""
+    _foreach_only.append(True)
+    try:
+        yield
+    finally:
+        _foreach_only.pop()
+
+
+def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+    """Torch fallback of the optimizers' check-and-norm pass (``fp16kit.optim.functional.check_and_norm``):
+    ``inv_scale * sqrt(sum g^2)`` (0-dim fp32) and the flag ``any(|g| * inv_scale)`` non-finite, fp32 math
+    (fp64 for fp64). Reading CPU tensors on the host here syncs nothing (the CPU has no queue).
+
+    ``|g|max * inv_scale`` overflows exactly when some ``g * inv_scale`` does (rounding is monotonic), so the
+    flag equals the kernel's; the norm differs from the norm of scaled values by at most one rounding.
+    Empty grads are left out (``_foreach_norm`` has no inf-norm of an empty tensor; they add nothing).
+    """
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=found_inf.device)
+    sumsq, amax = [], []
+    for rows in group_by([F64 if g.dtype == F64 else torch.float32 for g in grads]).values():
+        chosen = [grads[i] for i in rows]
+        math = F64 if chosen[0].dtype == F64 or chosen[0].device.type != "cpu" else torch.float32
+        norms = torch.stack(torch._foreach_norm(chosen, 2, dtype=math)).to(F64)
+        if math is torch.float32:  # CPU: one read of the grads (see _max_norms)
+            largest = _max_norms(chosen, norms, inv_scale64)
+            norms = _repair_fp32_norms(chosen, norms, largest)
+        else:
+            largest = torch.stack(torch._foreach_norm(chosen, float("inf"))).to(F64)
+        sumsq.append(norms.square().sum())
+        amax.append(largest.max())
+    inv = inv_scale64.reshape(())
+    largest = torch.stack(amax).max().float() * inv.float()
+    flag = found_inf.reshape(1)
+    torch.maximum(flag, (~torch.isfinite(largest)).float().reshape(1), out=flag)
+    return (torch.stack(sumsq).sum().sqrt() * inv).float()
+
+
+# Below this magnitude the squares of an fp32 tensor's elements are subnormal or flush to zero, so its fp32
+# sum of squares loses bits or vanishes; above fp32's range (a norm > ~1.8e19) the sum of squares is inf.
+_TINY_FOR_FP32_SQUARES = 2.0**-60
+
+
+def _max_norms(chosen: Sequence[torch.Tensor], norms: torch.Tensor, inv_scale64: torch.Tensor) -> torch.Tensor:
+    """CPU, fp32 math: per-tensor max-norms where the caller needs them, the 2-norms as stand-ins elsewhere,
+    so the grads are read once instead of twice. The max-norm is read (a second pass over that tensor only)
+    where the 2-norm is not finite, where ``norm * inv_scale > 2**127`` (the scaled max might overflow), or
+    where ``norm <= 2 sqrt(n) * _TINY_FOR_FP32_SQUARES`` (the max might be below the tiny threshold). For the
+    other tensors ``max <= norm`` (up to rounding, which the 2**127 margin absorbs) and ``max >= tiny``, so
+    ``_repair_fp32_norms`` and the inf/NaN flag decide exactly as with the true max-norms."""
+    numel = torch.tensor([t.numel() for t in chosen], dtype=F64)
+    tiny = 2.0 * numel.sqrt() * _TINY_FOR_FP32_SQUARES
+    inv = float(inv_scale64.reshape(()))
+    suspect = ~torch.isfinite(norms) | (norms * inv > 2.0**127) | (norms <= tiny)
+    redo = suspect.nonzero().flatten().tolist()
+    if not redo:
+        return norms
+    largest = norms.clone()
+    largest[redo] = torch.stack(torch._foreach_norm([chosen[i] for i in redo], float("inf"))).to(F64)
+    return largest
+
+
+def _repair_fp32_norms(chosen: Sequence[torch.Tensor], norms: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
+    """CPU only: the fp32 per-tensor norms, with the tensors whose fp32 sum of squares over- or underflowed (a
+    finite, nonzero max-norm but an inf norm, or a max-norm below ``_TINY_FOR_FP32_SQUARES``) recomputed with
+    float64 accumulation. Reading the verdict is free on the CPU; on other devices the norms are float64 from
+    the start (a memory-bound reduction there), so this never syncs a device."""
+    finite = torch.isfinite(largest) & (largest > 0)
+    redo = (finite & (~torch.isfinite(norms) | (largest < _TINY_FOR_FP32_SQUARES))).nonzero().flatten().tolist()
+    if not redo:
+        return norms
+    norms = norms.clone()
+    norms[redo] = torch.stack(torch._foreach_norm([chosen[i] for i in redo], 2, dtype=F64))
+    return norms
 
 
 def _skip(found_inf: torch.Tensor, host_branch: bool | None) -> bool | torch.Tensor:
@@ -97,8 +215,10 @@ def lamb_(
     decoupled: bool,
     trust: bool,
     host_branch: bool | None = None,
+    fused: FusedAdamArgs | None = None,
 ) -> None:
-    """Both LAMB stages (see ``lamb_kernel.py`` for the math); ``models[i]`` may be None."""
+    """Both LAMB stages (see ``lamb_kernel.py`` for the math); ``models[i]`` may be None. ``fused`` enables
+    the fast CPU path (module docstring)."""
     if not params:
         return
     skip = _skip(found_inf, host_branch)
@@ -106,7 +226,7 @@ def lamb_(
         return
     if skip is False:
         modes = {"l2_mode": l2_mode, "decoupled": decoupled, "trust": trust}
-        _lamb_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, **modes)
+        _lamb_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, **modes, fused=fused)
         return
     lr, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = hp.unbind()
     p = _math(params, hp.dtype)  # may alias the params: only out-of-place ops on it
@@ -150,12 +270,19 @@ def _lamb_host(
     l2_mode: bool,
     decoupled: bool,
     trust: bool,
+    fused: FusedAdamArgs | None = None,
 ) -> None:
     """LAMB when the skip was decided on the host (CPU): in place, host-number hyper-parameters (reading a
     CPU tensor costs no sync), no copy of the grads when there is nothing to unscale or clip: ~13 passes and
-    two temporaries instead of ~22 passes and seven."""
+    two temporaries instead of ~22 passes and seven; with ``fused`` and where it applies, torch's fused Adam
+    kernel for stage 1 (module docstring): ~4 passes."""
     lr, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = hp.tolist()
     p = _math(params, hp.dtype)
+    if fused is not None and not l2_mode and _fused_takes(fused, p, exp_avgs, exp_avg_sqs, lamb=True):
+        scaling = (inv_scale, clip)
+        _lamb_fused(p, grads, exp_avgs, exp_avg_sqs, fused, scaling, lr=lr, wd=wd if decoupled else 0.0, trust=trust)
+        _write_params(params, models, p, False)
+        return
     g = _math(grads, hp.dtype)  # read only
     if inv_scale != 1.0 or clip != 1.0:
         g = torch._foreach_mul(g, inv_scale)
@@ -210,15 +337,18 @@ def adam_(
     l2_mode: bool,
     decoupled: bool,
     host_branch: bool | None = None,
+    fused: FusedAdamArgs | None = None,
 ) -> None:
-    """One Adam/AdamW step (see ``adam_kernel.py`` for the math); ``models[i]`` may be None."""
+    """One Adam/AdamW step (see ``adam_kernel.py`` for the math); ``models[i]`` may be None. ``fused``
+    enables the fast CPU path (module docstring)."""
     if not params:
         return
     skip = _skip(found_inf, host_branch)
     if skip is True:
         return
     if skip is False:
-        _adam_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, l2_mode=l2_mode, decoupled=decoupled)
+        modes = {"l2_mode": l2_mode, "decoupled": decoupled}
+        _adam_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, **modes, fused=fused)
         return
     _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = hp.unbind()
     p = _math(params, hp.dtype)
@@ -251,11 +381,17 @@ def _adam_host(
     *,
     l2_mode: bool,
     decoupled: bool,
+    fused: FusedAdamArgs | None = None,
 ) -> None:
     """Adam when the skip was decided on the host (CPU): ``torch.optim.Adam``'s own foreach sequence, in place,
-    with the hyper-parameters as host numbers (reading a CPU tensor costs no sync): 8 passes, 1 temporary."""
+    with the hyper-parameters as host numbers (reading a CPU tensor costs no sync): 8 passes, 1 temporary;
+    with ``fused`` and where it applies, torch's fused Adam kernel: one pass (module docstring)."""
     _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = hp.tolist()
     p = _math(params, hp.dtype)
+    if fused is not None and _fused_takes(fused, p, exp_avgs, exp_avg_sqs, lamb=False):
+        _adam_fused(p, grads, exp_avgs, exp_avg_sqs, fused, inv_scale, l2_mode=l2_mode, decoupled=decoupled)
+        _write_params(params, models, p, False)
+        return
     g = _math(grads, hp.dtype)
     if inv_scale != 1.0:
         g = torch._foreach_mul(g, inv_scale)
@@ -271,3 +407,173 @@ def _adam_host(
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(p, list(exp_avgs), denom, neg_step_size)
     _write_params(params, models, p, False)
+
+
+def _fused_takes(
+    fused: FusedAdamArgs,
+    p: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    lamb: bool,
+) -> bool:
+    """Whether torch's fused CPU Adam kernel computes exactly this step's math: CPU, params and moments of
+    one fp32/fp64 dtype, contiguous (the kernel walks raw memory; grads of other layouts or dtypes are copied
+    into a contiguous scratch buffer), bias corrections equal to ``1 - beta**t`` from the step counter as the
+    kernel derives them, and for LAMB ``beta3 == 1 - beta1`` (grad averaging)."""
+    if _foreach_only:
+        return False
+    hp = fused.hp64.tolist()
+    beta1, beta2 = hp[1], hp[2]
+    if lamb:
+        bc1, bc2 = hp[7], hp[8]
+        if hp[3] != 1.0 - beta1:
+            return False
+    else:
+        bc1, bc2 = -hp[0] / hp[7] if hp[7] else math.nan, hp[8] ** 2
+    t = float(fused.step.reshape(()))
+    if not (t >= 1 and t == int(t)) or fused.step.device.type != "cpu":
+        return False
+    want1, want2 = 1.0 - beta1 ** int(t), 1.0 - beta2 ** int(t)
+    if lamb and (bc1 != want1 or bc2 != want2):
+        return False
+    if not lamb and not (math.isclose(bc1, want1, rel_tol=1e-12) and math.isclose(bc2, want2, rel_tol=1e-12)):
+        return False
+    dtype = p[0].dtype
+    if p[0].device.type != "cpu" or dtype not in (torch.float32, torch.float64):
+        return False
+    return all(
+        t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+        for lst in (p, exp_avgs, exp_avg_sqs)
+        for t in lst
+    )
+
+
+def bump_versions(*lists: Sequence[torch.Tensor | None]) -> None:
+    """Bump ``_version`` of tensors written through raw addresses (a Triton kernel, torch's fused Adam
+    kernel; torch's in-place ops do it themselves): autograd then detects a modified saved tensor, and
+    autocast's weight cache a new weight. ``None`` entries are ignored; a spurious bump is harmless."""
+    torch.autograd.graph.increment_version([t for lst in lists for t in lst if t is not None])
+
+
+def _batches(p: Sequence[torch.Tensor]) -> Iterator[list[int]]:
+    """Consecutive index runs of at most ``_BATCH`` elements (a larger tensor alone)."""
+    run: list[int] = []
+    size = 0
+    for i, t in enumerate(p):
+        if run and size + t.numel() > _BATCH:
+            yield run
+            run, size = [], 0
+        run.append(i)
+        size += t.numel()
+    if run:
+        yield run
+
+
+def _scratch_views(name: str, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Buffers shaped like ``rows`` (uninitialized), views of one module-level scratch tensor per (name,
+    device, dtype) that grows to the largest batch seen: no allocation, and no page faults, per step."""
+    need = sum(t.numel() for t in rows)
+    key = (name, rows[0].device, rows[0].dtype)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < need:
+        buf = _scratch[key] = torch.empty(max(need, _BATCH), dtype=rows[0].dtype, device=rows[0].device)
+    out, offset = [], 0
+    for t in rows:
+        out.append(buf[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out
+
+
+def _grads_for(pb: list[torch.Tensor], grads: list[torch.Tensor], inv_scale: float, clip: float) -> list[torch.Tensor]:
+    """The kernel's grads for one batch: the caller's own where nothing is to be done (the kernel only reads
+    them), else ``(g * inv_scale) / clip`` in the math dtype, computed in a scratch buffer (in cache) with
+    the roundings of the foreach path (``_foreach_mul`` then ``_foreach_div``)."""
+    if inv_scale == 1.0 and clip == 1.0 and all(g.dtype == q.dtype and g.is_contiguous() for g, q in zip(grads, pb)):
+        return grads
+    out = _scratch_views("grad", pb)
+    # One op per tensor where the dtypes agree (each op over a large tensor is a parallel region, and on a
+    # loaded machine waking the worker threads costs more than the pass itself).
+    for dst, g in zip(out, grads):
+        if g.dtype != dst.dtype:
+            dst.copy_(g)  # exact widening conversion
+            g = dst
+        if inv_scale != 1.0:
+            torch.mul(g, inv_scale, out=dst)
+            g = dst
+        if clip != 1.0:
+            torch.div(g, clip, out=dst)
+        elif g is not dst:
+            dst.copy_(g)
+    return out
+
+
+def _adam_fused(
+    p: list[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    fused: FusedAdamArgs,
+    inv_scale: float,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+) -> None:
+    """Adam/AdamW in torch's fused CPU kernel (``p`` contiguous, in place), batch by batch."""
+    lr, beta1, beta2, _, _, eps, wd = fused.hp64.tolist()[:7]
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    for rows in _batches(p):
+        pb, mb, vb = [p[i] for i in rows], [exp_avgs[i] for i in rows], [exp_avg_sqs[i] for i in rows]
+        gb = _grads_for(pb, [grads[i] for i in rows], inv_scale, 1.0)
+        kernel(
+            pb, gb, mb, vb, [], [fused.step] * len(rows),
+            lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd if (decoupled or l2_mode) else 0.0, eps=eps,
+            amsgrad=False, maximize=False,
+        )  # fmt: skip
+        bump_versions(pb, mb, vb)
+
+
+def _lamb_fused(
+    p: list[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    fused: FusedAdamArgs,
+    scaling: tuple[float, float],
+    *,
+    lr: float,
+    wd: float,
+    trust: bool,
+) -> None:
+    """LAMB stage 1 in torch's fused Adam kernel, then the trust ratio and the update, batch by batch:
+    ``buf = -wd p`` (or 0), ``buf -= (1 / bc1) m / (sqrt(v) / sqrt(bc2) + eps)`` (the kernel with lr = 1 and
+    ``buf`` as its param), so ``buf = -u``; then ``p += ratio * buf`` with ``ratio = lr |p| / |buf|``
+    (``|buf| = |u|``). Without the trust ratio (then ``wd == 0``) the step is ``p -= lr u``: the kernel runs
+    on ``p`` itself with the learning rate, no buffer, no norms. ``scaling = (inv_scale, clip)``."""
+    lr64, beta1, beta2, _, _, eps, *_ = fused.hp64.tolist()
+    for rows in _batches(p):
+        pb, mb, vb = [p[i] for i in rows], [exp_avgs[i] for i in rows], [exp_avg_sqs[i] for i in rows]
+        gb = _grads_for(pb, [grads[i] for i in rows], *scaling)
+        steps = [fused.step] * len(rows)
+        if not trust:
+            torch._fused_adam_(
+                pb, gb, mb, vb, [], steps,
+                lr=lr64, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+            )  # fmt: skip
+            bump_versions(pb, mb, vb)
+            continue
+        buf = _scratch_views("update", pb)
+        if wd != 0.0:
+            for b, q in zip(buf, pb):
+                torch.mul(q, -wd, out=b)
+        else:
+            torch._foreach_zero_(buf)
+        torch._fused_adam_(
+            buf, gb, mb, vb, [], steps,
+            lr=1.0, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+        )  # fmt: skip
+        bump_versions(mb, vb)
+        ratios = _trust_ratios(pb, buf, lr, trust)
+        assert isinstance(ratios, list)
+        for q, b, r in zip(pb, buf, torch.stack(ratios).tolist()):
+            q.add_(b, alpha=r)

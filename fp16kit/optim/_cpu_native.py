@@ -1,7 +1,7 @@
 """Optional native CPU kernel for FusedLAMB on fp32 tensors (opt-in; built with the system C++ compiler).
 
-The torch fallback runs LAMB as ~25 ``torch._foreach_*`` ops, each a full pass over memory; on a CPU that is
-~10x slower than ``torch.optim.AdamW(fused=True)``. This module compiles (once, cached by torch in
+The torch path runs LAMB as torch's fused Adam kernel plus ~4 more per-tensor ops (~2x the time of
+``torch.optim.AdamW(fused=True)``, ``benchmarks/results/optim.md``). This module compiles (once, cached by torch in
 ``TORCH_EXTENSIONS_DIR``) a C++ version of the two LAMB stages of ``fp16kit/kernels/lamb_kernel.py``:
 the same math and the same order of fp32 operations, with 16384-element chunks of all tensors spread over
 threads by OpenMP (one parallel region per stage). It needs a C++ compiler and ninja, so it is opt-in:
@@ -10,13 +10,25 @@ threads by OpenMP (one parallel region per stage). It needs a C++ compiler and n
     fp16kit.optim._cpu_native.enable()
 
 Only contiguous fp32 params/grads/moments without a model copy take it; everything else (and every call
-when it is not enabled or failed to build) goes to the torch fallback. A set ``found_inf`` is read directly:
+when it is not enabled, not built yet, or failed to build) goes to the torch path (``optim_fallback.py``,
+itself fast on the CPU: torch's fused Adam kernel does LAMB's stage 1). A set ``found_inf`` is read directly:
 CPU tensors have no queue to drain.
+
+Measured reason for this fourth copy of the LAMB math (``docs/benchmarks.md``): it does LAMB in 2 passes
+(44 B/param) where torch ops need ~5 (~60 B/param). Two rules keep it safe to opt into:
+
+- the build is cached under a name keyed by the CPU features it was compiled for (``-march=native``): a cache
+  shared between machines (a network home, a container image) never loads code built for another CPU;
+- ``FP16KIT_CPU_NATIVE=1`` builds in a background thread on first use (~60 s) and the steps meanwhile take the
+  torch path, so no step stalls; ``enable()`` is the explicit call that waits for the build.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
+import threading
 import warnings
 from collections.abc import Sequence
 
@@ -192,34 +204,86 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
 
 _module = None
 _state = {"enabled": os.environ.get("FP16KIT_CPU_NATIVE", "0").strip().lower() in ("1", "true", "yes", "on")}
+_lock = threading.Lock()
+_build: dict[str, object] = {"thread": None, "error": None}
+
+
+def cpu_features() -> str:
+    """A stable description of the CPU features ``-march=native`` compiles for: the machine, the CPU model
+    and the sorted instruction-set flags of ``/proc/cpuinfo`` (Linux), else ``platform.processor()``."""
+    model, flags = "", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return f"{platform.machine()}|{model or platform.processor()}|{flags}"
+
+
+def build_name() -> str:
+    """The extension's cache name: source version plus a hash of :func:`cpu_features`."""
+    return "fp16kit_cpu_lamb_v15_" + hashlib.sha1(cpu_features().encode()).hexdigest()[:12]
 
 
 def enable(on: bool = True) -> bool:
-    """Switch the native CPU LAMB on (building it now if needed); returns whether it is usable."""
+    """Switch the native CPU LAMB on (building it now, and waiting, if needed); returns whether it is usable."""
     _state["enabled"] = on
-    return bool(on and _load() is not None)
+    if not on:
+        return False
+    _start_build()
+    thread = _build["thread"]
+    if isinstance(thread, threading.Thread):
+        thread.join()
+    return _ready()
 
 
 def enabled() -> bool:
-    return bool(_state["enabled"]) and _load() is not None
+    """Whether the native kernel is enabled and built (starts the background build when enabled; never waits)."""
+    if not _state["enabled"]:
+        return False
+    _start_build()
+    return _ready()
+
+
+def _ready() -> bool:
+    if _build["error"] is not None:  # report a failed background build once, from the caller's thread
+        exc, _build["error"] = _build["error"], None
+        warnings.warn(f"fp16kit: native CPU LAMB unavailable ({exc}); using the torch path.", stacklevel=3)
+        _state["enabled"] = False
+    return bool(_state["enabled"]) and _module is not None
+
+
+def _start_build() -> None:
+    with _lock:
+        if _module is not None or _build["thread"] is not None:
+            return
+        _build["thread"] = threading.Thread(target=_compile, name="fp16kit-cpu-native-build", daemon=True)
+        _build["thread"].start()
+
+
+def _compile() -> None:
+    global _module
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        _module = load_inline(
+            name=build_name(),
+            cpp_sources=_SOURCE,
+            extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", "-march=native"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler / ninja: stay on the torch path (reported by _ready)
+        _build["error"] = exc
 
 
 def _load():
-    global _module
-    if _module is None and _state["enabled"]:
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            _module = load_inline(
-                name="fp16kit_cpu_lamb_v14",
-                cpp_sources=_SOURCE,
-                extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", "-march=native"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except Exception as exc:  # no compiler / ninja: stay on the torch fallback, say so once
-            warnings.warn(f"fp16kit: native CPU LAMB unavailable ({exc}); using the torch fallback.", stacklevel=2)
-            _state["enabled"] = False
     return _module
 
 

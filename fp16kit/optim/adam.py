@@ -103,4 +103,5 @@ class FusedAdam(FusedOptimizer):
             found_inf,
             weight_decay=float(group["weight_decay"]),
             adam_w_mode=self.adam_w_mode,
+            step=step,
         )

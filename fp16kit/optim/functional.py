@@ -25,7 +25,6 @@ from collections.abc import Sequence
 
 import torch
 
-from fp16kit.kernels import fallback as kernel_fallback
 from fp16kit.kernels import l2norm, new_found_inf
 from fp16kit.kernels import optim_fallback as fallback
 from fp16kit.kernels._checks import KERNEL_DTYPES, check_flag, check_pairs, check_tensor_list, common_device
@@ -80,8 +79,8 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
     """Global L2 norm of the unscaled grads (0-dim fp32), raising ``found_inf`` on any inf/NaN.
 
     Triton backends: ``fp16kit.kernels.l2norm`` (one read of the grads). Torch backend: the native CPU pass
-    when enabled, else two ``torch._foreach_norm`` reads (2-norm and max-norm), which unlike ``l2norm``'s
-    fallback materialize no scaled copy of the grads.
+    when enabled, else ``optim_fallback.check_and_norm`` (``torch._foreach_norm``: one read on the CPU, the
+    2-norm and the max-norm elsewhere), which unlike ``l2norm``'s fallback materializes no scaled copy.
     """
     grads = [g for g in grads if g.numel()]  # empty tensors (e.g. a rank's empty FSDP shard) add nothing
     if not grads:
@@ -90,36 +89,7 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
         return l2norm(grads, pre_scale=inv_scale64.float(), found_inf=found_inf)
     if _cpu_native.takes_grads(grads):
         return _cpu_native.check_and_norm(grads, inv_scale64, found_inf)
-    return _foreach_check_and_norm(grads, inv_scale64, found_inf)
-
-
-def _foreach_check_and_norm(
-    grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor
-) -> torch.Tensor:
-    """``inv_scale * sqrt(sum g^2)`` and the flag ``any(|g| * inv_scale)`` non-finite, fp32 math (fp64 for fp64).
-
-    ``|g|max * inv_scale`` overflows exactly when some ``g * inv_scale`` does (rounding is monotonic), so the
-    flag equals the kernel's; the norm differs from the norm of scaled values by at most one rounding.
-    Empty grads are left out (``_foreach_norm`` has no inf-norm of an empty tensor; they add nothing).
-    """
-    grads = [g for g in grads if g.numel()]
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=found_inf.device)
-    sumsq, amax = [], []
-    for rows in group_by([F64 if g.dtype == F64 else torch.float32 for g in grads]).values():
-        chosen = [grads[i] for i in rows]
-        math = F64 if chosen[0].dtype == F64 or chosen[0].device.type != "cpu" else torch.float32
-        norms = torch.stack(torch._foreach_norm(chosen, 2, dtype=math)).to(F64)
-        largest = torch.stack(torch._foreach_norm(chosen, float("inf"))).to(F64)
-        if math is torch.float32:
-            norms = kernel_fallback.repair_fp32_norms(chosen, norms, largest)
-        sumsq.append(norms.square().sum())
-        amax.append(largest.max())
-    inv = inv_scale64.reshape(())
-    largest = torch.stack(amax).max().float() * inv.float()
-    flag = found_inf.reshape(1)
-    torch.maximum(flag, (~torch.isfinite(largest)).float().reshape(1), out=flag)
-    return (torch.stack(sumsq).sum().sqrt() * inv).float()
+    return fallback.check_and_norm(grads, inv_scale64, found_inf)
 
 
 def clip_factor(gnorm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
@@ -238,11 +208,8 @@ def _pick(tensors: Sequence, rows: list[int]) -> list:
     return [tensors[i] for i in rows]
 
 
-def _bump_versions(*lists: Sequence[torch.Tensor | None]) -> None:
-    """Bump ``_version`` of tensors a kernel wrote through raw addresses (torch's in-place ops do it
-    themselves): autograd then detects a modified saved tensor, and autocast's weight cache a new weight.
-    Done whether or not ``found_inf`` skipped the write on the device: a spurious bump is harmless."""
-    torch.autograd.graph.increment_version([t for lst in lists for t in lst if t is not None])
+# Done whether or not ``found_inf`` skipped the write on the device: a spurious bump is harmless.
+_bump_versions = fallback.bump_versions
 
 
 def _dispatch(
@@ -255,9 +222,11 @@ def _dispatch(
     hp64: torch.Tensor,
     found_inf: torch.Tensor,
     modes: dict[str, bool],
+    step: torch.Tensor | None,
 ) -> None:
     """Run ``kind`` ("lamb" or "adam") on the kernel rows (one launch set per dtype combination) and the
-    fallback rows (per math dtype)."""
+    fallback rows (per math dtype). ``step`` (the counter ``hp64`` was derived from) lets the CPU fallback
+    hand the Adam math to torch's fused CPU Adam kernel (``optim_fallback.py``)."""
     if not params:
         return
     kernel_groups, rest_groups = _split_rows(params[0].device, params, grads, exp_avgs, exp_avg_sqs, models)
@@ -282,7 +251,8 @@ def _dispatch(
             _cpu_native.lamb_(*lists, hp, flag, **modes)
             _bump_versions(lists[0], lists[2], lists[3], [])
             continue
-        step_fn(*lists, _pick(models, rows), hp, flag, **modes)
+        fused = None if step is None else fallback.FusedAdamArgs(step, hp64)
+        step_fn(*lists, _pick(models, rows), hp, flag, **modes, fused=fused)
 
 
 def lamb_update(
@@ -297,14 +267,16 @@ def lamb_update(
     weight_decay: float,
     adam_w_mode: bool,
     use_nvlamb: bool,
+    step: torch.Tensor | None = None,
 ) -> None:
-    """Stages 1 and 2 for one group (validated lists, one device); a no-op on the device when found_inf is set."""
+    """Stages 1 and 2 for one group (validated lists, one device); a no-op on the device when found_inf is set.
+    ``step``: the counter ``hp64`` was built from (optional; it enables the fast CPU path)."""
     modes = {
         "l2_mode": not adam_w_mode and weight_decay != 0,
         "decoupled": adam_w_mode and weight_decay != 0,
         "trust": use_nvlamb or weight_decay != 0,
     }
-    _dispatch("lamb", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes)
+    _dispatch("lamb", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step)
 
 
 def adam_update(
@@ -318,10 +290,12 @@ def adam_update(
     *,
     weight_decay: float,
     adam_w_mode: bool,
+    step: torch.Tensor | None = None,
 ) -> None:
-    """The Adam pass for one group (validated lists, one device); a no-op on the device when found_inf is set."""
+    """The Adam pass for one group (validated lists, one device); a no-op on the device when found_inf is set.
+    ``step``: the counter ``hp64`` was built from (optional; it enables the fast CPU path)."""
     modes = {"l2_mode": not adam_w_mode and weight_decay != 0, "decoupled": adam_w_mode and weight_decay != 0}
-    _dispatch("adam", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes)
+    _dispatch("adam", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -469,6 +443,7 @@ def lamb_step_(
         weight_decay=float(weight_decay),
         adam_w_mode=adam_w_mode,
         use_nvlamb=use_nvlamb,
+        step=step,
     )
     return flag
 
@@ -534,5 +509,6 @@ def adam_step_(
         skip,
         weight_decay=float(weight_decay),
         adam_w_mode=adam_w_mode,
+        step=step,
     )
     return flag

@@ -152,4 +152,5 @@ class FusedLAMB(FusedOptimizer):
             weight_decay=float(group["weight_decay"]),
             adam_w_mode=self.adam_w_mode,
             use_nvlamb=self.use_nvlamb,
+            step=step,
         )

@@ -1,0 +1,219 @@
+"""The fast default CPU path of FusedLAMB/FusedAdam (issue 10, item 5; ``fp16kit/kernels/optim_fallback.py``).
+
+On the torch backend, CPU rows of contiguous fp32/fp64 params and moments run Adam's elementwise math (and LAMB's
+stage 1) in torch's fused CPU Adam kernel. These tests check that the path is taken where its math is ours and
+only there, that its results stay inside the float64-reference budgets of ``optim_helpers.py`` (loss scale,
+clipping, bf16 grads with masters, non-contiguous grads, several batches), that the grads are never written
+(torch's kernel writes unscaled grads back when given ``grad_scale``; we never give it one), and that the
+one-read global norm (``functional._max_norms``) decides the flag and the norm exactly as the two-read one did,
+edge values included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from optim_helpers import adam_step_and_check, lamb_step_and_check, make_params, set_grads
+
+from fp16kit.kernels import optim_fallback, use_backend
+from fp16kit.optim import FusedAdam, FusedLAMB, _cpu_native
+from fp16kit.optim import functional as F
+
+SHAPES = st.lists(st.sampled_from([(1,), (9,), (4, 4), (2, 3, 5), (64,), (300,)]), min_size=1, max_size=4)
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend():
+    with use_backend("torch"):
+        yield
+
+
+@contextlib.contextmanager
+def kernel_calls():
+    """Count the calls of torch's fused Adam kernels (the fast path's only entry points)."""
+    calls: list[str] = []
+    originals = {name: getattr(torch, name) for name in ("_fused_adam_", "_fused_adamw_")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in originals:
+        setattr(torch, name, counting(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(torch, name, fn)
+
+
+def two_groups(params, **group_opts):
+    return [{"params": params[:1], "weight_decay": 0.01, **group_opts}, {"params": params[1:], "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("cls", [FusedLAMB, FusedAdam])
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_fast_path_is_taken(cls, adam_w_mode):
+    """Fails on the foreach-only fallback: every group of a plain fp32 step goes through torch's kernel."""
+    params = make_params([(8,), (3, 4)], torch.float32, 0)
+    opt = cls(two_groups(params), adam_w_mode=adam_w_mode)
+    with kernel_calls() as calls:
+        opt.step()
+        opt.step()
+    if cls is FusedLAMB and not adam_w_mode:  # L2 mode with decay: the kernel would decay its stand-in param
+        assert calls == ["_fused_adam_", "_fused_adam_"]  # only the group without decay
+    else:
+        assert len(calls) == 4
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [{"bias_correction": False}, {"grad_averaging": False}],
+    ids=["no-bias-correction", "no-grad-averaging"],
+)
+def test_fast_path_not_taken_where_math_differs(opts):
+    """The kernel always bias-corrects and always averages (beta3 = 1 - beta1): such groups use foreach ops."""
+    params = make_params([(8,), (3, 4)], torch.float32, 1)
+    opt = FusedLAMB([{"params": params, **opts}])
+    with kernel_calls() as calls:
+        lamb_step_and_check(opt)
+    assert calls == []
+
+
+# the monkeypatched values are the same for every example: nothing to reset between them
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shapes=SHAPES,
+    seed=st.integers(0, 2**16),
+    master=st.booleans(),
+    inv_scale=st.sampled_from([1.0, 2.0**-10, 1 / 3000.0]),
+    grad_scale=st.sampled_from([1e-3, 1.0, 100.0]),
+    adam_w_mode=st.booleans(),
+    transposed=st.booleans(),
+)
+def test_matches_reference_through_the_fast_path(
+    shapes, seed, master, inv_scale, grad_scale, adam_w_mode, transposed, monkeypatch
+):
+    """LAMB and Adam through the kernel, within the float64-reference budgets: loss scale (not a power of two
+    too), clipping active (grad_scale 100) or not, bf16 grads of fp32 masters, non-contiguous grads, and
+    batches of a few elements so that lists span several batches and scratch views."""
+    monkeypatch.setattr(optim_fallback, "_BATCH", 128)
+    dtype = torch.bfloat16 if master else torch.float32
+    for cls in (FusedLAMB, FusedAdam):
+        params = make_params(shapes, dtype, seed)
+        set_grads(params, seed + 1, scale=grad_scale / inv_scale)
+        if transposed:
+            for p in params:
+                p.grad = p.grad.t().contiguous().t() if p.grad.dim() == 2 else p.grad
+        opt = cls(two_groups(params), adam_w_mode=adam_w_mode, master_weights=master)
+        for k in range(2):
+            opt.grad_scale = torch.full((), 1 / inv_scale)
+            opt.found_inf = torch.zeros(())
+            grads = [p.grad.clone() for p in params]
+            with kernel_calls() as calls:
+                if cls is FusedLAMB:
+                    lamb_step_and_check(opt, inv_scale=inv_scale)
+                else:
+                    adam_step_and_check(opt, adam_w_mode=adam_w_mode, inv_scale=inv_scale)
+            # LAMB's L2 mode with decay stays on foreach ops (test_fast_path_is_taken); the other group goes fast
+            assert calls or (cls is FusedLAMB and not adam_w_mode and len(params) == 1), "fast path not taken"
+            assert all(torch.equal(p.grad, g) for p, g in zip(params, grads)), "a grad was written"
+            set_grads(params, seed + 2 + k, scale=grad_scale / inv_scale)
+
+
+def test_fast_path_and_foreach_path_agree():
+    """The same LAMB steps through the kernel and through the foreach sequence: a few fp32 roundings apart."""
+    results = []
+    for block in (contextlib.nullcontext, optim_fallback.foreach_only):
+        params = make_params([(64,), (16, 16), (7,)], torch.float32, 5)
+        set_grads(params, 6, scale=50.0)  # clipping active
+        opt = FusedLAMB(two_groups(params))
+        with block(), kernel_calls() as calls:
+            for _ in range(3):
+                opt.step()
+        assert bool(calls) == (block is contextlib.nullcontext)
+        results.append([p.detach().clone() for p in params])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
+def test_found_inf_skips_before_the_kernel():
+    params = make_params([(8,), (3, 4)], torch.float32, 2)
+    opt = FusedLAMB(two_groups(params))
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    opt.grad_scale, opt.found_inf = torch.ones(()), torch.ones(())
+    with kernel_calls() as calls:
+        opt.step()
+    assert calls == []
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+EDGE = [0.0, -0.0, 1e-45, 2.0**-130, 1e-30, 2.0**-61, 1.0, 3.0e19, 1.0e30, 3.4e38, math.inf, -math.inf, math.nan]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lists=st.lists(st.lists(st.sampled_from(EDGE), min_size=1, max_size=6), min_size=1, max_size=4),
+    inv=st.sampled_from([1.0, 2.0**-16, 4.0, 1 / 3.0]),
+)
+def test_one_read_norm_equals_two_read_norm(lists, inv, monkeypatch):
+    """``_max_norms`` reads a tensor's max-norm only where it may matter; the norm and the flag must be bit for
+    bit those of the two-read computation (true max-norms everywhere), inf/NaN, overflow and tiny values in."""
+    grads = [torch.tensor(values, dtype=torch.float32) for values in lists]
+    inv64 = torch.tensor([inv], dtype=torch.float64)
+    flag_one = torch.zeros(1)
+    norm_one = F.check_and_norm(grads, inv64, flag_one)
+
+    def true_max(chosen, norms, inv_scale64):
+        return torch.stack(torch._foreach_norm(list(chosen), float("inf"))).to(torch.float64)
+
+    monkeypatch.setattr(optim_fallback, "_max_norms", true_max)
+    flag_two = torch.zeros(1)
+    norm_two = F.check_and_norm(grads, inv64, flag_two)
+    assert torch.equal(flag_one, flag_two)
+    if not bool(flag_two):
+        assert torch.equal(norm_one, norm_two), (norm_one, norm_two)
+
+
+def test_native_build_never_stalls_a_step(monkeypatch):
+    """FP16KIT_CPU_NATIVE=1 (enabled, not built): steps take the torch path while the build runs in a thread."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def slow_compile():
+        started.set()
+        release.wait(30)
+        _cpu_native._build["error"] = RuntimeError("no compiler in this test")
+
+    monkeypatch.setattr(_cpu_native, "_compile", slow_compile)
+    monkeypatch.setattr(_cpu_native, "_module", None)
+    monkeypatch.setattr(_cpu_native, "_state", {"enabled": True})
+    monkeypatch.setattr(_cpu_native, "_build", {"thread": None, "error": None})
+    params = make_params([(8,), (3, 4)], torch.float32, 3)
+    opt = FusedLAMB(two_groups(params))
+    try:
+        with kernel_calls() as calls:
+            lamb_step_and_check(opt)  # would block here if the build ran in the caller's thread
+        assert started.wait(10) and calls, "the step did not go on on the torch path during the build"
+    finally:
+        release.set()
+        _cpu_native._build["thread"].join(30)
+    with pytest.warns(UserWarning, match="native CPU LAMB unavailable"):
+        assert not _cpu_native.enabled()
+
+
+def test_native_build_name_is_keyed_by_cpu_features(monkeypatch):
+    name = _cpu_native.build_name()
+    monkeypatch.setattr(_cpu_native, "cpu_features", lambda: "x86_64|other cpu|avx avx2 avx512f")
+    assert _cpu_native.build_name() != name
+    assert _cpu_native.build_name().startswith("fp16kit_cpu_lamb_v")
