@@ -34,6 +34,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fp16kit.kernels import optim_fallback
+
 __all__ = ["check_and_norm", "enable", "enabled", "lamb_", "takes"]
 
 _SOURCE = r"""
@@ -339,6 +341,12 @@ def takes_grads(grads: Sequence[torch.Tensor]) -> bool:
 def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
     """Global L2 norm of ``grads * inv_scale`` (0-dim fp32) in one read, raising ``found_inf`` on inf/NaN."""
     out = _load().check_norm_fp32(list(grads), float(inv_scale64.reshape(())))
+    norm = out[0].sqrt()
+    if float(out[1]) == 0 and not (2.0**-60 <= float(norm) < float("inf")):
+        # The fp32 chunk sums over- or underflowed (a norm above ~1.8e19, or squares below fp32's range):
+        # redo this step's norm with the torch fallback, which repairs such tensors in float64. Rare, and
+        # reading CPU values back costs nothing.
+        return optim_fallback.check_and_norm(grads, inv_scale64, found_inf)
     flag = found_inf.reshape(1)
     torch.maximum(flag, out[1:2], out=flag)
-    return out[0].sqrt()
+    return norm

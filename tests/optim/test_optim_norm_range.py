@@ -80,3 +80,21 @@ def test_lamb_clip_of_huge_grads_equals_clip_of_their_direction(backend):
     for huge, plain in zip(*results):
         assert torch.isfinite(huge).all()
         torch.testing.assert_close(huge, plain, rtol=1e-5, atol=1e-7)
+
+
+def test_native_cpu_norm_redoes_a_step_whose_fp32_chunk_sums_overflowed(monkeypatch):
+    """The opt-in native CPU kernel (``FP16KIT_CPU_NATIVE=1``) sums squares in fp32 per chunk: for grads of 1e20
+    its sum is inf with no inf/NaN element. That step's norm is redone by the torch fallback (stand-in kernel
+    here, so the test needs no compiler)."""
+    from fp16kit.optim import _cpu_native
+
+    class Overflowing:
+        @staticmethod
+        def check_norm_fp32(grads, inv_scale):
+            return torch.tensor([math.inf, 0.0], dtype=torch.float64)
+
+    monkeypatch.setattr(_cpu_native, "_load", lambda: Overflowing)
+    grads = [torch.full((300,), 1e20)]
+    found = torch.zeros(1)
+    norm = float(_cpu_native.check_and_norm(grads, ONE64, found))
+    assert not bool(found) and norm == pytest.approx(1e20 * math.sqrt(300), rel=1e-6)
