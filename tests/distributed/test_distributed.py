@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fp16kit.numerics.formats import ulp
+from fp16kit.numerics.formats import ulp, ulp_distance
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -115,10 +115,16 @@ def test_grad_scaler_matches_sharded_grad_scaler(ranks):
         for name in ("fp16kit", "fp16kit_fused"):
             assert runs[name]["scales"] == ref["scales"] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0]
             assert runs[name]["skipped"] == ref["skipped"]
-            # AdamW's own foreach step, and FusedAdam's torch path (torch's sequence): bit for bit
-            assert all(torch.equal(a, b) for a, b in zip(runs[name]["params"], ref["params"]))
             # fp16kit combines the flag itself; DTensor's implicit replication (its warning) is not involved
             assert runs[name]["warnings"] == []
+        # fp16kit's GradScaler with AdamW's own foreach step: bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(runs["fp16kit"]["params"], ref["params"]))
+        # FusedAdam's CPU path is torch's fused Adam kernel (docs/optim.md), which rounds its few operations in
+        # another order than AdamW's foreach sequence: at most 2 fp32 ulp per step, over the 5 steps taken
+        # (the skipped step changes nothing, bit for bit)
+        for a, b in zip(runs["fp16kit_fused"]["params"], ref["params"]):
+            distance = int(ulp_distance(a, b).max()) if a.numel() else 0
+            assert distance <= 2 * 5, f"FusedAdam vs AdamW: {distance} ulp (measured: 2)"
 
 
 def test_grad_scaler_process_group_combines_found_inf(ranks):
