@@ -20,6 +20,7 @@ from .found_inf import (
     new_found_inf,
 )
 from .histogram import exponent_histogram
+from ._table import release_graph_tables
 from .ops import copy_, l2norm, unscale_and_check
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "merge_found_inf",
     "merge_found_inf_into",
     "new_found_inf",
+    "release_graph_tables",
     "select_backend",
     "unscale_and_check",
     "use_backend",
