@@ -8,6 +8,7 @@ group. Which implementation runs is decided per device by :mod:`fp16kit.kernels.
 Triton on CUDA, Triton's interpreter on CPU under ``TRITON_INTERPRET=1``, the torch fallback otherwise.
 """
 
+from ._table import release_graph_tables
 from .backend import Backend, BackendChoice, select_backend, use_backend
 from .found_inf import (
     as_fp16kit_flag,
@@ -20,7 +21,6 @@ from .found_inf import (
     new_found_inf,
 )
 from .histogram import exponent_histogram
-from ._table import release_graph_tables
 from .ops import copy_, l2norm, unscale_and_check
 
 __all__ = [
