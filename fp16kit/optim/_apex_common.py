@@ -24,6 +24,7 @@ from fp16kit.kernels.backend import Backend, select_backend
 
 from . import functional as F
 from ._base import _LOW_PRECISION, FusedOptimizer
+from ._checkpoint import check_state_values
 from ._validate import _number, check_sparse_grad, check_step_value, naming_group
 
 __all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hparams64", "split_rows", "widen_state"]
@@ -136,7 +137,7 @@ class ApexStateOptimizer(FusedOptimizer):
         try:
             torch.optim.Optimizer.load_state_dict(self, state_dict)
             saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-            flags = []
+            entries = []
             for gi, group in enumerate(self.param_groups):
                 with naming_group(gi):
                     self._check_group(group)
@@ -150,18 +151,11 @@ class ApexStateOptimizer(FusedOptimizer):
                 for key, value in saved.items():
                     if isinstance(value, torch.Tensor) and value.is_floating_point():
                         state[key] = value.detach().to(p.device, copy=True)
-                        flags.append((~torch.isfinite(state[key]).all(), (gi, i, key)))
+                        entries.append((gi, i, key, state[key]))
                 widen_state_of(state, self._state_spec)
                 if state:
                     self._check_state(p, i, state)
-            if flags:
-                bad = torch.stack([f.to(flags[0][0].device) for f, _ in flags]).nonzero().flatten().tolist()
-                if bad:
-                    gi, i, key = flags[bad[0]][1]
-                    raise ValueError(
-                        f"{fn}: state[{key!r}] of param_groups[{gi}]['params'][{i}] holds inf or NaN; loading it "
-                        f"would put NaN into the weights. The checkpoint is corrupt: load an earlier one."
-                    )
+            check_state_values(fn, entries)
         except BaseException:
             self.param_groups, self.state = old_groups, old_state
             raise

@@ -162,7 +162,7 @@ def check_state(
 ) -> None:
     """Structure, then values, of every state tensor (see the module docstring, step 3)."""
     fn = f"{fn}.load_state_dict"
-    names, flags = [], []
+    entries = []
     for gi, group in enumerate(groups):
         for i, p in enumerate(group["params"]):
             entry = state.get(p)
@@ -170,11 +170,20 @@ def check_state(
                 continue
             for key, t in entry.items():
                 check_state_tensor(fn, gi, i, key, t, p, torch.float32 if key == "master" else state_dtype(p))
-                names.append((gi, i, key, "holds inf or NaN"))
-                flags.append(_whole(~torch.isfinite(t).all()))
-                if key == "exp_avg_sq":
-                    names.append((gi, i, key, "holds negative values (a second moment is a mean of squares)"))
-                    flags.append(_whole((t < 0).any()))
+                entries.append((gi, i, key, t))
+    check_state_values(fn, entries)
+
+
+def check_state_values(fn: str, entries: Sequence[tuple[int, int, str, torch.Tensor]]) -> None:
+    """Every ``(group, index, key, tensor)`` is finite, and an ``exp_avg_sq`` is >= 0; else a ValueError naming
+    the first bad one. One host read for all of them (loading is not on the hot path)."""
+    names, flags = [], []
+    for gi, i, key, t in entries:
+        names.append((gi, i, key, "holds inf or NaN"))
+        flags.append(_whole(~torch.isfinite(t).all()))
+        if key == "exp_avg_sq":
+            names.append((gi, i, key, "holds negative values (a second moment is a mean of squares)"))
+            flags.append(_whole((t < 0).any()))
     if not flags:
         return
     bad = torch.stack([f.to(flags[0].device) for f in flags]).nonzero().flatten().tolist()  # one host read
