@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fp16kit.kernels import l2norm, unscale_and_check
+from fp16kit.kernels import l2norm, new_found_inf, unscale_and_check
 from fp16kit.kernels._checks import check_pairs, check_tensor_list, common_device
 from fp16kit.optim.functional import adam_step_, lamb_step_
 
@@ -70,10 +70,6 @@ def _check_noop(fn: str, noop_flag: torch.Tensor, device: torch.device | None) -
         raise ValueError(f"amp_C.{fn}: noop_flag is on {noop_flag.device} but the tensors are on {device}.")
 
 
-def _new_flag(device: torch.device) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.float32, device=device)
-
-
 def _raise_noop(noop_flag: torch.Tensor, found_inf: torch.Tensor) -> None:
     """``noop_flag = 1`` where ``found_inf`` is set (device op, never clears the flag)."""
     noop_flag.masked_fill_((found_inf != 0).reshape(noop_flag.shape), 1)
@@ -89,7 +85,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: T
     _check_noop("multi_tensor_scale", noop_flag, device)
     if device is None:
         return
-    flag = _new_flag(device)
+    flag = new_found_inf(device)
     unscale_and_check(ins, float(scale), flag, out=outs)
     _raise_noop(noop_flag, flag)
 
@@ -100,7 +96,7 @@ def _norms(fn: str, noop_flag: torch.Tensor, tensor_lists: TensorLists, pre_scal
     _check_noop(fn, noop_flag, device)
     if device is None:
         raise ValueError(f"amp_C.{fn}: tensor_lists[0] is empty; apex needs at least one tensor to pick a device.")
-    flag = _new_flag(device)
+    flag = new_found_inf(device)
     total, each = l2norm(xs, per_tensor=True, pre_scale=pre_scale, found_inf=flag)
     # apex also flags a norm that overflows fp32 (finite elements, infinite norm); fp16kit's squares are summed
     # in float64, so unlike apex's only a norm beyond fp32's range is inf
@@ -142,7 +138,7 @@ def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: T
     _check_noop("multi_tensor_axpby", noop_flag, device)
     if device is None:
         return
-    flag = _new_flag(device)
+    flag = new_found_inf(device)
     for which, ts in ((0, xs), (1, ys)):
         if arg_to_check in (-1, which):
             l2norm(ts, found_inf=flag)
@@ -194,7 +190,7 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Te
         raise TypeError(f"amp_C.{fn}: global_grad_norm must be a one-element tensor (e.g. from multi_tensor_l2norm).")
     gnorm = global_grad_norm.detach().reshape(1).to(device=device, dtype=torch.float32)
     clip = torch.where(gnorm > float(max_grad_norm), gnorm / float(max_grad_norm), torch.ones_like(gnorm))
-    flag = _new_flag(device)
+    flag = new_found_inf(device)
     lamb_step_(ps, gs, ms, vs, step=_step_tensor(fn, step, device), lr=lr, betas=(beta1, beta2), eps=epsilon,
                weight_decay=weight_decay, bias_correction=bool(bias_correction), grad_averaging=bool(grad_averaging),
                adam_w_mode=mode == 1, use_nvlamb=bool(use_nvlamb), max_grad_norm=0.0,
@@ -216,7 +212,7 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Te
     (gs, ps, ms, vs), device = _optimizer_lists(fn, noop_flag, tensor_lists, mode)
     if device is None:
         return
-    flag = _new_flag(device)
+    flag = new_found_inf(device)
     adam_step_(ps, gs, ms, vs, step=_step_tensor(fn, step, device), lr=lr, betas=(beta1, beta2), eps=epsilon,
                weight_decay=weight_decay, adam_w_mode=mode == 1, bias_correction=bool(bias_correction),
                found_inf=flag)
