@@ -201,7 +201,7 @@ def cpu_section(rounds: int, quick: bool, native: bool) -> list[str]:
     lines = ["## CPU", ""]
     native_ok = False
     if native:
-        from fp16kit.optim import _cpu_native
+        from fp16kit.kernels import cpu_native as _cpu_native
 
         t0 = time.perf_counter()
         native_ok = _cpu_native.enable()
@@ -249,7 +249,7 @@ def cpu_section(rounds: int, quick: bool, native: bool) -> list[str]:
             with use_backend("torch"):
                 times = interleaved(steps, rounds, lambda: None)
                 if native_ok and not master:
-                    from fp16kit.optim import _cpu_native
+                    from fp16kit.kernels import cpu_native as _cpu_native
 
                     _cpu_native.enable(False)
                     times["fp16kit FusedLAMB (torch path, native off)"] = interleaved(

@@ -25,13 +25,13 @@ from collections.abc import Sequence
 
 import torch
 
+from fp16kit.kernels import cpu_native as _cpu_native
 from fp16kit.kernels import l2norm, new_found_inf
 from fp16kit.kernels import optim_fallback as fallback
 from fp16kit.kernels._checks import KERNEL_DTYPES, check_flag, check_pairs, check_tensor_list, common_device
 from fp16kit.kernels._table import group_by
 from fp16kit.kernels.backend import Backend, select_backend
 
-from . import _cpu_native
 from ._validate import check_hyperparams
 
 __all__ = ["adam_step_", "lamb_step_"]

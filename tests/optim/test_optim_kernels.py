@@ -244,7 +244,7 @@ def test_gpu_bf16_model_copy_is_rtne():
 
 @pytest.fixture
 def native():
-    from fp16kit.optim import _cpu_native
+    from fp16kit.kernels import cpu_native as _cpu_native
 
     if not _cpu_native.enable():  # builds once (~1 min), then loads from torch's extension cache
         pytest.skip("the native CPU LAMB kernel cannot be built here (no C++ compiler or ninja)")

@@ -7,7 +7,7 @@ the same math and the same order of fp32 operations, with 16384-element chunks o
 threads by OpenMP (one parallel region per stage). It needs a C++ compiler and ninja, so it is opt-in:
 
     FP16KIT_CPU_NATIVE=1            # environment, or
-    fp16kit.optim._cpu_native.enable()
+    fp16kit.kernels.cpu_native.enable()
 
 Only contiguous fp32 params/grads/moments without a model copy take it; everything else (and every call
 when it is not enabled, not built yet, or failed to build) goes to the torch path (``optim_fallback.py``,
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fp16kit.kernels import optim_fallback
+from . import optim_fallback
 
 __all__ = ["check_and_norm", "enable", "enabled", "lamb_", "takes"]
 
