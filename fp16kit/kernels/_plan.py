@@ -230,7 +230,12 @@ def _flat(rows: Sequence[Sequence[torch.Tensor | None]], opt: int | None, ptrs: 
     return chain.from_iterable(row if r != opt else _present(row) for r, row in enumerate(rows))
 
 
-def _make(spec: Spec, rows: Sequence[Sequence[torch.Tensor | None]], extra: tuple | None, backend=None) -> Plan:
+def _make(
+    spec: Spec,
+    rows: Sequence[Sequence[torch.Tensor | None]],
+    extra: tuple | None = None,
+    backend: Backend | None = None,
+) -> Plan:
     """Validate ``rows`` and group their positions (the cache miss)."""
     stats["plans"] += 1
     fn, names, opt = spec.fn, spec.names, spec.optional
