@@ -23,7 +23,9 @@ changes an address or the metadata, so the plan is rebuilt; a freed tensor whose
 tensor of another shape or dtype fails the guard. Entries hold integers, dtypes and device-side tables only,
 never a user's tensor.
 
-A repeated call costs one ``data_ptr`` pass and one guard check per row (about 0.1-0.15 us per tensor on a
+The guard is built when a key is seen the second time (the second call validates again), so lists that never
+come back (gradients re-allocated at new addresses every step) do not pay for it. From then on a repeated call
+costs one ``data_ptr`` pass and one guard check per row (about 0.1-0.15 us per tensor on a
 CPU, measured in ``benchmarks/results/kernels_cpu.md``) plus O(groups) Python: no per-tensor Python loop.
 """
 
@@ -56,7 +58,7 @@ _F64 = torch.float64
 _data_ptr = torch.Tensor.data_ptr
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity equality and hash: specs are module constants (a cheap cache key)
 class Spec:
     """What one op's rows are. ``names``: each row's name in error messages; ``written``: rows the op writes
     (checked against each other and the read rows); ``key_rows``: rows whose dtypes make a kernel group's key;
@@ -212,11 +214,14 @@ def plan(spec: Spec, rows: Sequence[Sequence[torch.Tensor | None]], extra: tuple
     entry = _cache.get(key)
     if entry is not None:
         made, guard = entry
-        if guard.check(*_flat(rows, opt, ptrs)):
+        if guard is not None and guard.check(*_flat(rows, opt, ptrs)):
             stats["hits"] += 1
             return made
     made = _make(spec, rows, extra, backend)
-    _cache[key] = (made, make_guard(list(_flat(rows, opt, ptrs))))
+    # The guard (about 1 us per tensor to build) is made on the second sighting of a key: lists that never come
+    # back (grads re-allocated at new addresses every step) pay the validation only.
+    guard = None if entry is None else make_guard(list(_flat(rows, opt, ptrs)))
+    _cache[key] = (made, guard)
     _cache.move_to_end(key)
     while len(_cache) > CACHE_SIZE:
         _cache.popitem(last=False)

@@ -40,6 +40,13 @@ def guard(request, monkeypatch):
     _plan.clear()
 
 
+def _twice(op, *args, **kwargs) -> None:
+    """Call ``op`` twice: the second call arms the plan's guard, so the next call is a cache hit unless the guard
+    (or the address key) tells the change apart."""
+    op(*args, **kwargs)
+    op(*args, **kwargs)
+
+
 def _counts() -> tuple[int, int]:
     return _plan.stats["plans"], _table.stats["builds"]
 
@@ -48,7 +55,7 @@ def test_repeated_calls_plan_nothing(backend):
     grads = [torch.randn(300), torch.randn(7).half(), torch.randn(5, 3).t()]  # kernel groups and a fallback group
     masters = [torch.zeros(300), torch.zeros(7), torch.zeros(3, 5)]
     found = torch.zeros(1)
-    for _ in range(2):  # the first round plans and builds; the second is the warm-up's twin
+    for _ in range(2):  # the first round plans and builds; the second plans again and arms the guards
         unscale_and_check(grads, 1.0, found)
         unscale_and_check(grads, 0.5, found, out=masters)
         copy_(masters, grads)
@@ -71,17 +78,30 @@ def test_repeated_optimizer_update_plans_nothing(backend):
     vs = [torch.zeros(64), torch.zeros(10, dtype=torch.float64)]
     hp = torch.tensor([1e-3, 0.9, 0.999, 0.1, 1e-3, 1e-6, 0.01, 0.1, 1e-3, 1.0, 1.0], dtype=torch.float64)
     kw = {"weight_decay": 0.01, "adam_w_mode": True, "use_nvlamb": False}
-    lamb_update(params, grads, ms, vs, [None, None], hp, torch.zeros(1), **kw)
+    lamb_update(params, grads, ms, vs, [None, None], hp, torch.zeros(1), **kw)  # plans
+    lamb_update(params, grads, ms, vs, [None, None], hp, torch.zeros(1), **kw)  # plans again, arms the guard
     plans, builds = _counts()
     lamb_update(params, grads, ms, vs, [None, None], hp, torch.zeros(1), **kw)
     assert _counts() == (plans, builds)
+
+
+def test_a_list_seen_once_builds_no_guard(backend, monkeypatch):
+    """Grads at new addresses every step never repeat: they pay validation only, not the guard."""
+    built = []
+    make = _plan.make_guard
+    monkeypatch.setattr(_plan, "make_guard", lambda flat: built.append(len(flat)) or make(flat))
+    grads = [torch.ones(8), torch.ones(8)]
+    l2norm(grads)
+    assert built == []
+    l2norm(grads)
+    assert built == [2]
 
 
 def test_data_assignment_moves_the_write(backend):
     """``p.data = other``: the second call must write the new storage, not the old one."""
     src = [torch.arange(64.0)]
     dst = [torch.zeros(64)]
-    copy_(dst, src)
+    _twice(copy_, dst, src)
     old = dst[0].data
     dst[0].data = torch.full((64,), -1.0)
     src[0].add_(1)
@@ -94,7 +114,7 @@ def test_resize_shrinks_what_is_written(backend):
     """``resize_`` keeps the address; a stale table would still write all 64 elements of the storage."""
     dst, src = torch.zeros(64), torch.arange(64.0)
     whole = dst.view(64)  # another view of the same storage, not resized
-    copy_([dst], [src])
+    _twice(copy_, [dst], [src])
     whole.fill_(-1)
     dst.resize_(16)
     src.resize_(16)
@@ -105,7 +125,7 @@ def test_resize_shrinks_what_is_written(backend):
 
 def test_resize_mismatch_is_still_an_error(backend):
     dst, src = torch.zeros(8), torch.ones(8)
-    copy_([dst], [src])
+    _twice(copy_, [dst], [src])
     dst.resize_(4)
     with pytest.raises(ValueError, match=r"dst\[0\] has shape \(4,\) but src\[0\] has shape \(8,\)"):
         copy_([dst], [src])
@@ -128,7 +148,7 @@ def test_dtype_change_through_data(backend):
     and its cast must round to bf16 (a stale plan would launch it with the group's fp16)."""
     src = [torch.randn(40) * 3, torch.randn(40) * 3]
     dst = [torch.zeros(40, dtype=torch.float16), torch.zeros(40, dtype=torch.float16)]
-    copy_(dst, src)
+    _twice(copy_, dst, src)
     dst[1].data = dst[1].data.view(torch.bfloat16)
     copy_(dst, src)
     assert dst[1].dtype == torch.bfloat16
@@ -142,7 +162,7 @@ def test_same_address_other_dtype_and_shape(backend):
     base = torch.ones(32)
     as_fp16 = base.view(torch.float16)  # 64 elements at the same address
     assert base.data_ptr() == as_fp16.data_ptr()
-    unscale_and_check([base], 1.0, torch.zeros(1))
+    _twice(unscale_and_check, [base], 1.0, torch.zeros(1))
     as_fp16.fill_(1.0)
     unscale_and_check([as_fp16], 2.0, torch.zeros(1))
     assert torch.equal(as_fp16, torch.full((64,), 2.0, dtype=torch.float16))
@@ -151,7 +171,7 @@ def test_same_address_other_dtype_and_shape(backend):
 def test_negative_bit_output_is_rejected_after_a_hit(backend):
     """Same address, shape, strides and dtype; only the negative bit differs (a dispatch key)."""
     dst, src = torch.zeros(8), torch.ones(8)
-    copy_([dst], [src])
+    _twice(copy_, [dst], [src])
     with pytest.raises(ValueError, match="negative-bit"):
         copy_([torch._neg_view(dst)], [src])
 
@@ -159,7 +179,7 @@ def test_negative_bit_output_is_rejected_after_a_hit(backend):
 def test_alias_introduced_through_data_is_rejected(backend):
     a, b = torch.zeros(8), torch.zeros(8)
     grads = [a, b]
-    unscale_and_check(grads, 1.0, torch.zeros(1))
+    _twice(unscale_and_check, grads, 1.0, torch.zeros(1))
     b.data = a.data  # the list now holds the same memory twice: two programs would race on it
     with pytest.raises(ValueError, match=r"tensors\[0\] is the same memory as tensors\[1\]"):
         unscale_and_check(grads, 1.0, torch.zeros(1))
@@ -171,7 +191,7 @@ def test_optimizer_update_follows_a_moved_param(backend):
     m, v = torch.zeros(32), torch.zeros(32)
     hp = torch.tensor([0.1, 0.9, 0.999, 0.1, 1e-3, 1e-6, 0.0, 0.1, 1e-3, 1.0, 1.0], dtype=torch.float64)
     kw = {"weight_decay": 0.0, "adam_w_mode": True, "use_nvlamb": False}
-    lamb_update([p], [g], [m], [v], [None], hp, torch.zeros(1), **kw)
+    _twice(lamb_update, [p], [g], [m], [v], [None], hp, torch.zeros(1), **kw)
     old = p.data
     frozen = old.clone()
     p.data = torch.ones(32)
