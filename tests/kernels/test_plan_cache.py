@@ -216,3 +216,16 @@ def test_cache_is_bounded(monkeypatch):
     for x in lists:
         l2norm(x)
     assert len(_plan._cache) == 4
+
+
+def test_optimizer_rows_are_checked_for_overlap_on_every_backend(backend):
+    """The planner checks the optimizer's written rows on both backends (before, only a Triton table build did, so
+    the torch fallback updated a repeated param twice)."""
+    p = torch.ones(8)
+    g = torch.ones(8)
+    m, v = [torch.zeros(8), torch.zeros(8)], [torch.zeros(8), torch.zeros(8)]
+    hp = torch.tensor([0.1, 0.9, 0.999, 0.1, 1e-3, 1e-6, 0.0, 0.1, 1e-3, 1.0, 1.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"lamb_update \(written rows params, exp_avgs, exp_avg_sqs.*same memory"):
+        lamb_update([p, p], [g, g], m, v, [None, None], hp, torch.zeros(1), weight_decay=0.0, adam_w_mode=True,
+                    use_nvlamb=False)
+    assert torch.equal(p, torch.ones(8))
