@@ -6,8 +6,9 @@ shape and dtype, creation, merging, and the form handed to an optimizer.
 Every operation takes whole lists of tensors and runs them in a constant number of launches per dtype
 group, planned once per list by ``fp16kit/kernels/_plan.py`` (validation, dtype groups, address tables; cached
 and invalidated when a tensor's storage or layout changes). The optimizers' per-group updates are public ops too
-(``fp16kit/kernels/optimizers.py``). Which implementation runs is decided per device by :mod:`fp16kit.kernels.backend`: compiled
-Triton on CUDA, Triton's interpreter on CPU under ``TRITON_INTERPRET=1``, the torch fallback otherwise.
+(``fp16kit/kernels/optimizers.py``). Which implementation runs is decided per device by
+:mod:`fp16kit.kernels.backend`: compiled Triton on CUDA, Triton's interpreter on CPU under ``TRITON_INTERPRET=1``,
+the torch fallback otherwise.
 """
 
 from ._checks import KERNEL_DTYPES, check_flag, check_pairs, check_tensor_list, common_device

@@ -138,7 +138,9 @@ def chunk_table(
     hit was verified too.
 
     Raises ``RuntimeError`` for a build during CUDA graph capture; a table used during capture is held until
-    :func:`release_graph_tables` (module docstring).
+    :func:`release_graph_tables` (module docstring). Inside ``with playing(tape):`` (a cached plan's launches,
+    ``fp16kit/kernels/_plan.py``) the table recorded on the tape for this call is handed out without computing
+    the key; a call of another shape records anew.
     """
     tape: Tape | None = getattr(_local, "tape", None)
     if tape is not None:

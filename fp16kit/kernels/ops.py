@@ -224,8 +224,9 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
         from .copy_kernel import launch_copy
 
         for g in plan.kernel:
+            dsts = g.pick(dst)
             with playing(None if plan.neg_inputs else g.tape):
-                launch_copy(g.pick(dst), g.pick(srcs))
+                launch_copy(dsts, g.pick(srcs))
+            _bump(dsts)
     for g in plan.rest:
-        fallback.copy_(g.pick(dst), g.pick(srcs))
-    _bump(dst)
+        fallback.copy_(g.pick(dst), g.pick(srcs))  # torch's _foreach_copy_ bumps the destinations itself
