@@ -28,8 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fp16kit.kernels import l2norm, new_found_inf, unscale_and_check
-from fp16kit.kernels._checks import check_pairs, check_tensor_list, common_device
+from fp16kit.kernels import check_pairs, check_tensor_list, common_device, l2norm, new_found_inf, unscale_and_check
 from fp16kit.optim.functional import adam_step_, lamb_step_
 
 __all__ = [

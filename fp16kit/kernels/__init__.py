@@ -4,10 +4,14 @@ The overflow flag these kernels raise (``found_inf``) has one owner, :mod:`fp16k
 shape and dtype, creation, merging, and the form handed to an optimizer.
 
 Every operation takes whole lists of tensors and runs them in a constant number of launches per dtype
-group. Which implementation runs is decided per device by :mod:`fp16kit.kernels.backend`: compiled
-Triton on CUDA, Triton's interpreter on CPU under ``TRITON_INTERPRET=1``, the torch fallback otherwise.
+group, planned once per list by ``fp16kit/kernels/_plan.py`` (validation, dtype groups, address tables; cached
+and invalidated when a tensor's storage or layout changes). The optimizers' per-group updates are public ops too
+(``fp16kit/kernels/optimizers.py``). Which implementation runs is decided per device by
+:mod:`fp16kit.kernels.backend`: compiled Triton on CUDA, Triton's interpreter on CPU under ``TRITON_INTERPRET=1``,
+the torch fallback otherwise.
 """
 
+from ._checks import KERNEL_DTYPES, check_flag, check_pairs, check_tensor_list, common_device
 from ._table import release_graph_tables
 from .backend import Backend, BackendChoice, select_backend, use_backend
 from .found_inf import (
@@ -22,23 +26,48 @@ from .found_inf import (
 )
 from .histogram import exponent_histogram
 from .ops import copy_, l2norm, unscale_and_check
+from .optimizers import (
+    LambStaged,
+    adagrad_update,
+    adam_update,
+    check_and_norm,
+    lamb_stage1,
+    lamb_stage2,
+    lamb_update,
+    novograd_update,
+    sgd_update,
+)
 
 __all__ = [
+    "KERNEL_DTYPES",
     "Backend",
     "BackendChoice",
+    "LambStaged",
+    "adagrad_update",
+    "adam_update",
     "as_fp16kit_flag",
     "as_torch_flag",
+    "check_and_norm",
+    "check_flag",
     "check_found_inf",
+    "check_pairs",
+    "check_tensor_list",
     "checks_inf_itself",
+    "common_device",
     "copy_",
     "exponent_histogram",
     "flag_for",
     "l2norm",
+    "lamb_stage1",
+    "lamb_stage2",
+    "lamb_update",
     "merge_found_inf",
     "merge_found_inf_into",
     "new_found_inf",
+    "novograd_update",
     "release_graph_tables",
     "select_backend",
+    "sgd_update",
     "unscale_and_check",
     "use_backend",
 ]

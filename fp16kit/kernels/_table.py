@@ -23,18 +23,21 @@ error (run one eager step before capturing, which builds every table), and a tab
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 __all__ = [
     "ChunkTable",
+    "Tape",
     "chunk_table",
     "group_by",
     "index_tensor",
     "num_programs",
+    "playing",
     "release_graph_tables",
     "triton_dtype",
     "upload",
@@ -77,6 +80,40 @@ class ChunkTable:
 
 
 _tables: OrderedDict[tuple, ChunkTable] = OrderedDict()
+#: Counters read by tests and the host-cost benchmark: tables built (cache misses), tables handed out from a tape.
+stats = {"builds": 0, "tape_hits": 0}
+
+
+@dataclass(eq=False)
+class Tape:
+    """The tables one planned group of launches used, in call order (``fp16kit/kernels/_plan.py``).
+
+    A cached plan owns one tape per kernel group. While the tape plays (:func:`playing`), :func:`chunk_table`
+    hands out the recorded table for a call with the same shape (number of rows, tensors per row, block, written
+    rows) without computing the cache key, which costs several tensor attribute reads per tensor. That is only
+    sound because the planner plays a tape solely for the very tensors it fingerprinted when it recorded it
+    (same addresses, sizes, strides, dtypes: the plan cache's key); a call with other tensors records anew.
+    """
+
+    entries: list[tuple[tuple, tuple, ChunkTable]] = field(default_factory=list)
+
+
+_local = threading.local()
+
+
+class playing:
+    """``with playing(tape):`` the launches inside record into / replay from ``tape`` (this thread only)."""
+
+    __slots__ = ("tape",)
+
+    def __init__(self, tape: Tape | None) -> None:
+        self.tape = tape
+
+    def __enter__(self) -> None:
+        _local.tape, _local.pos = self.tape, 0
+
+    def __exit__(self, *exc: object) -> None:
+        _local.tape = None
 #: Tables (and index tensors) used during CUDA graph capture: out of the caches' reach until
 #: release_graph_tables().
 _graph_tables: dict[tuple, object] = {}
@@ -101,8 +138,32 @@ def chunk_table(
     hit was verified too.
 
     Raises ``RuntimeError`` for a build during CUDA graph capture; a table used during capture is held until
-    :func:`release_graph_tables` (module docstring).
+    :func:`release_graph_tables` (module docstring). Inside ``with playing(tape):`` (a cached plan's launches,
+    ``fp16kit/kernels/_plan.py``) the table recorded on the tape for this call is handed out without computing
+    the key; a call of another shape records anew.
     """
+    tape: Tape | None = getattr(_local, "tape", None)
+    if tape is not None:
+        sig = (len(lists), len(lists[0]), block, written)
+        pos = _local.pos
+        _local.pos = pos + 1
+        if pos < len(tape.entries) and tape.entries[pos][0] == sig:
+            _, key, table = tape.entries[pos]
+            stats["tape_hits"] += 1
+            if _capturing(key[0]):
+                _graph_tables[key] = table
+            return table
+        key, table = _lookup(lists, block, written)
+        del tape.entries[pos:]
+        tape.entries.append((sig, key, table))
+        return table
+    return _lookup(lists, block, written)[1]
+
+
+def _lookup(
+    lists: Sequence[Sequence[torch.Tensor]], block: int, written: tuple[int, ...]
+) -> tuple[tuple, ChunkTable]:
+    """``(key, table)``: the cached table for ``lists``, built (and verified) on a miss."""
     first = lists[0]
     device = first[0].device
     key = (
@@ -118,6 +179,7 @@ def chunk_table(
             raise RuntimeError(_CAPTURE_ERROR.format(what="an address table"))
         verify_rows(lists, device, written)
         table = _build(lists, block, device)
+        stats["builds"] += 1
         _tables[key] = table
     else:
         _tables[key] = table
@@ -126,7 +188,7 @@ def chunk_table(
         _graph_tables[key] = table
     while len(_tables) > CACHE_SIZE:
         _tables.popitem(last=False)
-    return table
+    return key, table
 
 
 _CAPTURE_ERROR = (

@@ -14,7 +14,7 @@ import torch
 
 from ._checks import same_view
 
-__all__ = ["copy_", "flag_nonfinite_", "scaled", "sumsq_per_tensor", "unscale"]
+__all__ = ["copy_", "flag_nonfinite_", "in_place_pairs", "scaled", "sumsq_per_tensor", "unscale"]
 
 
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -54,17 +54,21 @@ def unscale(
     inv_scale: torch.Tensor,
     found_inf: torch.Tensor,
     with_norm: bool,
+    *,
+    in_place: list[bool] | None = None,
 ) -> torch.Tensor | None:
     """``outputs[i] = round(math(inputs[i]) * inv_scale)``; flag as the kernel does; with ``with_norm`` returns
     the float64 sum of the squares of the unrounded products (a 1-element tensor).
 
     One dtype pair per call. Whether a pair is in place is decided per pair (``outputs[i]`` the same view as
     ``inputs[i]``): a list may mix both, e.g. when the amp frontend unscales a parameter's grad into its own
-    master for some params and in place for others.
+    master for some params and in place for others. ``in_place``: that verdict, when the caller has it cached
+    (:func:`in_place_pairs`).
     """
     if not inputs:
         return None
-    in_place = [same_view(x, y) for x, y in zip(inputs, outputs)]
+    if in_place is None:
+        in_place = in_place_pairs(inputs, outputs)
     if all(in_place) or not any(in_place):
         return _unscale_group(inputs, outputs, in_place[0], inv_scale, found_inf, with_norm)
     sums = []
@@ -74,6 +78,11 @@ def unscale(
             _unscale_group([inputs[i] for i in idx], [outputs[i] for i in idx], flag, inv_scale, found_inf, with_norm)
         )
     return sums[0] + sums[1] if with_norm else None
+
+
+def in_place_pairs(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> list[bool]:
+    """Per pair: ``outputs[i]`` is the same view as ``inputs[i]`` (depends on addresses and layouts only)."""
+    return [x is y or same_view(x, y) for x, y in zip(inputs, outputs)]
 
 
 def _unscale_group(

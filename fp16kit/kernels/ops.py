@@ -14,23 +14,24 @@ from collections.abc import Sequence
 
 import torch
 
-from . import fallback
-from ._checks import (
-    KERNEL_DTYPES,
-    check_flag,
-    check_pairs,
-    check_scalar_tensor,
-    check_tensor_list,
-    check_writes,
-    common_device,
-    resolve_inputs,
-)
-from ._table import index_tensor
-from .backend import Backend, select_backend
+from . import _plan, fallback
+from ._checks import check_flag, check_scalar_tensor, check_tensor_list, resolve_inputs
+from ._table import index_tensor, playing
 
 __all__ = ["copy_", "l2norm", "unscale_and_check"]
 
-_KERNEL_DTYPES = frozenset(KERNEL_DTYPES)
+# The rows of each op, for the planner (fp16kit/kernels/_plan.py): validation, grouping and the cache.
+_UNSCALE = _plan.Spec("unscale_and_check", ("tensors",), written=(0,), key_rows=(0,))
+_UNSCALE_OUT = _plan.Spec("unscale_and_check", ("tensors", "out"), written=(1,), key_rows=(0, 1))
+_L2NORM = _plan.Spec("l2norm", ("tensors",), written=(), key_rows=(0,))
+_COPY = _plan.Spec("copy_", ("dst", "src"), written=(0,), key_rows=(1, 0))
+
+
+def _seq(fn: str, name: str, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """A list or tuple as it is (the planner reads it without a copy); anything else validated into a list."""
+    if tensors.__class__ is list or tensors.__class__ is tuple:
+        return tensors
+    return check_tensor_list(fn, name, tensors)
 
 
 def _device_scalar(fn: str, name: str, value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -43,49 +44,12 @@ def _device_scalar(fn: str, name: str, value: float | torch.Tensor, device: torc
     return torch.full((1,), float(value), dtype=torch.float64, device=device)
 
 
-def _plan(
-    device: torch.device, first: Sequence[torch.Tensor], second: Sequence[torch.Tensor] | None = None
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Group positions of ``first`` (paired with ``second``) by dtypes: groups for the Triton kernels (backend
-    allows it; contiguous fp16/bf16/fp32) and groups for the torch fallback (any strides, float64, or a torch
-    backend). Empty tensors are in neither: there is nothing to do for them. One plain loop: this runs on every
-    call, for every tensor, so it avoids per-row generators."""
-    triton_ok = select_backend(device).backend is not Backend.TORCH
-    kernel: dict[object, list[int]] = {}
-    rest: dict[object, list[int]] = {}
-    ok = _KERNEL_DTYPES
-    last_key: object = None
-    last_fits = False
-    last_group: list[int] = []
-    for i, x in enumerate(first):
-        if x.numel() == 0:
-            continue
-        if second is None:
-            key: object = x.dtype
-            fits = triton_ok and key in ok and x.is_contiguous()
-        else:
-            y = second[i]
-            key = (x.dtype, y.dtype)
-            fits = triton_ok and x.dtype in ok and y.dtype in ok and x.is_contiguous() and y.is_contiguous()
-        if key == last_key and fits == last_fits:  # runs of one dtype are the common case
-            last_group.append(i)
-            continue
-        last_key, last_fits = key, fits
-        last_group = (kernel if fits else rest).setdefault(key, [])
-        last_group.append(i)
-    return list(kernel.values()), list(rest.values())
-
-
-def _pick(tensors: list[torch.Tensor], idx: list[int]) -> list[torch.Tensor]:
-    return tensors if len(idx) == len(tensors) else [tensors[i] for i in idx]
-
-
-def _scatter(dst: torch.Tensor, chosen: list[int], values: torch.Tensor) -> None:
-    """``dst[chosen] = values``; the common all-in-order case needs no index tensor."""
-    if len(chosen) == dst.numel() and chosen == list(range(len(chosen))):
+def _scatter(dst: torch.Tensor, group: _plan.Group, values: torch.Tensor) -> None:
+    """``dst[group.idx] = values``; the common all-in-order case needs no index tensor."""
+    if group.whole:
         dst.copy_(values)
     else:
-        dst[index_tensor(chosen, dst.device)] = values  # cached: no copy, no host sync per call
+        dst[index_tensor(group.idx, dst.device)] = values  # cached: no copy, no host sync per call
 
 
 def _bump(written: list[torch.Tensor]) -> None:
@@ -138,35 +102,42 @@ def unscale_and_check(
     Every written tensor's ``_version`` is bumped (``found_inf`` and the outputs).
     """
     fn = "unscale_and_check"
-    inputs = check_tensor_list(fn, "tensors", tensors)
-    outputs = inputs if out is None else check_tensor_list(fn, "out", out)
-    if out is not None:
-        check_pairs(fn, "tensors", inputs, "out", outputs)
-    device = common_device(fn, inputs, outputs)
+    tensors = _seq(fn, "tensors", tensors)
+    if out is None:
+        plan = _plan.plan(_UNSCALE, (tensors,))
+    else:
+        out = _seq(fn, "out", out)
+        plan = _plan.plan(_UNSCALE_OUT, (tensors, out))
+    device = plan.device
     check_flag(fn, found_inf, device)
     if sq_norm is not None:
         check_flag(fn, sq_norm, device, name="sq_norm", float64_ok=True)
     if device is None:
         return
-    if out is None:
-        check_writes(fn, "tensors", outputs)
-    else:
-        check_writes(fn, "out", outputs, "tensors", inputs)
-        inputs = resolve_inputs(inputs)
+    inputs = tensors
+    outputs = tensors if out is None else out
+    with_norm = sq_norm is not None
+    if plan.neg_inputs:  # resolved into temporaries (new addresses every call): no recorded tables for them
+        inputs = resolve_inputs(list(inputs))
     scale = _device_scalar(fn, "inv_scale", inv_scale, device)
     flag = found_inf.reshape(1)
-
-    kernel_groups, rest_groups = _plan(device, inputs, None if out is None else outputs)
     partials = []
-    if kernel_groups:
+    if plan.kernel:
         from .unscale_kernel import launch_unscale
 
-        for idx in kernel_groups:
-            p = launch_unscale(_pick(inputs, idx), _pick(outputs, idx), scale, flag, sq_norm is not None)
+        for g in plan.kernel:
+            with playing(None if plan.neg_inputs else g.tape):
+                p = launch_unscale(g.pick(inputs), g.pick(outputs), scale, flag, with_norm)
             if p is not None:
                 partials.append(p)
-    for idx in rest_groups:
-        p = fallback.unscale(_pick(inputs, idx), _pick(outputs, idx), scale, flag, sq_norm is not None)
+    for g in plan.rest:
+        ins, outs = g.pick(inputs), g.pick(outputs)
+        in_place = g.memo.get("in_place")
+        if in_place is None or plan.neg_inputs:
+            in_place = fallback.in_place_pairs(ins, outs)
+            if not plan.neg_inputs:
+                g.memo["in_place"] = in_place
+        p = fallback.unscale(ins, outs, scale, flag, with_norm, in_place=in_place)
         if p is not None:
             partials.append(p)
     if sq_norm is not None and partials:
@@ -205,8 +176,9 @@ def l2norm(
     same squares and the same non-finite elements.
     """
     fn = "l2norm"
-    items = check_tensor_list(fn, "tensors", tensors)
-    device = common_device(fn, items)
+    tensors = _seq(fn, "tensors", tensors)
+    plan = _plan.plan(_L2NORM, (tensors,))
+    device = plan.device
     if found_inf is not None:
         check_flag(fn, found_inf, device)
     if device is None:
@@ -215,17 +187,17 @@ def l2norm(
     scale = _device_scalar(fn, "pre_scale", 1.0 if pre_scale is None else pre_scale, device)
     flag = None if found_inf is None else found_inf.reshape(1)
 
-    sumsq = torch.zeros(len(items), dtype=torch.float64, device=device)
-    kernel_groups, rest_groups = _plan(device, items)
-    if kernel_groups:
+    sumsq = torch.zeros(len(tensors), dtype=torch.float64, device=device)
+    if plan.kernel:
         from .l2norm_kernel import launch_sumsq, segment_sums
 
-        for idx in kernel_groups:
-            partials, table = launch_sumsq(_pick(items, idx), scale, flag)
-            _scatter(sumsq, idx, segment_sums(partials, table))
-    for idx in rest_groups:
-        ys = fallback.scaled(_pick(items, idx), scale)
-        _scatter(sumsq, idx, fallback.sumsq_per_tensor(ys))
+        for g in plan.kernel:
+            with playing(g.tape):
+                partials, table = launch_sumsq(g.pick(tensors), scale, flag)
+            _scatter(sumsq, g, segment_sums(partials, table))
+    for g in plan.rest:
+        ys = fallback.scaled(g.pick(tensors), scale)
+        _scatter(sumsq, g, fallback.sumsq_per_tensor(ys))
         if flag is not None:
             fallback.flag_nonfinite_(ys, flag)  # ys are our own temporaries
     if found_inf is not None:
@@ -243,21 +215,18 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     overlap or the negative bit (``ValueError``, every backend). Sources with the negative bit are resolved.
     Every destination's ``_version`` is bumped.
     """
-    fn = "copy_"
-    dsts = check_tensor_list(fn, "dst", dst)
-    srcs = check_tensor_list(fn, "src", src)
-    check_pairs(fn, "dst", dsts, "src", srcs)
-    device = common_device(fn, dsts, srcs)
-    if device is None:
+    dst, src = _seq("copy_", "dst", dst), _seq("copy_", "src", src)
+    plan = _plan.plan(_COPY, (dst, src))
+    if plan.device is None:
         return
-    check_writes(fn, "dst", dsts, "src", srcs)
-    srcs = resolve_inputs(srcs)
-    kernel_groups, rest_groups = _plan(device, srcs, dsts)
-    if kernel_groups:
+    srcs = resolve_inputs(list(src)) if plan.neg_inputs else src
+    if plan.kernel:
         from .copy_kernel import launch_copy
 
-        for idx in kernel_groups:
-            launch_copy(_pick(dsts, idx), _pick(srcs, idx))
-    for idx in rest_groups:
-        fallback.copy_(_pick(dsts, idx), _pick(srcs, idx))
-    _bump(dsts)
+        for g in plan.kernel:
+            dsts = g.pick(dst)
+            with playing(None if plan.neg_inputs else g.tape):
+                launch_copy(dsts, g.pick(srcs))
+            _bump(dsts)
+    for g in plan.rest:
+        fallback.copy_(g.pick(dst), g.pick(srcs))  # torch's _foreach_copy_ bumps the destinations itself

@@ -1,6 +1,7 @@
 """What FusedSGD, FusedAdagrad and FusedNovoGrad share on top of ``FusedOptimizer`` (``_base.py``): their own
-per-param state (checked against the params), row collection, hyper-parameter checks, and the split of rows
-between the Triton kernels and the torch fallback.
+per-param state (checked against the params), row collection and hyper-parameter checks. The update of a group
+is a public op of ``fp16kit.kernels`` (``sgd_update``, ``adagrad_update``, ``novograd_update``:
+fp16kit/kernels/optimizers.py, which plans the rows between the Triton kernels and the torch fallback).
 
 ``FusedOptimizer.step`` runs unchanged: one check pass over the grads (raising ``found_inf`` on inf/NaN,
 unscaling by ``grad_scale`` under a GradScaler), then ``_update_group`` per group, a no-op on the device when
@@ -18,16 +19,12 @@ from typing import Any, ClassVar
 import torch
 from torch.optim.optimizer import required
 
-from fp16kit.kernels._checks import KERNEL_DTYPES
-from fp16kit.kernels._table import group_by
-from fp16kit.kernels.backend import Backend, select_backend
-
 from . import functional as F
 from ._base import _LOW_PRECISION, FusedOptimizer
 from ._checkpoint import check_state_values
 from ._validate import _number, check_sparse_grad, check_step_value, naming_group
 
-__all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hparams64", "split_rows", "widen_state"]
+__all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hparams64", "widen_state"]
 
 F64 = torch.float64
 
@@ -232,50 +229,3 @@ def check_state(
             f"{fn}: params[{i}] ({tuple(p.shape)} {p.dtype} on {p.device}): {bad}. The optimizer state does not "
             f"belong to these params: load the state_dict saved for this model, or start fresh."
         )
-
-
-def split_rows(
-    device: torch.device,
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    states: Sequence[Sequence[torch.Tensor]],
-    models: Sequence[torch.Tensor | None],
-    extra_keys: Sequence[object] | None = None,
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Row indices for the kernels (grouped by dtype combination and ``extra_keys[i]``) and for the fallback
-    (grouped by math dtype and ``extra_keys[i]``). A row goes to the kernels when the backend allows it and all
-    its tensors are contiguous fp16/bf16/fp32 with fp32 state; empty tensors go to the fallback (a no-op there)."""
-    use_kernels = select_backend(device).backend is not Backend.TORCH
-    kernel_keys: list[object] = []
-    kernel_rows: list[int] = []
-    rest_keys: list[object] = []
-    rest_rows: list[int] = []
-    for i, (p, g, model) in enumerate(zip(params, grads, models)):
-        row_states = [s[i] for s in states]
-        extra = None if extra_keys is None else extra_keys[i]
-        tensors = [p, g, *row_states] + ([] if model is None else [model])
-        ok = (
-            use_kernels
-            and p.numel() > 0
-            and all(s.dtype == torch.float32 for s in row_states)
-            and all(t.dtype in KERNEL_DTYPES and t.is_contiguous() for t in tensors)
-        )
-        if ok:
-            kernel_rows.append(i)
-            kernel_keys.append((p.dtype, g.dtype, None if model is None else model.dtype, extra))
-        else:
-            rest_rows.append(i)
-            rest_keys.append((F64 if p.dtype == F64 else torch.float32, extra))
-    kernel_groups = [[kernel_rows[j] for j in idx] for idx in group_by(kernel_keys).values()]
-    rest_groups = [[rest_rows[j] for j in idx] for idx in group_by(rest_keys).values()]
-    return kernel_groups, rest_groups
-
-
-def pick(tensors: Sequence[Any], rows: list[int]) -> list[Any]:
-    return [tensors[i] for i in rows]
-
-
-def models_or_none(models: Sequence[torch.Tensor | None], rows: list[int]) -> list[torch.Tensor] | None:
-    """The model copies of a kernel group (all present or all absent: the dtype key includes the model)."""
-    chosen = pick(models, rows)
-    return None if chosen[0] is None else chosen

@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 
-from fp16kit.kernels import check_found_inf, new_found_inf, unscale_and_check
-from fp16kit.kernels._checks import common_device
+from fp16kit.kernels import check_found_inf, common_device, new_found_inf, unscale_and_check
 
 from . import _checkpoint, _sharding
 from . import functional as F

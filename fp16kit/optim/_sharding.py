@@ -16,10 +16,10 @@ whole on their owner, so their norms are local and only #1 runs, over the given 
 Which tensors are "split" is decided from the param list alone (DTensor placements), so every rank issues
 the same collectives with the same sizes, even a rank whose shard of some parameter is empty.
 
-Kernel paths: rows the Triton kernels take run ``lamb_kernel.py``'s own stage-1 and stage-2 kernels with
-the all-reduce between them (``_kernel_stage1``/``_kernel_stage2``: ``launch_lamb`` cut in two); the other
-rows run the torch stages below (the math of ``fp16kit/kernels/optim_fallback.py``'s ``lamb_``, with ``u``
-kept between the stages). Both keep the skip on the device (no host sync).
+The two stages are public ops of ``fp16kit.kernels`` (``lamb_stage1``/``lamb_stage2``,
+fp16kit/kernels/optimizers.py): rows the Triton kernels take run ``lamb_kernel.py``'s own stage-1 and stage-2
+kernels with the all-reduce between them; the other rows run torch stages (the math of
+``optim_fallback.py``'s ``lamb_``, with ``u`` kept between the stages). Both keep the skip on the device.
 """
 
 from __future__ import annotations
@@ -31,10 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fp16kit.distributed import is_sharded, local, same_group, shard_group
-from fp16kit.kernels import optim_fallback as fallback
-from fp16kit.kernels._table import chunk_table, num_programs, triton_dtype
-
-from . import functional as F
+from fp16kit.kernels import LambStaged, lamb_stage1, lamb_stage2
 
 if TYPE_CHECKING:
     from ._base import FusedOptimizer, _Rows
@@ -89,12 +86,11 @@ class ShardPlan:
         ``found_inf`` is the step's flag, already combined by :meth:`reduce_norm_and_flag`: when it is set
         both stages are no-ops on the device (the all-reduce still runs, so every rank issues the same
         collectives)."""
-        flag = found_inf.reshape(1)
-        staged = [(job, _stage1(job, flag)) for job in self.pending]
+        staged = [(job, _stage1(job, found_inf)) for job in self.pending]
         self.pending = []
         wanted = [
-            (sums, [i for i, s in enumerate(job.split) if s])
-            for job, (sums, _) in staged
+            (done.sums, [i for i, s in enumerate(job.split) if s])
+            for job, done in staged
             if job.modes["trust"] and any(job.split)
         ]
         if self.group is not None and wanted:
@@ -105,8 +101,8 @@ class ShardPlan:
                 n = 2 * len(rows)
                 sums[:, rows] = buf[start:start + n].reshape(2, len(rows)).to(sums.dtype)
                 start += n
-        for job, (sums, parts) in staged:
-            _stage2(job, sums, parts, flag)
+        for job, done in staged:
+            lamb_stage2(done, found_inf, decoupled=job.modes["decoupled"], trust=job.modes["trust"])
 
 
 def localize(optimizer: FusedOptimizer, all_rows: Sequence[_Rows]) -> ShardPlan | None:
@@ -162,144 +158,10 @@ def defer_lamb(
     return True
 
 
-# ---------------------------------------------------------------------------------------------------------
-# the two stages, per group: kernel rows (Triton) and the rest (torch)
-
-
-def _stage1(job: _Pending, flag: torch.Tensor) -> tuple[torch.Tensor, list[tuple[str, list[int], Any]]]:
-    """Stage 1 over every row of one group: ``sums[0, i] = sum p_i^2`` (old p), ``sums[1, i] = sum u_i^2``
-    (fp32, as the kernels keep them), and what stage 2 needs per subgroup of rows."""
+def _stage1(job: _Pending, found_inf: torch.Tensor) -> LambStaged:
+    """Stage 1 of one deferred group (``fp16kit.kernels.lamb_stage1``): m, v updated, per-row sums of p^2, u^2."""
     r = job.rows
-    device = r.params[0].device
-    sums = torch.zeros(2, len(r.params), dtype=torch.float32, device=device)
-    kernel_groups, rest_groups = F._split_rows(device, r.params, r.grads, r.exp_avgs, r.exp_avg_sqs, r.models)
-    parts: list[tuple[str, list[int], Any]] = []
-    for idx in kernel_groups:
-        state = _kernel_stage1(job, idx, flag)
-        sums[0, idx], sums[1, idx] = state[1], state[2]
-        parts.append(("kernel", idx, state))
-    for idx in rest_groups:
-        state = _torch_stage1(job, idx, flag)
-        sums[:, idx] = state[-1].to(torch.float32)
-        parts.append(("torch", idx, state))
-    return sums, parts
-
-
-def _stage2(
-    job: _Pending, sums: torch.Tensor, parts: list[tuple[str, list[int], Any]], flag: torch.Tensor
-) -> None:
-    for kind, idx, state in parts:
-        if kind == "kernel":
-            _kernel_stage2(job, idx, state[0], sums[1, idx].contiguous(), sums[0, idx].contiguous(), flag)
-        else:
-            _torch_stage2(job, idx, state, sums[:, idx], flag)
-
-
-def _pick(tensors: Sequence, idx: list[int]) -> list:
-    return [tensors[i] for i in idx]
-
-
-def _lists(job: _Pending, idx: list[int]) -> tuple[list, list, list, list, list]:
-    r = job.rows
-    return (_pick(r.params, idx), _pick(r.grads, idx), _pick(r.exp_avgs, idx), _pick(r.exp_avg_sqs, idx),
-            _pick(r.models, idx))
-
-
-def _kernel_stage1(job: _Pending, idx: list[int], flag: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """``launch_lamb``'s first half: stage-1 kernel (m, v written) and per-tensor sums of p^2 and u^2."""
-    from fp16kit.kernels.l2norm_kernel import segment_sums
-    from fp16kit.kernels.lamb_kernel import LAUNCH, _lamb_stage1_kernel
-
-    params, grads, exp_avgs, exp_avg_sqs, models = _lists(job, idx)
-    table = chunk_table([params, grads, exp_avgs, exp_avg_sqs, params if models[0] is None else models],
-                        written=(0, 2, 3) if models[0] is None else (0, 2, 3, 4))
-    device = params[0].device
-    u_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
-    p_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
-    _lamb_stage1_kernel[(num_programs(device, table.num_chunks),)](
-        table.ptrs, table.num_tensors, table.numels, table.chunk_tensor, table.chunk_start, table.num_chunks,
-        job.hp64.float(), flag, u_partials, p_partials,
-        P_DTYPE=triton_dtype(params[0].dtype), G_DTYPE=triton_dtype(grads[0].dtype),
-        L2_MODE=job.modes["l2_mode"], DECOUPLED=job.modes["decoupled"],
-        BLOCK=table.block, ALIGNED=table.aligned, **LAUNCH["_lamb_stage1_kernel"],
+    return lamb_stage1(
+        r.params, r.grads, r.exp_avgs, r.exp_avg_sqs, r.models, job.hp64, found_inf,
+        l2_mode=job.modes["l2_mode"], decoupled=job.modes["decoupled"],
     )
-    return table, segment_sums(p_partials, table), segment_sums(u_partials, table)
-
-
-def _kernel_stage2(
-    job: _Pending, idx: list[int], table: Any, u_sumsq: torch.Tensor, p_sumsq: torch.Tensor, flag: torch.Tensor
-) -> None:
-    """``launch_lamb``'s second half with the completed (all-reduced) per-tensor sums."""
-    from fp16kit.kernels.lamb_kernel import LAUNCH, _lamb_stage2_kernel
-
-    params, _, _, _, models = _lists(job, idx)
-    device = params[0].device
-    p_dtype = triton_dtype(params[0].dtype)
-    _lamb_stage2_kernel[(num_programs(device, table.num_chunks),)](
-        table.ptrs, table.num_tensors, table.numels, table.chunk_tensor, table.chunk_start, table.num_chunks,
-        job.hp64.float(), flag, u_sumsq, p_sumsq,
-        P_DTYPE=p_dtype, MODEL_DTYPE=p_dtype if models[0] is None else triton_dtype(models[0].dtype),
-        HAS_MODEL=models[0] is not None, DECOUPLED=job.modes["decoupled"], TRUST=job.modes["trust"],
-        BLOCK=table.block, ALIGNED=table.aligned, **LAUNCH["_lamb_stage2_kernel"],
-    )
-
-
-def _torch_stage1(job: _Pending, idx: list[int], flag: torch.Tensor) -> tuple:
-    """Stage 1 in torch ops (the math of ``optim_fallback.lamb_``), keeping ``u`` for stage 2.
-
-    CPU (the skip read on the host, no queue to drain): nothing at all when skipped, else m, v updated in
-    place with host-number hyper-parameters, as the kernel's stage 1 writes them. Elsewhere: m, v computed
-    into copies, committed in stage 2 under ``torch.where(found_inf, old, new)``.
-    """
-    params, grads, exp_avgs, exp_avg_sqs, _ = _lists(job, idx)
-    hp = job.hp64 if params[0].dtype == F64 else job.hp64.float()
-    skip = fallback._skip(flag, None)
-    sums = torch.zeros(2, len(idx), dtype=F64, device=hp.device)
-    if skip is True:
-        return hp, skip, None, None, None, None, sums
-    _, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = (
-        hp.tolist() if skip is False else hp.unbind()
-    )
-    in_place = skip is False
-    p = [t.to(hp.dtype) for t in params]  # may alias the params: only out-of-place ops on it here
-    g = torch._foreach_mul([t.to(hp.dtype) for t in grads], inv_scale)
-    torch._foreach_div_(g, clip)
-    if job.modes["l2_mode"]:
-        torch._foreach_add_(g, torch._foreach_mul(p, wd))
-    m = list(exp_avgs) if in_place else [t.clone() for t in exp_avgs]
-    v = list(exp_avg_sqs) if in_place else [t.clone() for t in exp_avg_sqs]
-    torch._foreach_mul_(m, beta1)
-    torch._foreach_add_(m, torch._foreach_mul(g, beta3))
-    torch._foreach_mul_(v, beta2)
-    gg = torch._foreach_mul(g, one_minus_beta2)
-    torch._foreach_mul_(gg, g)
-    torch._foreach_add_(v, gg)
-    u = torch._foreach_div(m, bc1)
-    denom = torch._foreach_div(v, bc2)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_div_(u, denom)
-    if job.modes["decoupled"]:
-        torch._foreach_add_(u, torch._foreach_mul(p, wd))
-    sums[0] = torch.stack(torch._foreach_norm(p)).to(F64).square()
-    sums[1] = torch.stack(torch._foreach_norm(u)).to(F64).square()
-    return hp, skip, p, m, v, u, sums
-
-
-def _torch_stage2(job: _Pending, idx: list[int], state: tuple, sums: torch.Tensor, flag: torch.Tensor) -> None:
-    """``p - ratio u`` with the completed norms; p and model copies written (masked off the CPU, with m, v)."""
-    params, _, exp_avgs, exp_avg_sqs, models = _lists(job, idx)
-    hp, skip, p, m, v, u, _ = state
-    if skip is True:
-        return
-    lr = hp[0]
-    if job.modes["trust"]:
-        pn, un = sums[0].to(hp.dtype).sqrt(), sums[1].to(hp.dtype).sqrt()
-        torch._foreach_mul_(u, list(torch.where((pn != 0) & (un != 0), lr * (pn / un), lr).unbind()))
-    else:
-        torch._foreach_mul_(u, lr)
-    if skip is False:
-        torch._foreach_sub_(p, u)
-        fallback._write_params(params, models, p, False)
-    else:
-        fallback._finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, u, skip)

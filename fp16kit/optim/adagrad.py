@@ -7,18 +7,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from fp16kit.kernels import optim_fallback_apex as fallback
+from fp16kit.kernels import adagrad_update
 
-from ._apex_common import (
-    ApexRows,
-    ApexStateOptimizer,
-    check_lr,
-    check_range,
-    hparams64,
-    models_or_none,
-    pick,
-    split_rows,
-)
+from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
 
 __all__ = ["FusedAdagrad"]
 
@@ -98,23 +89,4 @@ class FusedAdagrad(ApexStateOptimizer):
         hp64 = hparams64(group["lr"], (float(group["eps"]), wd), device, (inv_scale64,))
         sums = rows.state("sum")
         modes = {"l2_mode": not self.adagrad_w_mode and wd != 0, "decoupled": self.adagrad_w_mode and wd != 0}
-        kernel_groups, rest_groups = split_rows(device, rows.params, rows.grads, [sums], rows.models)
-        flag = found_inf.reshape(1)
-        if kernel_groups:
-            from fp16kit.kernels.adagrad_kernel import launch_adagrad
-
-            hp32 = hp64.float()
-            for idx in kernel_groups:
-                launch_adagrad(
-                    pick(rows.params, idx),
-                    pick(rows.grads, idx),
-                    pick(sums, idx),
-                    models_or_none(rows.models, idx),
-                    hp32,
-                    flag,
-                    **modes,
-                )
-        for idx in rest_groups:
-            params = pick(rows.params, idx)
-            hp = hp64 if params[0].dtype == torch.float64 else hp64.float()
-            fallback.adagrad_(params, pick(rows.grads, idx), pick(sums, idx), pick(rows.models, idx), hp, flag, **modes)
+        adagrad_update(rows.params, rows.grads, sums, rows.models, hp64, found_inf, **modes)

@@ -25,12 +25,16 @@ from collections.abc import Sequence
 
 import torch
 
-from fp16kit.kernels import cpu_native as _cpu_native
-from fp16kit.kernels import l2norm, new_found_inf
-from fp16kit.kernels import optim_fallback as fallback
-from fp16kit.kernels._checks import KERNEL_DTYPES, check_flag, check_pairs, check_tensor_list, common_device
-from fp16kit.kernels._table import group_by
-from fp16kit.kernels.backend import Backend, select_backend
+from fp16kit.kernels import (
+    adam_update,
+    check_flag,
+    check_pairs,
+    check_tensor_list,
+    common_device,
+    lamb_update,
+    new_found_inf,
+)
+from fp16kit.kernels import check_and_norm as _check_and_norm
 
 from ._validate import check_hyperparams
 
@@ -82,14 +86,7 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
     when enabled, else ``optim_fallback.check_and_norm`` (``torch._foreach_norm``: one read on the CPU, the
     2-norm and the max-norm elsewhere), which unlike ``l2norm``'s fallback materializes no scaled copy.
     """
-    grads = [g for g in grads if g.numel()]  # empty tensors (e.g. a rank's empty FSDP shard) add nothing
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=found_inf.device)
-    if select_backend(grads[0].device).backend is not Backend.TORCH:
-        return l2norm(grads, pre_scale=inv_scale64.float(), found_inf=found_inf)
-    if _cpu_native.takes_grads(grads):
-        return _cpu_native.check_and_norm(grads, inv_scale64, found_inf)
-    return fallback.check_and_norm(grads, inv_scale64, found_inf)
+    return _check_and_norm(grads, inv_scale64, found_inf)  # fp16kit.kernels.check_and_norm (empty grads add 0)
 
 
 def clip_factor(gnorm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
@@ -167,135 +164,9 @@ def adam_hparams(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# dispatch: Triton kernels for contiguous fp16/bf16/fp32 rows, the torch fallback for the rest
-
-
-def _split_rows(
-    device: torch.device,
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Row indices for the kernels (grouped by dtype combination) and for the fallback (grouped by math dtype)."""
-    use_kernels = select_backend(device).backend is not Backend.TORCH
-    kernel_keys: list[tuple] = []
-    kernel_rows: list[int] = []
-    rest_keys: list[torch.dtype] = []
-    rest_rows: list[int] = []
-    for i, (p, g, m, v, model) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, models)):
-        row = (p, g, m, v) if model is None else (p, g, m, v, model)
-        ok = (
-            use_kernels
-            and p.numel() > 0
-            and m.dtype == torch.float32
-            and v.dtype == torch.float32
-            and all(t.dtype in KERNEL_DTYPES and t.is_contiguous() for t in row)
-        )
-        if ok:
-            kernel_rows.append(i)
-            kernel_keys.append((p.dtype, g.dtype, None if model is None else model.dtype))
-        else:
-            rest_rows.append(i)
-            rest_keys.append(F64 if p.dtype == F64 else torch.float32)
-    kernel_groups = [[kernel_rows[j] for j in idx] for idx in group_by(kernel_keys).values()]
-    rest_groups = [[rest_rows[j] for j in idx] for idx in group_by(rest_keys).values()]
-    return kernel_groups, rest_groups
-
-
-def _pick(tensors: Sequence, rows: list[int]) -> list:
-    return [tensors[i] for i in rows]
-
-
-# Done whether or not ``found_inf`` skipped the write on the device: a spurious bump is harmless.
-_bump_versions = fallback.bump_versions
-
-
-def _dispatch(
-    kind: str,
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-    hp64: torch.Tensor,
-    found_inf: torch.Tensor,
-    modes: dict[str, bool],
-    step: torch.Tensor | None,
-) -> None:
-    """Run ``kind`` ("lamb" or "adam") on the kernel rows (one launch set per dtype combination) and the
-    fallback rows (per math dtype). ``step`` (the counter ``hp64`` was derived from) lets the CPU fallback
-    hand the Adam math to torch's fused CPU Adam kernel (``optim_fallback.py``)."""
-    if not params:
-        return
-    kernel_groups, rest_groups = _split_rows(params[0].device, params, grads, exp_avgs, exp_avg_sqs, models)
-    flag = found_inf.reshape(1)
-    if kernel_groups:
-        if kind == "lamb":
-            from fp16kit.kernels.lamb_kernel import launch_lamb as launch
-        else:
-            from fp16kit.kernels.adam_kernel import launch_adam as launch
-        hp32 = hp64.float()
-        for rows in kernel_groups:
-            row_models = _pick(models, rows)
-            lists = (_pick(params, rows), _pick(grads, rows), _pick(exp_avgs, rows), _pick(exp_avg_sqs, rows))
-            launch(*lists, None if row_models[0] is None else row_models, hp32, flag, **modes)
-            _bump_versions(lists[0], lists[2], lists[3], row_models)
-    step_fn = fallback.lamb_ if kind == "lamb" else fallback.adam_
-    for rows in rest_groups:
-        p = _pick(params, rows)
-        hp = hp64 if p[0].dtype == F64 else hp64.float()
-        lists = (p, _pick(grads, rows), _pick(exp_avgs, rows), _pick(exp_avg_sqs, rows))
-        if kind == "lamb" and _cpu_native.takes(*lists, _pick(models, rows)):
-            _cpu_native.lamb_(*lists, hp, flag, **modes)
-            _bump_versions(lists[0], lists[2], lists[3], [])
-            continue
-        fused = None if step is None else fallback.FusedAdamArgs(step, hp64)
-        step_fn(*lists, _pick(models, rows), hp, flag, **modes, fused=fused)
-
-
-def lamb_update(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-    hp64: torch.Tensor,
-    found_inf: torch.Tensor,
-    *,
-    weight_decay: float,
-    adam_w_mode: bool,
-    use_nvlamb: bool,
-    step: torch.Tensor | None = None,
-) -> None:
-    """Stages 1 and 2 for one group (validated lists, one device); a no-op on the device when found_inf is set.
-    ``step``: the counter ``hp64`` was built from (optional; it enables the fast CPU path)."""
-    modes = {
-        "l2_mode": not adam_w_mode and weight_decay != 0,
-        "decoupled": adam_w_mode and weight_decay != 0,
-        "trust": use_nvlamb or weight_decay != 0,
-    }
-    _dispatch("lamb", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step)
-
-
-def adam_update(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-    hp64: torch.Tensor,
-    found_inf: torch.Tensor,
-    *,
-    weight_decay: float,
-    adam_w_mode: bool,
-    step: torch.Tensor | None = None,
-) -> None:
-    """The Adam pass for one group (validated lists, one device); a no-op on the device when found_inf is set.
-    ``step``: the counter ``hp64`` was built from (optional; it enables the fast CPU path)."""
-    modes = {"l2_mode": not adam_w_mode and weight_decay != 0, "decoupled": adam_w_mode and weight_decay != 0}
-    _dispatch("adam", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step)
+# dispatch: ``lamb_update`` and ``adam_update`` (one group's update over validated lists) are the public ops of
+# ``fp16kit.kernels`` (fp16kit/kernels/optimizers.py: the one planner, Triton kernels, the torch fallback),
+# imported above and re-exported here under their old names.
 
 
 # ---------------------------------------------------------------------------------------------------------

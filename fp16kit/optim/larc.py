@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from fp16kit.kernels import l2norm
-from fp16kit.kernels._checks import common_device
+from fp16kit.kernels import common_device, l2norm
 
 from ._apex_common import check_range
 

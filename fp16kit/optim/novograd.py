@@ -7,20 +7,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from fp16kit.kernels import l2norm
-from fp16kit.kernels import optim_fallback_apex as fallback
+from fp16kit.kernels import novograd_update
 
 from . import functional as F
-from ._apex_common import (
-    ApexRows,
-    ApexStateOptimizer,
-    check_lr,
-    check_range,
-    hparams64,
-    models_or_none,
-    pick,
-    split_rows,
-)
+from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
 from ._validate import check_hyperparams
 
 __all__ = ["FusedNovoGrad"]
@@ -120,16 +110,6 @@ class FusedNovoGrad(ApexStateOptimizer):
         state["exp_avg"] = torch.zeros_like(p, dtype=math, memory_format=torch.contiguous_format)
         state["exp_avg_sq"] = torch.zeros(1, dtype=math, device=p.device)
 
-    def _grad_norms(self, grads: list[torch.Tensor], norm_type: int, inv64: torch.Tensor, kernel: bool, math):
-        """Per-tensor norms of the unscaled grads (one multi-tensor pass), as a ``math`` [N] vector."""
-        if not kernel:
-            return fallback.per_tensor_norms(grads, norm_type, inv64, math)
-        if norm_type == 2:
-            return l2norm(grads, per_tensor=True, pre_scale=inv64.float())[1].to(math)
-        from fp16kit.kernels.novograd_kernel import absmax_per_tensor
-
-        return absmax_per_tensor(grads, inv64.float()).to(math)
-
     def _update_group(
         self,
         group: dict[str, Any],
@@ -148,41 +128,19 @@ class FusedNovoGrad(ApexStateOptimizer):
         bc2 = bc2.sqrt()  # apex's NovoGrad divides the norm by sqrt(1 - b2^t)
         beta3 = 1.0 - b1 if group["grad_averaging"] else 1.0
         hp64 = hparams64(lr64, (b1, beta3, float(group["weight_decay"])), device, (bc1, inv_scale64))
-        ms, vs = rows.state("exp_avg"), rows.state("exp_avg_sq")
-        kernel_groups, rest_groups = split_rows(device, rows.params, rows.grads, [ms], rows.models)
-        flag = found_inf.reshape(1)
-        norm_type = int(group["norm_type"])
-        for kernel, idx in [(True, i) for i in kernel_groups] + [(False, i) for i in rest_groups]:
-            math = torch.float64 if rows.params[idx[0]].dtype == F64 else torch.float32
-            n = self._grad_norms(pick(rows.grads, idx), norm_type, inv_scale64, kernel, F64)
-            v_old = torch.cat(pick(vs, idx)).to(F64)
-            new = [rows.new[i] for i in idx]
-            start = v_old
-            if any(new) and not group["init_zero"]:
-                start = torch.where(torch.tensor(new, device=device), n, v_old)
-            v = (b2 * start * start + (1.0 - b2) * n * n).sqrt() if norm_type == 2 else b2 * start + (1.0 - b2) * n
-            v = v.to(math)
-            denoms = v.to(F64) / bc2 + float(group["eps"])
-            # Commit v only for a step that is taken: a skipped step leaves the state bit for bit.
-            torch._foreach_copy_(pick(vs, idx), list(torch.where(flag != 0, v_old.to(math), v).split(1)))
-            args = (pick(rows.params, idx), pick(rows.grads, idx), pick(ms, idx))
-            if kernel:
-                from fp16kit.kernels.novograd_kernel import launch_novograd
-
-                launch_novograd(
-                    *args,
-                    models_or_none(rows.models, idx),
-                    hp64.float(),
-                    denoms.float(),
-                    flag,
-                    reg_inside_moment=self.reg_inside_moment,
-                )
-            else:
-                fallback.novograd_(
-                    *args,
-                    pick(rows.models, idx),
-                    hp64.to(math),
-                    denoms.to(math),
-                    flag,
-                    reg_inside_moment=self.reg_inside_moment,
-                )
+        novograd_update(
+            rows.params,
+            rows.grads,
+            rows.state("exp_avg"),
+            rows.state("exp_avg_sq"),
+            rows.models,
+            hp64,
+            found_inf,
+            new=rows.new,
+            beta2=b2,
+            eps=float(group["eps"]),
+            bc2_sqrt=bc2,
+            norm_type=int(group["norm_type"]),
+            init_zero=bool(group["init_zero"]),
+            reg_inside_moment=self.reg_inside_moment,
+        )

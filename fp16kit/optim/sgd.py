@@ -8,18 +8,9 @@ from typing import Any, ClassVar
 import torch
 from torch.optim.optimizer import required  # type: ignore[attr-defined]
 
-from fp16kit.kernels import optim_fallback_apex as fallback
+from fp16kit.kernels import sgd_update
 
-from ._apex_common import (
-    ApexRows,
-    ApexStateOptimizer,
-    check_lr,
-    check_range,
-    hparams64,
-    models_or_none,
-    pick,
-    split_rows,
-)
+from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
 
 __all__ = ["FusedSGD"]
 
@@ -140,34 +131,4 @@ class FusedSGD(ApexStateOptimizer):
         hp64 = hparams64(group["lr"], (momentum, 1.0 - float(group["dampening"]), wd), device, (inv_scale64,))
         bufs = rows.state("momentum_buffer") if momentum != 0 else None
         modes = {"weight_decay": wd != 0, "wd_after_momentum": self.wd_after_momentum, "nesterov": group["nesterov"]}
-        kernel_groups, rest_groups = split_rows(
-            device, rows.params, rows.grads, [] if bufs is None else [bufs], rows.models, first
-        )
-        flag = found_inf.reshape(1)
-        if kernel_groups:
-            from fp16kit.kernels.sgd_kernel import launch_sgd
-
-            hp32 = hp64.float()
-            for idx in kernel_groups:
-                launch_sgd(
-                    pick(rows.params, idx),
-                    pick(rows.grads, idx),
-                    None if bufs is None else pick(bufs, idx),
-                    models_or_none(rows.models, idx),
-                    hp32,
-                    flag,
-                    first_run=first[idx[0]],
-                    **modes,
-                )
-        for idx in rest_groups:
-            params = pick(rows.params, idx)
-            fallback.sgd_(
-                params,
-                pick(rows.grads, idx),
-                None if bufs is None else pick(bufs, idx),
-                pick(rows.models, idx),
-                hp64 if params[0].dtype == torch.float64 else hp64.float(),
-                flag,
-                first_run=first[idx[0]],
-                **modes,
-            )
+        sgd_update(rows.params, rows.grads, bufs, rows.models, hp64, found_inf, first_run=first, **modes)

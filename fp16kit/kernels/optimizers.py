@@ -1,0 +1,542 @@
+"""Public optimizer update ops: one parameter group's step over whole tensor lists, on the device.
+
+These are the ops ``fp16kit.optim`` (FusedLAMB, FusedAdam, FusedSGD, FusedAdagrad, FusedNovoGrad, the sharded
+LAMB step) calls; users writing their own loops get the same functions. Every op plans its rows through the
+one planner (``fp16kit/kernels/_plan.py``: validation, dtype groups, the plan cache, recorded address tables),
+then runs each group once:
+
+* kernel groups (contiguous fp16/bf16/fp32 tensors, fp32 state, Triton or its interpreter): the Triton
+  launchers (``lamb_kernel.py``, ``adam_kernel.py``, ``sgd_kernel.py``, ``adagrad_kernel.py``,
+  ``novograd_kernel.py``), one launch set per dtype combination;
+* fallback groups (everything else, every row with the torch backend): the one torch implementation of each
+  optimizer (``optim_fallback.py`` for LAMB/Adam, ``optim_fallback_apex.py`` for SGD/Adagrad/NovoGrad), grouped by
+  math dtype (float64 for float64 params, else float32); LAMB rows the opt-in native CPU kernel takes
+  (``cpu_native.takes``) run there.
+
+The float64 references of the same math are in ``fp16kit.numerics``. ``hp64`` is the float64 hyper-parameter
+vector whose layout each kernel module documents; kernels get it rounded once to fp32. Nothing syncs with the
+host; when ``found_inf`` is set every op is a no-op on the device. Rows are validated by the planner (pairing,
+one device, and no written tensor overlapping another row's tensor, ``ValueError``); state dtypes and
+hyper-parameters are the callers' (``fp16kit.optim``) to validate.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any
+
+import torch
+
+from . import _plan, cpu_native, optim_fallback, optim_fallback_apex
+from ._table import chunk_table, num_programs, playing, triton_dtype
+from .backend import Backend, select_backend
+from .ops import l2norm
+
+__all__ = [
+    "LambStaged",
+    "adagrad_update",
+    "adam_update",
+    "check_and_norm",
+    "lamb_stage1",
+    "lamb_stage2",
+    "lamb_update",
+    "novograd_update",
+    "sgd_update",
+]
+
+F64 = torch.float64
+
+
+@functools.cache
+def _spec(fn: str, names: tuple[str, ...], state: tuple[int, ...], with_models: bool) -> _plan.Spec:
+    """The planner's description of an optimizer's rows: params (0) and grads (1) first, state rows (written,
+    fp32 for the kernels), then the optional model copies (written; ``None`` entries allowed). Kernel groups are
+    keyed by the param, grad and model dtypes, fallback groups by the math dtype; empty tensors go to the
+    fallback (a no-op there)."""
+    models = len(names) if with_models else None
+    extra = () if models is None else (models,)
+    return _plan.Spec(
+        fn,
+        names + (("model_params",) if with_models else ()),
+        written=(0, *state, *extra),
+        key_rows=(0, 1, *extra),
+        state_rows=state,
+        optional=models,
+        keep_empty=True,
+        math_key=True,
+    )
+
+
+def _has_models(models: Sequence[torch.Tensor | None] | None) -> bool:
+    """Some entry is a tensor (one C-level pass, no per-entry Python)."""
+    return models is not None and any(map(operator.is_not, models, repeat(None)))
+
+
+def _rows(
+    fn: str,
+    names: tuple[str, ...],
+    state: tuple[int, ...],
+    lists: tuple[Sequence[torch.Tensor], ...],
+    models: Sequence[torch.Tensor | None] | None,
+    extra: tuple | None = None,
+) -> tuple[_plan.Plan, bool]:
+    with_models = _has_models(models)
+    rows = lists + ((models,) if with_models else ())
+    return _plan.plan(_spec(fn, names, state, with_models), rows, extra), with_models
+
+
+def _models_of(group: _plan.Group, models: Sequence[torch.Tensor | None] | None, with_models: bool, n: int) -> list:
+    """The group's model copies (``None`` entries where a row has none)."""
+    return group.pick(models) if with_models else [None] * n
+
+
+def _kernel_models(chosen: list) -> list[torch.Tensor] | None:
+    """A kernel group's model copies: all present or all absent (the model dtype is part of the group key)."""
+    return None if chosen[0] is None else chosen
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LAMB and Adam
+
+
+_ADAM_NAMES = ("params", "grads", "exp_avgs", "exp_avg_sqs")
+
+
+def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+    """Global L2 norm of the unscaled grads ``inv_scale * sqrt(sum g^2)`` (0-dim fp32), raising ``found_inf`` on
+    any inf/NaN among the unscaled values: the check pass before an optimizer update.
+
+    Triton backends: :func:`fp16kit.kernels.l2norm` (one read of the grads). Torch backend: the native CPU pass
+    when enabled (``cpu_native.takes_grads``), else ``optim_fallback.check_and_norm`` (``torch._foreach_norm``),
+    which unlike ``l2norm``'s fallback materializes no scaled copy. Empty tensors add nothing.
+    """
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=found_inf.device)
+    if select_backend(grads[0].device).backend is not Backend.TORCH:
+        return l2norm(grads, pre_scale=inv_scale64.float(), found_inf=found_inf)
+    if cpu_native.takes_grads(grads):
+        return cpu_native.check_and_norm(grads, inv_scale64, found_inf)
+    return optim_fallback.check_and_norm(grads, inv_scale64, found_inf)
+
+
+def _lamb_or_adam(
+    kind: str,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp64: torch.Tensor,
+    found_inf: torch.Tensor,
+    modes: dict[str, bool],
+    step: torch.Tensor | None,
+) -> None:
+    """Run ``kind`` ("lamb" or "adam") on the kernel groups (one launch set per dtype combination) and the
+    fallback groups (per math dtype). ``step`` (the counter ``hp64`` was derived from) lets the CPU fallback
+    hand the Adam math to torch's fused CPU Adam kernel (``optim_fallback.py``)."""
+    if not params:
+        return
+    fn = f"{kind}_update"
+    plan, with_models = _rows(fn, _ADAM_NAMES, (2, 3), (params, grads, exp_avgs, exp_avg_sqs), models)
+    flag = found_inf.reshape(1)
+    if plan.kernel:
+        if kind == "lamb":
+            from .lamb_kernel import launch_lamb as launch
+        else:
+            from .adam_kernel import launch_adam as launch
+        hp32 = hp64.float()
+        for g in plan.kernel:
+            lists = (g.pick(params), g.pick(grads), g.pick(exp_avgs), g.pick(exp_avg_sqs))
+            chosen = _kernel_models(_models_of(g, models, with_models, len(g.idx)))
+            with playing(g.tape):
+                launch(*lists, chosen, hp32, flag, **modes)
+            # Done whether or not ``found_inf`` skipped the write on the device: a spurious bump is harmless.
+            optim_fallback.bump_versions(lists[0], lists[2], lists[3], chosen or [])
+    step_fn = optim_fallback.lamb_ if kind == "lamb" else optim_fallback.adam_
+    for g in plan.rest:
+        p = g.pick(params)
+        hp = hp64 if p[0].dtype == F64 else hp64.float()
+        lists = (p, g.pick(grads), g.pick(exp_avgs), g.pick(exp_avg_sqs))
+        chosen = _models_of(g, models, with_models, len(p))
+        if kind == "lamb" and cpu_native.takes(*lists, chosen):
+            cpu_native.lamb_(*lists, hp, flag, **modes)
+            optim_fallback.bump_versions(lists[0], lists[2], lists[3], [])
+            continue
+        fused = None if step is None else optim_fallback.FusedAdamArgs(step, hp64)
+        step_fn(*lists, chosen, hp, flag, **modes, fused=fused)
+
+
+def lamb_update(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp64: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    weight_decay: float,
+    adam_w_mode: bool,
+    use_nvlamb: bool,
+    step: torch.Tensor | None = None,
+) -> None:
+    """LAMB stages 1 and 2 for one group (validated lists, one device); a no-op on the device when found_inf is
+    set. ``hp64``: ``[lr, b1, b2, beta3, 1 - b2, eps, wd, bc1, bc2, inv_scale, clip]`` (``lamb_kernel.py``);
+    ``models``: model copies written with the rounded params (``None`` entries allowed). ``step``: the counter
+    ``hp64`` was built from (optional; it enables the fast CPU path)."""
+    modes = {
+        "l2_mode": not adam_w_mode and weight_decay != 0,
+        "decoupled": adam_w_mode and weight_decay != 0,
+        "trust": use_nvlamb or weight_decay != 0,
+    }
+    _lamb_or_adam("lamb", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step)
+
+
+def adam_update(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp64: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    weight_decay: float,
+    adam_w_mode: bool,
+    step: torch.Tensor | None = None,
+) -> None:
+    """The Adam pass for one group (validated lists, one device); a no-op on the device when found_inf is set.
+    ``hp64``: ``[lr, b1, b2, 1 - b1, 1 - b2, eps, wd, -lr/bc1, sqrt(bc2), inv_scale, 1 - lr*wd]``
+    (``adam_kernel.py``). ``step``: the counter ``hp64`` was built from (optional; it enables the fast CPU path)."""
+    modes = {"l2_mode": not adam_w_mode and weight_decay != 0, "decoupled": adam_w_mode and weight_decay != 0}
+    _lamb_or_adam("adam", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LAMB in two stages, for sharded parameters (fp16kit/optim/_sharding.py completes the norms in between)
+
+
+@dataclass
+class LambStaged:
+    """Stage 1's result for one group: ``sums[0, i] = sum p_i^2`` (old p) and ``sums[1, i] = sum u_i^2`` (fp32
+    [2, N]; a caller may all-reduce columns in place before :func:`lamb_stage2`), and what stage 2 needs."""
+
+    sums: torch.Tensor
+    hp64: torch.Tensor
+    rows: tuple[list, list, list, list, list]
+    parts: list[tuple[str, _plan.Group, Any]]
+
+
+def lamb_stage1(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp64: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+) -> LambStaged:
+    """LAMB's stage 1 over one group (m, v updated; the update direction ``u`` kept) and the per-tensor sums
+    of ``p^2`` and ``u^2`` that stage 2's trust ratio needs. Kernel groups run ``lamb_kernel.py``'s stage-1
+    kernel; the others the torch stage below. No-op on the device when ``found_inf`` is set."""
+    device = params[0].device
+    sums = torch.zeros(2, len(params), dtype=torch.float32, device=device)
+    plan, _ = _rows("lamb_stage1", _ADAM_NAMES, (2, 3), (params, grads, exp_avgs, exp_avg_sqs), models)
+    rows = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(models))
+    staged = LambStaged(sums, hp64, rows, [])
+    modes = {"l2_mode": l2_mode, "decoupled": decoupled}
+    for g in plan.kernel:
+        state = _kernel_stage1(staged, g, found_inf, modes)
+        sums[0, g.idx], sums[1, g.idx] = state[1], state[2]
+        staged.parts.append(("kernel", g, state))
+    for g in plan.rest:
+        state = _torch_stage1(staged, g, found_inf, modes)
+        sums[:, g.idx] = state[-1].to(torch.float32)
+        staged.parts.append(("torch", g, state))
+    return staged
+
+
+def lamb_stage2(staged: LambStaged, found_inf: torch.Tensor, *, decoupled: bool, trust: bool) -> None:
+    """``p -= ratio * u`` with ``ratio = lr |p| / |u|`` from ``staged.sums`` (when ``trust`` and both norms are
+    non-zero, else ``lr``); model copies written. No-op on the device when ``found_inf`` is set."""
+    flag = found_inf.reshape(1)
+    sums = staged.sums
+    for kind, g, state in staged.parts:
+        if kind == "kernel":
+            _kernel_stage2(staged, g, state[0], sums[1, g.idx].contiguous(), sums[0, g.idx].contiguous(), flag,
+                           decoupled, trust)
+        else:
+            _torch_stage2(staged, g, state, sums[:, g.idx], flag, trust)
+
+
+def _lists(staged: LambStaged, g: _plan.Group) -> tuple[list, ...]:
+    return tuple(g.pick(r) for r in staged.rows)
+
+
+def _kernel_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes: dict) -> tuple:
+    """``launch_lamb``'s first half: stage-1 kernel (m, v written) and per-tensor sums of p^2 and u^2."""
+    from .l2norm_kernel import segment_sums
+    from .lamb_kernel import LAUNCH, _lamb_stage1_kernel
+
+    params, grads, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
+    with playing(g.tape):
+        table = chunk_table([params, grads, exp_avgs, exp_avg_sqs, params if models[0] is None else models],
+                            written=(0, 2, 3) if models[0] is None else (0, 2, 3, 4))
+    device = params[0].device
+    u_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
+    p_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
+    _lamb_stage1_kernel[(num_programs(device, table.num_chunks),)](
+        table.ptrs, table.num_tensors, table.numels, table.chunk_tensor, table.chunk_start, table.num_chunks,
+        staged.hp64.float(), flag.reshape(1), u_partials, p_partials,
+        P_DTYPE=triton_dtype(params[0].dtype), G_DTYPE=triton_dtype(grads[0].dtype),
+        L2_MODE=modes["l2_mode"], DECOUPLED=modes["decoupled"],
+        BLOCK=table.block, ALIGNED=table.aligned, **LAUNCH["_lamb_stage1_kernel"],
+    )
+    return table, segment_sums(p_partials, table), segment_sums(u_partials, table)
+
+
+def _kernel_stage2(
+    staged: LambStaged, g: _plan.Group, table: Any, u_sumsq: torch.Tensor, p_sumsq: torch.Tensor,
+    flag: torch.Tensor, decoupled: bool, trust: bool,
+) -> None:
+    """``launch_lamb``'s second half with the completed (all-reduced) per-tensor sums."""
+    from .lamb_kernel import LAUNCH, _lamb_stage2_kernel
+
+    params, _, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
+    device = params[0].device
+    p_dtype = triton_dtype(params[0].dtype)
+    _lamb_stage2_kernel[(num_programs(device, table.num_chunks),)](
+        table.ptrs, table.num_tensors, table.numels, table.chunk_tensor, table.chunk_start, table.num_chunks,
+        staged.hp64.float(), flag, u_sumsq, p_sumsq,
+        P_DTYPE=p_dtype, MODEL_DTYPE=p_dtype if models[0] is None else triton_dtype(models[0].dtype),
+        HAS_MODEL=models[0] is not None, DECOUPLED=decoupled, TRUST=trust,
+        BLOCK=table.block, ALIGNED=table.aligned, **LAUNCH["_lamb_stage2_kernel"],
+    )
+    optim_fallback.bump_versions(params, exp_avgs, exp_avg_sqs, [] if models[0] is None else models)
+
+
+def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes: dict) -> tuple:
+    """Stage 1 in torch ops (the math of ``optim_fallback.lamb_``), keeping ``u`` for stage 2.
+
+    CPU (the skip read on the host, no queue to drain): nothing at all when skipped, else m, v updated in
+    place with host-number hyper-parameters, as the kernel's stage 1 writes them. Elsewhere: m, v computed
+    into copies, committed in stage 2 under ``torch.where(found_inf, old, new)``.
+    """
+    params, grads, exp_avgs, exp_avg_sqs, _ = _lists(staged, g)
+    hp = staged.hp64 if params[0].dtype == F64 else staged.hp64.float()
+    skip = optim_fallback._skip(flag, None)
+    sums = torch.zeros(2, len(params), dtype=F64, device=hp.device)
+    if skip is True:
+        return hp, skip, None, None, None, None, sums
+    _, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = (
+        hp.tolist() if skip is False else hp.unbind()
+    )
+    in_place = skip is False
+    p = [t.to(hp.dtype) for t in params]  # may alias the params: only out-of-place ops on it here
+    gs = torch._foreach_mul([t.to(hp.dtype) for t in grads], inv_scale)
+    torch._foreach_div_(gs, clip)
+    if modes["l2_mode"]:
+        torch._foreach_add_(gs, torch._foreach_mul(p, wd))
+    m = list(exp_avgs) if in_place else [t.clone() for t in exp_avgs]
+    v = list(exp_avg_sqs) if in_place else [t.clone() for t in exp_avg_sqs]
+    torch._foreach_mul_(m, beta1)
+    torch._foreach_add_(m, torch._foreach_mul(gs, beta3))
+    torch._foreach_mul_(v, beta2)
+    gg = torch._foreach_mul(gs, one_minus_beta2)
+    torch._foreach_mul_(gg, gs)
+    torch._foreach_add_(v, gg)
+    u = torch._foreach_div(m, bc1)
+    denom = torch._foreach_div(v, bc2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_div_(u, denom)
+    if modes["decoupled"]:
+        torch._foreach_add_(u, torch._foreach_mul(p, wd))
+    sums[0] = torch.stack(torch._foreach_norm(p)).to(F64).square()
+    sums[1] = torch.stack(torch._foreach_norm(u)).to(F64).square()
+    return hp, skip, p, m, v, u, sums
+
+
+def _torch_stage2(
+    staged: LambStaged, g: _plan.Group, state: tuple, sums: torch.Tensor, flag: torch.Tensor, trust: bool
+) -> None:
+    """``p - ratio u`` with the completed norms; p and model copies written (masked off the CPU, with m, v)."""
+    params, _, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
+    hp, skip, p, m, v, u, _ = state
+    if skip is True:
+        return
+    lr = hp[0]
+    if trust:
+        pn, un = sums[0].to(hp.dtype).sqrt(), sums[1].to(hp.dtype).sqrt()
+        torch._foreach_mul_(u, list(torch.where((pn != 0) & (un != 0), lr * (pn / un), lr).unbind()))
+    else:
+        torch._foreach_mul_(u, lr)
+    if skip is False:
+        torch._foreach_sub_(p, u)
+        optim_fallback._write_params(params, models, p, False)
+    else:
+        optim_fallback._finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, u, skip)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# apex's SGD, Adagrad and NovoGrad
+
+
+def sgd_update(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor] | None,
+    models: Sequence[torch.Tensor | None],
+    hp64: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    first_run: Sequence[bool],
+    weight_decay: bool,
+    wd_after_momentum: bool,
+    nesterov: bool,
+) -> None:
+    """apex's SGD for one group (``sgd_kernel.py``: ``hp64 = [lr, momentum, 1 - dampening, wd, inv_scale]``);
+    ``momentum_buffers`` None for plain SGD; ``first_run[i]``: the buffer's first use (``m = g``). No-op on the
+    device when ``found_inf`` is set."""
+    if not params:
+        return
+    bufs = momentum_buffers
+    lists = (params, grads) if bufs is None else (params, grads, bufs)
+    names = ("params", "grads") if bufs is None else ("params", "grads", "momentum_buffers")
+    plan, with_models = _rows("sgd_update", names, () if bufs is None else (2,), lists, models, tuple(first_run))
+    flag = found_inf.reshape(1)
+    modes = {"weight_decay": weight_decay, "wd_after_momentum": wd_after_momentum, "nesterov": nesterov}
+    if plan.kernel:
+        from .sgd_kernel import launch_sgd
+
+        hp32 = hp64.float()
+        for g in plan.kernel:
+            p = g.pick(params)
+            with playing(g.tape):
+                launch_sgd(p, g.pick(grads), None if bufs is None else g.pick(bufs),
+                           _kernel_models(_models_of(g, models, with_models, len(p))), hp32, flag,
+                           first_run=first_run[g.idx[0]], **modes)
+    for g in plan.rest:
+        p = g.pick(params)
+        optim_fallback_apex.sgd_(
+            p, g.pick(grads), None if bufs is None else g.pick(bufs), _models_of(g, models, with_models, len(p)),
+            hp64 if p[0].dtype == F64 else hp64.float(), flag, first_run=first_run[g.idx[0]], **modes,
+        )
+
+
+def adagrad_update(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    sums: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp64: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+) -> None:
+    """apex's Adagrad for one group (``adagrad_kernel.py``: ``hp64 = [lr, eps, wd, inv_scale]``). No-op on the
+    device when ``found_inf`` is set."""
+    if not params:
+        return
+    plan, with_models = _rows("adagrad_update", ("params", "grads", "sums"), (2,), (params, grads, sums), models)
+    flag = found_inf.reshape(1)
+    modes = {"l2_mode": l2_mode, "decoupled": decoupled}
+    if plan.kernel:
+        from .adagrad_kernel import launch_adagrad
+
+        hp32 = hp64.float()
+        for g in plan.kernel:
+            p = g.pick(params)
+            with playing(g.tape):
+                launch_adagrad(p, g.pick(grads), g.pick(sums),
+                               _kernel_models(_models_of(g, models, with_models, len(p))), hp32, flag, **modes)
+    for g in plan.rest:
+        p = g.pick(params)
+        hp = hp64 if p[0].dtype == F64 else hp64.float()
+        optim_fallback_apex.adagrad_(
+            p, g.pick(grads), g.pick(sums), _models_of(g, models, with_models, len(p)), hp, flag, **modes
+        )
+
+
+def novograd_update(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+    hp64: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    new: Sequence[bool],
+    beta2: float,
+    eps: float,
+    bc2_sqrt: torch.Tensor,
+    norm_type: int,
+    init_zero: bool,
+    reg_inside_moment: bool,
+) -> None:
+    """apex's NovoGrad for one group (``novograd_kernel.py``: ``hp64 = [lr, b1, beta3, wd, bc1, inv_scale]``).
+
+    Per param, with ``n`` the norm (``norm_type`` 2: L2, 0: max) of its unscaled gradient and ``v`` its
+    one-element second moment (``exp_avg_sqs[i]``)::
+
+        v = n              on its first step (``new[i]``) unless ``init_zero``
+        v = sqrt(b2 v^2 + (1 - b2) n^2)  (L2)   or   b2 v + (1 - b2) n  (max norm)
+        denom = v / bc2_sqrt + eps;  then the moment/param update of the kernel with that denominator
+
+    ``v`` is committed only for a step that is taken (``found_inf`` clear): a skipped step leaves it bit for bit.
+    """
+    if not params:
+        return
+    device = params[0].device
+    plan, with_models = _rows("novograd_update", ("params", "grads", "exp_avgs"), (2,), (params, grads, exp_avgs),
+                              models)
+    flag = found_inf.reshape(1)
+    for kernel, g in [(True, g) for g in plan.kernel] + [(False, g) for g in plan.rest]:
+        p = g.pick(params)
+        math = F64 if p[0].dtype == F64 else torch.float32
+        gs = g.pick(grads)
+        n = _novograd_norms(gs, norm_type, hp64[5:6], kernel, g)
+        vs = g.pick(exp_avg_sqs)
+        v_old = torch.cat(vs).to(F64)
+        fresh = [new[i] for i in g.idx]
+        start = v_old
+        if any(fresh) and not init_zero:
+            start = torch.where(torch.tensor(fresh, device=device), n, v_old)
+        v = (beta2 * start * start + (1.0 - beta2) * n * n).sqrt() if norm_type == 2 else beta2 * start + (
+            1.0 - beta2) * n
+        v = v.to(math)
+        denoms = v.to(F64) / bc2_sqrt + eps
+        torch._foreach_copy_(vs, list(torch.where(flag != 0, v_old.to(math), v).split(1)))
+        chosen = _models_of(g, models, with_models, len(p))
+        if kernel:
+            from .novograd_kernel import launch_novograd
+
+            with playing(g.tape):
+                launch_novograd(p, gs, g.pick(exp_avgs), _kernel_models(chosen), hp64.float(), denoms.float(), flag,
+                                reg_inside_moment=reg_inside_moment)
+        else:
+            optim_fallback_apex.novograd_(p, gs, g.pick(exp_avgs), chosen, hp64.to(math), denoms.to(math), flag,
+                                          reg_inside_moment=reg_inside_moment)
+
+
+def _novograd_norms(
+    grads: list[torch.Tensor], norm_type: int, inv64: torch.Tensor, kernel: bool, g: _plan.Group
+) -> torch.Tensor:
+    """Per-tensor norms of the unscaled grads (one multi-tensor pass), as a float64 [N] vector."""
+    if not kernel:
+        return optim_fallback_apex.per_tensor_norms(grads, norm_type, inv64, F64)
+    if norm_type == 2:
+        return l2norm(grads, per_tensor=True, pre_scale=inv64.float())[1].to(F64)
+    from .novograd_kernel import absmax_per_tensor
+
+    return absmax_per_tensor(grads, inv64.float()).to(F64)
