@@ -8,6 +8,7 @@ group. Which implementation runs is decided per device by :mod:`fp16kit.kernels.
 Triton on CUDA, Triton's interpreter on CPU under ``TRITON_INTERPRET=1``, the torch fallback otherwise.
 """
 
+from . import library  # registers the fp16kit:: dispatcher ops (torch.ops.fp16kit.*)
 from ._table import release_graph_tables
 from .backend import Backend, BackendChoice, select_backend, use_backend
 from .found_inf import (
@@ -34,6 +35,7 @@ __all__ = [
     "exponent_histogram",
     "flag_for",
     "l2norm",
+    "library",
     "merge_found_inf",
     "merge_found_inf_into",
     "new_found_inf",
