@@ -102,9 +102,7 @@ def _join_models(n: int, models: list[Tensor], model_rows: list[int]) -> list[Te
 @torch.library.custom_op(
     f"{NAMESPACE}::unscale_and_check", mutates_args=("tensors", "found_inf", "sq_norm"), device_types=_DEVICES
 )
-def _unscale_and_check_op(
-    tensors: list[Tensor], inv_scale: Tensor, found_inf: Tensor, sq_norm: Tensor | None
-) -> None:
+def _unscale_and_check_op(tensors: list[Tensor], inv_scale: Tensor, found_inf: Tensor, sq_norm: Tensor | None) -> None:
     ops.unscale_and_check(tensors, inv_scale, found_inf, sq_norm=sq_norm)
 
 
@@ -273,6 +271,11 @@ def check_and_norm(grads: Sequence[Tensor], inv_scale64: Tensor, found_inf: Tens
     return torch.ops.fp16kit.check_and_norm(list(grads), inv_scale64, found_inf)
 
 
+def _update(op, lists: tuple, models: Sequence[Tensor | None], hp64: Tensor, found_inf: Tensor, *flags) -> None:
+    present, rows = split_models(models)
+    op(*(list(x) for x in lists), present, rows, hp64, found_inf, *flags)
+
+
 def lamb_update(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -288,21 +291,8 @@ def lamb_update(
     step: Tensor | None = None,
 ) -> None:
     """``fp16kit.optim.functional.lamb_update`` through ``torch.ops.fp16kit.lamb_update``."""
-    present, rows = split_models(models)
-    torch.ops.fp16kit.lamb_update(
-        list(params),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        present,
-        rows,
-        hp64,
-        found_inf,
-        float(weight_decay),
-        bool(adam_w_mode),
-        bool(use_nvlamb),
-        step,
-    )
+    flags = (float(weight_decay), bool(adam_w_mode), bool(use_nvlamb), step)
+    _update(torch.ops.fp16kit.lamb_update, (params, grads, exp_avgs, exp_avg_sqs), models, hp64, found_inf, *flags)
 
 
 def adam_update(
@@ -319,17 +309,5 @@ def adam_update(
     step: Tensor | None = None,
 ) -> None:
     """``fp16kit.optim.functional.adam_update`` through ``torch.ops.fp16kit.adam_update``."""
-    present, rows = split_models(models)
-    torch.ops.fp16kit.adam_update(
-        list(params),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        present,
-        rows,
-        hp64,
-        found_inf,
-        float(weight_decay),
-        bool(adam_w_mode),
-        step,
-    )
+    flags = (float(weight_decay), bool(adam_w_mode), step)
+    _update(torch.ops.fp16kit.adam_update, (params, grads, exp_avgs, exp_avg_sqs), models, hp64, found_inf, *flags)

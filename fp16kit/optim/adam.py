@@ -93,7 +93,7 @@ class FusedAdam(FusedOptimizer):
             inv_scale64=inv_scale64,
             device=rows.params[0].device,
         )
-        F.adam_update(
+        self._updates().adam_update(
             rows.params,
             rows.grads,
             rows.exp_avgs,

@@ -141,7 +141,7 @@ class FusedLAMB(FusedOptimizer):
         modes = {"weight_decay": float(group["weight_decay"]), "adam_w_mode": self.adam_w_mode}
         if _sharding.defer_lamb(self, rows, hp64, **modes, use_nvlamb=self.use_nvlamb):
             return  # sharded params: stages 1 and 2 run after all groups, around one norm all-reduce
-        F.lamb_update(
+        self._updates().lamb_update(
             rows.params,
             rows.grads,
             rows.exp_avgs,
