@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
 
 from fp16kit.kernels import copy_, l2norm, library, new_found_inf, unscale_and_check
+from fp16kit.numerics import assert_bitwise_equal
+from fp16kit.numerics import strategies as fst
 from fp16kit.optim import functional as F
 
 LOW = [torch.float16, torch.bfloat16, torch.float32]
@@ -102,7 +105,7 @@ def _case_ids():
     return [op.name() for op, _ in _all_op_cases(torch.float32)]
 
 
-@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # bf16: the interpreter test below
 def test_opcheck_every_op(dtype):
     """Schema (mutations declared, nothing else written), fake implementation, AOT dispatch: for every op."""
     names = set()
@@ -135,7 +138,7 @@ def test_ops_equal_eager_functions(backend):
     from fp16kit.kernels import use_backend
 
     with use_backend(backend):
-        for dtype in LOW:
+        for dtype in LOW if backend == "torch" else [torch.bfloat16]:  # the interpreter: one dtype (time)
             a, b = _inf_list(dtype), _inf_list(dtype)
             fa, fb = new_found_inf("cpu"), new_found_inf("cpu")
             sa, sb = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
@@ -182,6 +185,47 @@ def test_ops_equal_eager_functions(backend):
                     for x, y in zip(xs_e, xs_o):
                         assert (x is None and y is None) or torch.equal(x, y), (kind, dtype)
                 assert not torch.equal(eager[0][0], params[0])  # the update did run
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
+@settings(max_examples=15, deadline=None)
+@given(case=fst.unscale_cases(max_size=3, max_numel=40))
+def test_ops_equal_eager_on_edge_values(backend, case):
+    """Hypothesis, edge values (+-0, subnormals, max finite, inf, NaN, overflow after scaling or cast): the
+    unscale, l2norm and copy ops give the eager functions' bits and flags (the float64 reference of those
+    functions is tested in test_unscale.py, test_l2norm.py, test_copy.py)."""
+    from fp16kit.kernels import use_backend
+
+    tensors, inv_scale, out_dtypes = case
+    with use_backend(backend):
+        flags = [new_found_inf("cpu") for _ in range(4)]
+        sums = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
+        if out_dtypes is None:
+            a, b = _clone(tensors), _clone(tensors)
+            unscale_and_check(a, inv_scale, flags[0], sq_norm=sums[0])
+            library.unscale_and_check(b, inv_scale, flags[1], sq_norm=sums[1])
+        else:
+            a = [torch.empty(t.shape, dtype=d) for t, d in zip(tensors, out_dtypes)]
+            b = [torch.empty(t.shape, dtype=d) for t, d in zip(tensors, out_dtypes)]
+            unscale_and_check(tensors, inv_scale, flags[0], out=a, sq_norm=sums[0])
+            library.unscale_and_check(tensors, inv_scale, flags[1], out=b, sq_norm=sums[1])
+        for x, y in zip(a, b):
+            assert_bitwise_equal(y, x, what="unscale op vs eager")
+        assert_bitwise_equal(flags[1], flags[0], what="found_inf")
+        assert_bitwise_equal(sums[1], sums[0], what="sq_norm")
+
+        ta, ea = l2norm(tensors, per_tensor=True, pre_scale=inv_scale, found_inf=flags[2])
+        tb, eb = library.l2norm(tensors, per_tensor=True, pre_scale=inv_scale, found_inf=flags[3])
+        assert_bitwise_equal(tb, ta, what="global norm")
+        assert_bitwise_equal(eb, ea, what="per-tensor norms")
+        assert_bitwise_equal(flags[3], flags[2], what="l2norm found_inf")
+
+        da = [torch.empty_like(t, dtype=torch.float16) for t in tensors]
+        db = [torch.empty_like(t, dtype=torch.float16) for t in tensors]
+        copy_(da, tensors)
+        library.copy_(db, tensors)
+        for x, y in zip(da, db):
+            assert_bitwise_equal(y, x, what="copy op vs eager")
 
 
 def test_update_op_skips_on_found_inf():
