@@ -16,7 +16,11 @@ checked in ``load_state_dict`` (``_checkpoint.py``) and a rejected load or ``add
 optimizer as it was.
 
 Nothing here reads a device value on the host, except the ``on_nonfinite="raise"`` policy (and, on CPU
-tensors, which have no queue to drain, the "warn" policy).
+tensors, which have no queue to drain, the "warn" policy in an eager step).
+
+``torch.compile(opt.step)``: while Dynamo traces, the passes are the ``fp16kit::`` dispatcher ops
+(``fp16kit/kernels/library.py``), "warn" reads nothing (skips are counted in ``nonfinite_skips``) and a step
+counter set by hand is checked on the device: one graph, no graph break (docs/optim.md, "torch.compile").
 """
 
 from __future__ import annotations

@@ -62,6 +62,8 @@ class FusedLAMB(FusedOptimizer):
     ``param_groups[i]['key']``); a tensor ``lr`` that is NaN, inf or negative skips the step on the device
     (counted in ``hparam_skips``, reported per ``on_nonfinite``); grads and state that do not fit their
     params, and corrupt checkpoints, raise before anything changes.
+
+    ``torch.compile(opt.step)`` captures the step in one graph, bit-identical to eager (docs/optim.md).
     """
 
     _name = "FusedLAMB"

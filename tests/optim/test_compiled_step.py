@@ -120,7 +120,7 @@ def test_first_step_compiles_state_creation_without_host_read():
     assert all(opt.state[p]["master"].dtype == torch.float32 for p in params)
 
 
-FAST = [(FusedAdam, "fp16", "aot_eager"), (FusedLAMB, "bf16-master", "eager")]
+FAST = [(FusedAdam, "fp16", "aot_eager"), (FusedLAMB, "bf16-master", "eager")]  # the rest: -m slow
 FULL = [(c, k, b) for c in (FusedAdam, FusedLAMB) for k in CONFIGS for b in ("eager", "aot_eager")]
 
 
@@ -150,6 +150,29 @@ def test_compiled_equals_eager(cls, config, backend):
     assert [float(g["step"]) for g in runs[1][1].param_groups] == [2.0, 2.0]
 
 
+def test_tensor_lr_schedule_compiles_once():
+    """A tensor lr changed in place every step (a scheduler): no recompile after the first two compiles (state
+    creation, then steady state), and eager's bits. A Python-float lr is guarded: each new value recompiles."""
+    from torch._dynamo.testing import CompileCounter
+
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        params, opt = _make(FusedLAMB, torch.bfloat16, master=True)
+        for group in opt.param_groups:
+            group["lr"] = torch.tensor(group["lr"])
+        step = torch.compile(opt.step, backend=counter) if compiled else opt.step
+        for k in range(4):
+            _set_grads(params, k)
+            step()
+            for group in opt.param_groups:
+                group["lr"].mul_(0.5)
+        runs.append((params, opt))
+    _assert_same(*runs[0], *runs[1])
+    assert counter.frame_count == 2
+
+
 @pytest.mark.interpreter
 def test_compiled_equals_eager_triton_interpreter():
     """The same with the Triton kernels (interpreter) behind the ops."""
@@ -169,14 +192,16 @@ def test_compiled_equals_eager_triton_interpreter():
 @pytest.mark.parametrize("cls,scaler_cls", [(FusedAdam, amp.GradScaler), (FusedLAMB, torch.amp.GradScaler)])
 def test_compiled_step_under_grad_scaler(cls, scaler_cls):
     """``opt.step = torch.compile(opt.step)`` driven by fp16kit's or torch's GradScaler (its grad_scale/found_inf
-    hand-over), an overflowing step included: same params, state and scale as eager."""
+    hand-over), an overflowing step included: same params, state, scale and (``unscale_grads``) grads as eager."""
     runs = []
     for compiled in (False, True):
         torch._dynamo.reset()
         params, opt = _make(cls, torch.float16, master=True)
+        opt.unscale_grads = cls is FusedLAMB  # apex's grads-left-unscaled mode: fp16kit::unscale_and_check
         if compiled:
             opt.step = torch.compile(opt.step, backend="eager")
         scaler = scaler_cls("cpu", init_scale=2.0**12, growth_interval=1)
+        grads = []
         for k in range(3):
             loss = sum((p.float() * (k + 1)).square().sum() for p in params)
             scaler.scale(loss).backward()
@@ -184,10 +209,12 @@ def test_compiled_step_under_grad_scaler(cls, scaler_cls):
                 params[0].grad[0] = float("inf")
             scaler.step(opt)
             scaler.update()
+            grads += [p.grad.clone() for p in params]
             opt.zero_grad()
-        runs.append((params, opt, scaler.get_scale()))
+        runs.append((params, opt, scaler.get_scale(), grads))
     _assert_same(*runs[0][:2], *runs[1][:2])
     assert runs[0][2] == runs[1][2]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][3], runs[1][3]))
     assert all(float(g["step"]) < 3 for g in runs[1][1].param_groups)  # the overflowing step was skipped
 
 
