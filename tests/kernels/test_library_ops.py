@@ -117,9 +117,11 @@ def test_opcheck_every_op(dtype):
 
 @pytest.mark.interpreter
 def test_opcheck_on_triton_interpreter():
-    """The same checks with the Triton kernels (interpreter) behind the ops."""
+    """With the Triton kernels (interpreter) behind the ops, which write through raw pointers: the declared
+    mutations are exactly the writes (schema check), and the fake agrees with the real outputs. (AOT dispatch
+    and autograd registration do not depend on the backend: the test above runs them.)"""
     for op, args in _all_op_cases(torch.bfloat16):
-        torch.library.opcheck(op, args)
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_opcheck_float64_updates():
@@ -188,7 +190,7 @@ def test_ops_equal_eager_functions(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(case=fst.unscale_cases(max_size=3, max_numel=40))
 def test_ops_equal_eager_on_edge_values(backend, case):
     """Hypothesis, edge values (+-0, subnormals, max finite, inf, NaN, overflow after scaling or cast): the

@@ -91,7 +91,7 @@ def test_graph_breaks_no_more_than_torch_adamw():
         params, opt = _make(cls, torch.bfloat16, master=True)
         _set_grads(params, 0)
         opt.step()
-        for scaled in (False, True):
+        for scaled in (False, True) if cls is FusedLAMB else (True,):
             if scaled:  # torch.amp.GradScaler's forms: 0-dim fp32
                 opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
             torch._dynamo.reset()
