@@ -11,6 +11,7 @@ and invalidated when a tensor's storage or layout changes). The optimizers' per-
 the torch fallback otherwise.
 """
 
+from . import library  # registers the fp16kit:: dispatcher ops (torch.ops.fp16kit.*)
 from ._checks import KERNEL_DTYPES, check_flag, check_pairs, check_tensor_list, common_device
 from ._table import release_graph_tables
 from .backend import Backend, BackendChoice, select_backend, use_backend
@@ -61,6 +62,7 @@ __all__ = [
     "lamb_stage1",
     "lamb_stage2",
     "lamb_update",
+    "library",
     "merge_found_inf",
     "merge_found_inf_into",
     "new_found_inf",

@@ -16,20 +16,23 @@ checked in ``load_state_dict`` (``_checkpoint.py``) and a rejected load or ``add
 optimizer as it was.
 
 Nothing here reads a device value on the host, except the ``on_nonfinite="raise"`` policy (and, on CPU
-tensors, which have no queue to drain, the "warn" policy).
+tensors, which have no queue to drain, the "warn" policy in an eager step).
+
+``torch.compile(opt.step)``: while Dynamo traces, the passes are the ``fp16kit::`` dispatcher ops
+(``fp16kit/kernels/library.py``), "warn" reads nothing (skips are counted in ``nonfinite_skips``) and a step
+counter set by hand is checked on the device: one graph, no graph break (docs/optim.md, "torch.compile").
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from fp16kit.kernels import check_found_inf, common_device, new_found_inf, unscale_and_check
+from fp16kit.kernels import check_found_inf, common_device, library, new_found_inf, unscale_and_check
 
 from . import _checkpoint, _sharding
 from . import functional as F
@@ -86,13 +89,28 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.master_weights = bool(master_weights)
         self.on_nonfinite = on_nonfinite
         self._pending: list[tuple[Any, torch.Tensor, str]] = []
-        self._known_steps: dict[int, weakref.ref] = {}  # step counters made or checked here, by id
-        #: Steps skipped on the device because a tensor hyper-parameter (``lr``) was NaN, inf or negative:
-        #: a one-element int64 tensor on the params' device (None until a group has a tensor lr).
-        self.hparam_skips: torch.Tensor | None = None
+        # step counters made or checked here, by id(group) (not id(step): Dynamo cannot key a dict by the id of
+        # a tensor a compiled step creates); a stale id is harmless, its tensor is compared with ``is``
+        self._known_steps: dict[int, torch.Tensor] = {}
+        # The skip counters (``hparam_skips``, ``nonfinite_skips``) live in a dict: Dynamo keeps a compiled
+        # step's dict writes but (torch 2.13) drops its attribute stores on an Optimizer.
+        self._skip_counts: dict[str, torch.Tensor] = {}
         # ZeRO-1: the ranks whose params together form the model (global norm and inf flag summed over them).
         self.process_group = process_group
         super().__init__(params, defaults)
+
+    @property
+    def hparam_skips(self) -> torch.Tensor | None:
+        """Steps skipped on the device because a tensor hyper-parameter (``lr``) was NaN, inf or negative:
+        a one-element int64 tensor on the params' device (None until a group has a tensor lr)."""
+        return self.__dict__.get("_skip_counts", {}).get("hparam_skips")
+
+    @property
+    def nonfinite_skips(self) -> torch.Tensor | None:
+        """Steps skipped on the device because a gradient held inf/NaN with no loss scaler attached (a scaler
+        counts its own skips): a one-element int64 tensor on the params' device (None before the first step).
+        A compiled step's only report under ``on_nonfinite="warn"`` (docs/optim.md)."""
+        return self.__dict__.get("_skip_counts", {}).get("nonfinite_skips")
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything (``torch.optim.Optimizer`` keeps only defaults, state and groups, so a deep copy or an
@@ -131,17 +149,25 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _check_groups(self) -> None:
-        """Host hyper-parameters of every group (edited after construction?), and host step counters."""
+    def _check_groups(self) -> list[torch.Tensor]:
+        """Host hyper-parameters of every group (edited after construction?), and host step counters.
+
+        Returns the step counters left to the device: in a compiled step a tensor counter installed by hand is
+        not read (that would break the graph); the step treats it like a tensor ``lr``, skipping on the device
+        when it is NaN, inf or negative."""
+        unchecked = []
         for gi, group in enumerate(self.param_groups):
             with naming_group(gi):
                 self._check_group(group)
             step = group.get("step")
-            known = self._known_steps.get(id(step))
-            if step is not None and not (known is not None and known() is step):
+            if step is not None and self._known_steps.get(id(group)) is not step:
+                if isinstance(step, torch.Tensor) and step.numel() == 1 and torch.compiler.is_compiling():
+                    unchecked.append(step)
+                    continue
                 # a number, or a tensor installed by hand: read once (a sync on a GPU, only when it changed)
                 value = step.reshape(-1)[0] if isinstance(step, torch.Tensor) and step.numel() == 1 else step
                 check_step_value(self._name, gi, float(value))
+        return unchecked
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear grads; ``set_to_none`` defaults to the constructor's ``set_grad_none`` (apex semantics)."""
@@ -192,9 +218,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         return step
 
     def _own_step(self, group: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """The group's counter, remembered as checked: one made here, or one ``_check_groups`` read on the host
+        (a compiled step checks a counter set by hand on the device only, so the next eager step reads it)."""
+        old = group.get("step")
         step = self._group_step(group, device)
-        if id(step) not in self._known_steps:
-            self._known_steps[id(step)] = weakref.ref(step)
+        if step is not old or not torch.compiler.is_compiling():
+            self._known_steps[id(group)] = step
         return step
 
     def master_params(self) -> list[torch.Tensor]:
@@ -249,6 +278,13 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # -- step -----------------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _updates() -> Any:
+        """Where the passes come from: the dispatcher ops while ``torch.compile`` traces a step (Dynamo then
+        sees one ``fp16kit::`` op per pass, not the launchers' ``data_ptr()`` reads), the eager functions
+        (``fp16kit.optim.functional``: no dispatcher cost) otherwise. Both run the same implementation."""
+        return library if torch.compiler.is_compiling() else F
+
     def _update_group(
         self,
         group: dict[str, Any],
@@ -277,8 +313,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._flush_warnings()
-        self._check_groups()
+        if not torch.compiler.is_compiling():  # the pending warnings are CUDA events of eager steps
+            self._flush_warnings()
+        unchecked_steps = self._check_groups()
         all_rows = self._collect()
         shards = _sharding.localize(self, all_rows)  # FSDP2/ZeRO: local shards and the group to sum over
         device = common_device(
@@ -298,7 +335,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], inv64, found_inf)
         if shards is not None:
             grad_norm = shards.reduce_norm_and_flag(grad_norm, found_inf)
-        bad_hp = F.bad_lr_flag([g["lr"] for g in self.param_groups], device)
+        unchecked_steps = [s.to(device, torch.float64) for s in unchecked_steps]
+        bad_hp = F.bad_lr_flag([g["lr"] for g in self.param_groups] + unchecked_steps, device)
         skip = found_inf if bad_hp is None else torch.maximum(found_inf.reshape(1), bad_hp)
         for group, rows in zip(self.param_groups, all_rows):
             step = self._own_step(group, device)
@@ -312,15 +350,23 @@ class FusedOptimizer(torch.optim.Optimizer):
             # optimizers do.
             grads = [g for rows in all_rows for g in rows.grads if g.numel()]
             if grads:
-                unscale_and_check(grads, inv64.float(), new_found_inf(device))
+                unscale = library.unscale_and_check if torch.compiler.is_compiling() else unscale_and_check
+                unscale(grads, inv64.float(), new_found_inf(device))
         if bad_hp is not None:
-            if self.hparam_skips is None or self.hparam_skips.device != device:
-                self.hparam_skips = torch.zeros(1, dtype=torch.int64, device=device)
-            self.hparam_skips.add_(bad_hp.to(torch.int64))
+            self._count("hparam_skips", bad_hp, device)
             self._report(bad_hp, self._hparam_message())
         if own_flag:
+            self._count("nonfinite_skips", found_inf, device)
             self._report(found_inf, self._message())
         return loss
+
+    def _count(self, name: str, flag: torch.Tensor, device: torch.device) -> None:
+        """``self.<name> += flag`` on the device (a one-element int64 counter, made on first use)."""
+        counts = self.__dict__.setdefault("_skip_counts", {})  # a checkpoint pickled before it existed
+        counter = counts.get(name)
+        if counter is None or counter.device != device:
+            counter = counts[name] = torch.zeros(1, dtype=torch.int64, device=device)
+        counter.add_(flag.reshape(1).to(torch.int64))
 
     # -- non-finite grads without a scaler ------------------------------------------------------------------
 
@@ -332,7 +378,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _hparam_message(self) -> str:
         return (
-            f"{self._name}: a tensor learning rate is NaN, inf or negative; the step was skipped on the device "
+            f"{self._name}: a tensor learning rate (or, in a compiled step, a step counter set by hand) is NaN, "
+            f"inf or negative; the step was skipped on the device "
             f"(params, state and step counters are unchanged; optimizer.hparam_skips counts such steps). Check "
             f"the learning-rate schedule."
         )
@@ -341,6 +388,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Act on a skip flag per ``on_nonfinite``: nothing, a warning (on CUDA one step later, no sync),
         or a RuntimeError (reads the flag: one sync per step on a GPU)."""
         if self.on_nonfinite == "skip":
+            return
+        if self.on_nonfinite == "warn" and torch.compiler.is_compiling():
+            # A compiled step never reads the flag on the host (a graph break and, on a GPU, a sync): it is
+            # counted on the device instead (``hparam_skips``/``nonfinite_skips``); "raise" keeps its read.
             return
         if self.on_nonfinite == "raise" or flag.device.type != "cuda":
             # A CPU tensor is read without any queue to drain; elsewhere "raise" is a documented sync.

@@ -44,7 +44,11 @@ _GROUP: ContextVar[int | None] = ContextVar("fp16kit_optim_group", default=None)
 
 @contextlib.contextmanager
 def naming_group(index: int) -> Iterator[None]:
-    """Within the block, :func:`check_hyperparams` names ``param_groups[index][key]`` in its messages."""
+    """Within the block, :func:`check_hyperparams` names ``param_groups[index][key]`` in its messages (not while
+    ``torch.compile`` traces: Dynamo cannot trace a ContextVar; see :func:`check_hyperparams`)."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     token = _GROUP.set(index)
     try:
         yield
@@ -82,9 +86,12 @@ def check_hyperparams(
     ``group`` (an index into ``param_groups``) makes the messages name ``param_groups[i]['key']``: the check
     runs at construction, in ``add_param_group`` and at every step (values edited by hand or by a scheduler).
     A tensor ``lr`` is accepted here unchecked: reading it would sync a GPU with the host; the step checks
-    it on the device instead (a non-finite or negative tensor lr skips the step).
+    it on the device instead (a non-finite or negative tensor lr skips the step). In a step that
+    ``torch.compile`` traces the group comes only from ``group`` (the raise makes Dynamo run the step eagerly,
+    where the message names the group again).
     """
-    group = _GROUP.get() if group is None else group
+    if group is None and not torch.compiler.is_compiling():  # Dynamo cannot trace ContextVar.get
+        group = _GROUP.get()
     name = lambda key: _label(group, key)
     lr_value = _number(fn, name("lr"), lr)
     if lr_value is not None and not (0.0 <= lr_value < float("inf")):

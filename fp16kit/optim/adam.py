@@ -30,7 +30,8 @@ class FusedAdam(FusedOptimizer):
     ``master_weights``, ``on_nonfinite`` and ``process_group`` as in :class:`fp16kit.optim.FusedLAMB`
     (DTensor params step on their local shards; the inf flag is combined over the shard group, so every
     rank skips together). ``amsgrad=True`` raises RuntimeError. ``load_state_dict`` accepts
-    ``torch.optim.Adam``/``AdamW`` checkpoints (``docs/optim.md``).
+    ``torch.optim.Adam``/``AdamW`` checkpoints (``docs/optim.md``). ``torch.compile(opt.step)`` captures the
+    step in one graph, bit-identical to eager (docs/optim.md, "torch.compile").
     """
 
     _name = "FusedAdam"
@@ -93,7 +94,7 @@ class FusedAdam(FusedOptimizer):
             inv_scale64=inv_scale64,
             device=rows.params[0].device,
         )
-        F.adam_update(
+        self._updates().adam_update(
             rows.params,
             rows.grads,
             rows.exp_avgs,

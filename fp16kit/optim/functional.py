@@ -52,6 +52,8 @@ _constants: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
 def _constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
     """A cached float64 device tensor of host constants: built once, so no per-step host-to-device copy."""
+    if torch.compiler.is_compiling():  # a constant of the graph; the cache is host state Dynamo need not trace
+        return torch.tensor(values, dtype=F64, device=device)
     key = (device, values)
     t = _constants.get(key)
     if t is None:
@@ -85,7 +87,13 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
     Triton backends: ``fp16kit.kernels.l2norm`` (one read of the grads). Torch backend: the native CPU pass
     when enabled, else ``optim_fallback.check_and_norm`` (``torch._foreach_norm``: one read on the CPU, the
     2-norm and the max-norm elsewhere), which unlike ``l2norm``'s fallback materializes no scaled copy.
+    Under ``torch.compile`` the pass is the op ``torch.ops.fp16kit.check_and_norm`` (fp16kit/kernels/library.py),
+    whose implementation is this function.
     """
+    if torch.compiler.is_compiling():
+        from fp16kit.kernels import library
+
+        return library.check_and_norm(grads, inv_scale64, found_inf)
     return _check_and_norm(grads, inv_scale64, found_inf)  # fp16kit.kernels.check_and_norm (empty grads add 0)
 
 

@@ -62,6 +62,8 @@ class FusedLAMB(FusedOptimizer):
     ``param_groups[i]['key']``); a tensor ``lr`` that is NaN, inf or negative skips the step on the device
     (counted in ``hparam_skips``, reported per ``on_nonfinite``); grads and state that do not fit their
     params, and corrupt checkpoints, raise before anything changes.
+
+    ``torch.compile(opt.step)`` captures the step in one graph, bit-identical to eager (docs/optim.md).
     """
 
     _name = "FusedLAMB"
@@ -141,7 +143,7 @@ class FusedLAMB(FusedOptimizer):
         modes = {"weight_decay": float(group["weight_decay"]), "adam_w_mode": self.adam_w_mode}
         if _sharding.defer_lamb(self, rows, hp64, **modes, use_nvlamb=self.use_nvlamb):
             return  # sharded params: stages 1 and 2 run after all groups, around one norm all-reduce
-        F.lamb_update(
+        self._updates().lamb_update(
             rows.params,
             rows.grads,
             rows.exp_avgs,
