@@ -16,7 +16,7 @@ import fp16kit
 
 ROOT = Path(fp16kit.__file__).parent
 #: Submodules of fp16kit.kernels that other layers may import (the package's public faces).
-PUBLIC_SUBMODULES = {"ops", "optimizers", "found_inf", "histogram"}
+PUBLIC_SUBMODULES = {"ops", "optimizers", "found_inf", "histogram", "library"}
 
 
 def _modules() -> list[Path]:
