@@ -285,9 +285,18 @@ def scale_loss(
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """The params ``optimizer`` updates: the fp32 masters under master weights (use them to clip grads)."""
-    for group in optimizer.param_groups:
-        yield from group["params"]
+    """The params ``optimizer`` updates: the fp32 masters under master weights (use them to clip grads).
+
+    Between ``scale_loss`` and ``step`` their ``.grad`` holds the unscaled fp32 gradients, as in apex; where
+    the optimizer keeps the masters itself (fp16kit's fused optimizers), asking for them here is what makes
+    those fp32 master grads exist for this step (docs/migrating-from-apex.md, "O2 master weights").
+    """
+    stash = getattr(_unwrap(optimizer), "_amp_stash", None)
+    if stash is None:
+        for group in optimizer.param_groups:
+            yield from group["params"]
+        return
+    yield from stash.master_params()
 
 
 def state_dict(destination: OrderedDict | None = None) -> OrderedDict:

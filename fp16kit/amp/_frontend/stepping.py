@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ...kernels import flag_for, merge_found_inf
+from ...kernels import merge_found_inf
 from .masters import OptimizerStash
 from .state import Session
 
@@ -125,10 +125,10 @@ def run_scale_loss(
         yield loss.float()
         return
 
-    if not delay_unscale:
-        for stash in stashes:
-            if not stash.params_have_scaled_gradients:
-                stash.prepare()
+    for stash in stashes:
+        # grads an earlier scale_loss left scaled for the step (fused masters) go into fp32 sums first
+        if stash.settle_pending() or (not delay_unscale and not stash.params_have_scaled_gradients):
+            stash.prepare()
 
     try:
         yield loss.float() * scaler.scale.reshape(())
@@ -144,7 +144,7 @@ def run_scale_loss(
     found_inf = scaler.new_found_inf()
     inv_scale = scaler.inv_scale()
     for stash in stashes:
-        stash.unscale(inv_scale, found_inf)
+        stash.unscale(inv_scale, found_inf, scaler.scale)
         stash.params_have_scaled_gradients = False
     if delay_overflow_check:
         return
@@ -177,7 +177,7 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
             overflow, stash.skip = stash.skip, None
             overflow.report()
             stash.found_inf = None
-            stash.drop_master_grads()
+            stash.discard()
             return None
         if stash.model_grads_bypassed_scale_loss():
             _warn_backward_outside_scale_loss(stash)
@@ -185,24 +185,17 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
         flag, stash.found_inf = stash.found_inf, None
         if flag is not None and closure is not None and float(flag[0]) != 0.0:
             raise RuntimeError(_CLOSURE_ON_SKIP)
-        if flag is not None:
-            optimizer.grad_scale = None  # grads were unscaled at scale_loss exit
-            # the form the optimizer declares (fp16kit's [1] for _fp16kit_checks_inf, else torch's 0-dim)
-            optimizer.found_inf = flag_for(optimizer, flag)
-        try:
+
+        def call() -> Any:
             if disable_casts:
                 from .. import disable_casts as no_casts
 
                 with no_casts():
-                    result = _call(original_step, closure, args, kwargs)
-            else:
-                result = _call(original_step, closure, args, kwargs)
-        finally:
-            if flag is not None:
-                del optimizer.grad_scale
-                del optimizer.found_inf
-        stash.write_masters_to_model()
-        stash.drop_master_grads()
+                    return _call(original_step, closure, args, kwargs)
+            return _call(original_step, closure, args, kwargs)
+
+        # hands over grad_scale / found_inf, writes masters -> model where the optimizer does not (masters.py)
+        result = stash.run_step(flag, call)
         REPORTS.poll()
         return result
 
@@ -225,7 +218,7 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
                     else:
                         p.grad.detach_()
                         p.grad.zero_()
-            stash.drop_master_grads()
+            stash.discard()
             stash.mark_model_grads_seen()  # zeroed grads are not a backward outside scale_loss
 
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
