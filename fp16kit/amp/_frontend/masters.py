@@ -451,8 +451,10 @@ def _flag_nonfinite(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_in
     """``found_inf = 1`` if any ``fp32(g) * inv_scale`` is inf/NaN; reads each grad once, writes nothing.
 
     Triton backends: ``l2norm``'s check (its norm is not used). Torch backend: each tensor's largest magnitude
-    (``_foreach_norm(inf)``, NaN-propagating) times ``inv_scale``, which overflows exactly when some element's
-    product does (rounding is monotonic): the flag ``unscale_and_check`` would raise.
+    (``max(abs(g))``, NaN-propagating) times ``inv_scale``, which overflows exactly when some element's product
+    does (rounding is monotonic): the flag ``unscale_and_check`` would raise. ``abs`` makes a temporary copy of
+    the grads (fp16: 2 bytes per param, freed at once); it is still ~10x faster on the CPU than
+    ``_foreach_norm(inf)``, which reads in place (2.9 ms against 0.28 ms per 1M fp16 values, 1 thread).
     """
     dev = grads[0].device
     flag = found_inf if dev == found_inf.device else new_found_inf(dev)
@@ -463,7 +465,7 @@ def _flag_nonfinite(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_in
         grads = [g for g in grads if g.numel()]  # an empty tensor has no max (and adds nothing)
         if not grads:
             return
-        largest = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))]).max()
+        largest = torch.stack([n.float() for n in torch._foreach_max(torch._foreach_abs(grads))]).max()
         torch.maximum(flag, (~torch.isfinite(largest * inv)).float().reshape(1), out=flag)
     if flag is not found_inf:
         merge_found_inf_into(found_inf, flag)
