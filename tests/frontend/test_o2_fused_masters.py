@@ -52,8 +52,19 @@ def _loss(model, step, inf=False):
     return loss * float("inf") if inf else loss
 
 
-def _train(model, opt, steps, *, overflow=(), micro=1, delay=True, clip=None, two_losses=False):
+def _train(model, opt, steps, *, overflow=(), micro=1, delay=True, clip=None, two_losses=False, closure=False):
     for step in steps:
+        if closure:  # the backward runs inside optimizer.step
+
+            def again(step=step):
+                opt.zero_grad()
+                loss = _loss(model, step, step in overflow)
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                return loss
+
+            opt.step(again)
+            continue
         opt.zero_grad()
         for k in range(micro):
             last = k == micro - 1
@@ -103,6 +114,7 @@ SCENARIOS = {
     "accumulate": ({"steps": range(3), "micro": 2, "delay": False, "overflow": {1}}, False),
     "clip_master_params": ({"steps": range(3), "clip": 0.05}, False),
     "two_losses": ({"steps": range(3), "two_losses": True}, False),
+    "closure": ({"steps": range(3), "closure": True}, False),
 }
 
 

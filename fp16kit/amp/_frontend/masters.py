@@ -1,5 +1,15 @@
 """fp32 master weights (O2) and the gradient plumbing around each backward, for any optimizer.
 
+Two layouts, one per optimizer, chosen by :func:`make_stash`:
+
+* :class:`FusedMasterStash` — fp16kit's ``FusedAdam``/``FusedLAMB`` (and subclasses) keep the masters in
+  their own state (``optimizer.state[p]["master"]``, master-weights mode): the param groups keep the model
+  params, ``scale_loss`` only checks the scaled grads, and the optimizer reads them with the handed-over
+  scale and writes the rounded model param in its update pass. One checkpoint format, the optimizer's own
+  (older ``"fp16kit_amp_masters"`` checkpoints load into it). See the class for the steps that fall back
+  to the plumbing below.
+* :class:`OptimizerStash` — every other optimizer (apex's layout, described in the rest of this docstring).
+
 Per optimizer, an :class:`OptimizerStash` records which parameters the optimizer updates:
 
 * ``model``/``masters``: low-precision model parameters paired with their fp32 masters (master weights
@@ -130,6 +140,9 @@ class OptimizerStash(ApexStashNames):  # apex's list names: compatibility views 
 
     def materialize(self) -> None:
         """Make the fp32 master grads exist now (fused path; the stash path makes them at each exit)."""
+
+    def use_master_grads(self) -> None:
+        """Until the step: fp32 master grads, unscaled at each ``scale_loss`` exit (the stash path always is)."""
 
     # ------------------------------------------------------------------ backward plumbing
     def prepare(self) -> None:
@@ -269,6 +282,8 @@ class FusedMasterStash(OptimizerStash):
         self.scale: torch.Tensor | None = None
         #: the fp32 master grads of this step exist (the stash path's plumbing runs until the step)
         self.materialized = False
+        #: ``step(closure)`` in progress: the closure's ``scale_loss`` makes fp32 master grads
+        self.closure_step = False
 
     @property
     def masters(self) -> list[torch.Tensor]:
@@ -310,6 +325,12 @@ class FusedMasterStash(OptimizerStash):
                 for group in self.optimizer.param_groups for p in group["params"]]
 
     # ------------------------------------------------------------------ backward plumbing
+    def use_master_grads(self) -> None:
+        """For ``step(closure)``: the closure's ``scale_loss`` runs inside the optimizer's step, after the scale
+        was handed over; so that step takes the fp32 master grads (the waiting grads first moved there)."""
+        self.materialize()
+        self.closure_step = True
+
     def settle_pending(self) -> bool:
         if self.scale is None:
             return False
@@ -339,7 +360,7 @@ class FusedMasterStash(OptimizerStash):
         self.materialized = True
 
     def unscale(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        if scale is None or self.materialized or any(s is not None for s in self.direct_stash):
+        if scale is None or self.materialized or self.closure_step or any(s is not None for s in self.direct_stash):
             super().unscale(inv_scale, found_inf)  # sums with earlier grads: the stash path's plumbing
             self.materialized = True
             return
@@ -369,9 +390,12 @@ class FusedMasterStash(OptimizerStash):
         """The fused step (class docstring). Model params without a gradient from ``scale_loss`` since the last
         step (no backward since, or a repeated step) are left out, as the stash path leaves out masters
         without a grad."""
-        if self.materialized:
-            with _masters_in_groups(self):
-                return super().run_step(flag, call)  # masters -> model, master grads dropped
+        if self.materialized or self.closure_step:
+            try:
+                with _masters_in_groups(self):
+                    return super().run_step(flag, call)  # masters -> model, master grads dropped
+            finally:
+                self.closure_step = False
         scale, self.scale = self.scale, None
         hidden = [] if scale is not None else [(p, p.grad) for p in self.model if p.grad is not None]
         for p, _ in hidden:

@@ -5,8 +5,9 @@ static scale never skips, as in apex):
 
 * fp16kit's fused optimizers (and torch's fused ones) declare ``_step_supports_amp_scaling``. For them
   nothing is read back: each ``scale_loss`` ORs its device flag into the optimizer's ``found_inf``, and
-  ``step()`` hands it over as ``optimizer.found_inf`` (with ``optimizer.grad_scale = None``: the grads
-  are unscaled already); the optimizer skips on the device. The overflow message, which needs the
+  ``step()`` hands it over as ``optimizer.found_inf`` (with ``optimizer.grad_scale``: None where the grads
+  are unscaled already, the scale they carry where the optimizer keeps the masters and unscales itself,
+  ``masters.FusedMasterStash``); the optimizer skips on the device. The overflow message, which needs the
   host, is printed once the flag has reached the host (pinned copy + CUDA event, polled without
   blocking at the next ``scale_loss`` / ``step`` / ``amp.state_dict``; at once on the CPU).
 * Plain optimizers: the flag is read at ``scale_loss`` exit (a host sync, as apex did after every
@@ -194,6 +195,8 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
                     return _call(original_step, closure, args, kwargs)
             return _call(original_step, closure, args, kwargs)
 
+        if closure is not None:  # its scale_loss runs inside the optimizer's step: unscaled fp32 master grads
+            stash.use_master_grads()
         # hands over grad_scale / found_inf, writes masters -> model where the optimizer does not (masters.py)
         result = stash.run_step(flag, call)
         REPORTS.poll()
