@@ -261,8 +261,8 @@ def scale_loss(
     uses). On exit, unless ``delay_unscale``: every new gradient is multiplied by ``1/S`` in one fused pass
     (under master weights straight from the fp16 model grads into the fp32 master grads; grads that existed
     before the backward are kept and added) — or, where the optimizer keeps the masters itself, left scaled for
-    it and only checked (docs/migrating-from-apex.md, "O2 master weights"); inf/NaN raises the overflow flag; the scaler updates (not with
-    ``delay_overflow_check``); on overflow the next ``optimizer.step()`` is skipped and
+    it and only checked (docs/migrating-from-apex.md, "O2 master weights"); inf/NaN raises the overflow flag;
+    the scaler updates (not with ``delay_overflow_check``); on overflow the next ``optimizer.step()`` is skipped and
     ``Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0`` is printed.
     ``delay_unscale=True`` leaves the grads scaled so that several backward passes accumulate; the next
     ``scale_loss`` without it unscales the sum. Static scale 1.0 without master weights (O0, O3): yields
