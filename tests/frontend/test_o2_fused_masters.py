@@ -19,12 +19,17 @@ import warnings
 import pytest
 import torch
 from frontend_helpers import batch, bits, make_model, roundtrip
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from fp16kit import amp
 from fp16kit.amp._frontend import masters
 from fp16kit.amp._frontend.masters import MASTERS_KEY, FusedMasterStash, OptimizerStash
+from fp16kit.numerics import strategies as fst
 from fp16kit.optim import FusedAdam, FusedLAMB
+
+LOW_AND_FP32 = (torch.float16, torch.bfloat16, torch.float32)
 
 OPTIMIZERS = {
     "adam": lambda params: FusedAdam(params, lr=1e-2, weight_decay=0.01),
@@ -115,6 +120,7 @@ SCENARIOS = {
     "clip_master_params": ({"steps": range(3), "clip": 0.05}, False),
     "two_losses": ({"steps": range(3), "two_losses": True}, False),
     "closure": ({"steps": range(3), "closure": True}, False),
+    "bf16": ({"steps": range(3), "overflow": {1}}, True),  # low_precision_dtype=torch.bfloat16
 }
 
 
@@ -123,6 +129,8 @@ SCENARIOS = {
 def test_fused_path_matches_stash_path_bit_for_bit(kind, scenario, monkeypatch):
     kw, stays_fused = SCENARIOS[scenario]
     extra = {"num_losses": 2} if kw.get("two_losses") else {}
+    if scenario == "bf16":
+        extra = {"low_precision_dtype": torch.bfloat16}
     results = []
     for stash_path in (True, False):
         model, opt = _setup(kind, stash_path=stash_path, monkeypatch=monkeypatch, **extra)
@@ -325,3 +333,25 @@ def test_triton_kernels_fused_path_matches_stash_path(kind, monkeypatch):
         _train(model, opt, steps=range(2), overflow={1})
         results.append(_everything(model, opt))
     _same(*results)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("auto", marks=pytest.mark.interpreter), "torch"])
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_exit_check_flags_exactly_what_the_unscale_pass_flags(backend, data):
+    """The read-only check at ``scale_loss`` exit raises the flag exactly when some ``fp32(g) * inv_scale`` is
+    inf/NaN (the stash path's unscale into fp32 master grads): edge values, and values that overflow only
+    after the scale (``inv_scale`` up to 2**100), against the float64 reference (the product of two fp32
+    values is exact in float64, so rounding it to fp32 is the fp32 product)."""
+    from fp16kit.kernels import use_backend
+
+    inv = torch.tensor([data.draw(fst.scales(min_exp=-24, max_exp=100))], dtype=torch.float32)
+    grads = [
+        data.draw(fst.float_tensors(dtype, edges=fst.EDGE_CLASSES, scale=float(inv), cast_to=torch.float32))
+        for dtype in data.draw(st.lists(st.sampled_from(LOW_AND_FP32), min_size=1, max_size=4))
+    ]
+    expected = any(bool((~torch.isfinite((g.double() * float(inv)).float())).any()) for g in grads)
+    flag = torch.zeros(1)
+    with use_backend(backend):
+        masters._flag_nonfinite(grads, inv, flag)
+    assert float(flag) == float(expected)
