@@ -13,7 +13,7 @@ changed in place and every round starts from the same grads).
 interleaved (one step of each per round) so that load from other processes hits both alike; min and median.
 
 Usage: ``python benchmarks/bench_o2_masters.py [--params 1048576] [--rounds 40] [--threads 1]
-[--optimizer adam|lamb]`` (CPU, torch backend; ``--backend auto`` for Triton where it runs).
+[--optimizer adam|lamb] [--device cuda --backend auto]`` (default: CPU, torch backend).
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ BYTES = {
 }
 
 
-def build(kind: str, n_params: int, stash_path: bool) -> tuple[nn.Module, torch.optim.Optimizer, list]:
+def build(kind: str, n_params: int, stash_path: bool, device: str) -> tuple[nn.Module, torch.optim.Optimizer, list]:
     width = 1024
     layers = max(1, n_params // (width * width))
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).to(device)
     cls = FusedAdam if kind == "adam" else FusedLAMB
     opt = cls(model.parameters(), lr=1e-3, weight_decay=0.01)
     real = masters.keeps_own_masters
@@ -56,12 +56,12 @@ def build(kind: str, n_params: int, stash_path: bool) -> tuple[nn.Module, torch.
     finally:
         masters.keeps_own_masters = real
     g = torch.Generator().manual_seed(1)
-    grads = [(torch.randn(p.shape, generator=g) * 1e-3 * 2.0**16).half() for p in model.parameters()]
+    grads = [(torch.randn(p.shape, generator=g) * 1e-3 * 2.0**16).half().to(device) for p in model.parameters()]
     return model, opt, grads
 
 
 def one_step(model: nn.Module, opt: torch.optim.Optimizer, grads: list) -> None:
-    loss = torch.zeros((), requires_grad=True)
+    loss = torch.zeros((), requires_grad=True, device=grads[0].device)
     with amp.scale_loss(loss, opt):
         for p, grad in zip(model.parameters(), grads):
             p.grad = grad  # what the backward would leave: the scaled fp16 gradient
@@ -74,11 +74,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--optimizer", choices=("adam", "lamb"), default="adam")
-    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--backend", default="torch", help="torch (fallback), or auto (Triton where it runs)")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with use_backend(args.backend):
-        runs = {name: build(args.optimizer, args.params, name == "before") for name in ("before", "after")}
+        runs = {name: build(args.optimizer, args.params, name == "before", args.device) for name in ("before", "after")}
+        sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
         n = sum(p.numel() for p in runs["after"][0].parameters())
         times: dict[str, list[float]] = {name: [] for name in runs}
         for run in runs.values():  # warm-up (state, caches)
@@ -86,12 +88,15 @@ def main() -> None:
                 one_step(*run)
         for _ in range(args.rounds):
             for name, run in runs.items():
+                sync()
                 t0 = time.perf_counter()
                 one_step(*run)
+                sync()
                 times[name].append(time.perf_counter() - t0)
     load = os.getloadavg()[0]
-    print(f"O2 + Fused{args.optimizer.upper() if args.optimizer == 'lamb' else 'Adam'}, {n / 1e6:.2f}M fp16 params, "
-          f"backend={args.backend}, {args.threads} thread(s), {args.rounds} interleaved rounds, load {load:.2f}")
+    name = "FusedLAMB" if args.optimizer == "lamb" else "FusedAdam"
+    print(f"O2 + {name}, {n / 1e6:.2f}M fp16 params, {args.device}, backend={args.backend}, "
+          f"{args.threads} thread(s), {args.rounds} interleaved rounds, load {load:.2f}")
     print("| path | bytes/param (kernel path) | min ms | median ms |")
     print("|---|---|---|---|")
     for name, ts in times.items():
