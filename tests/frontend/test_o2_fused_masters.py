@@ -43,7 +43,7 @@ def _setup(kind, *, stash_path=False, monkeypatch=None, seed=0, **kwargs):
     if stash_path:
         monkeypatch.setattr(masters, "keeps_own_masters", lambda optimizer: False)
     try:
-        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0, **kwargs)
+        model, opt = amp.initialize(model, opt, **{"opt_level": "O2", "verbosity": 0, **kwargs})
     finally:
         if stash_path:
             monkeypatch.undo()
@@ -57,7 +57,8 @@ def _loss(model, step, inf=False):
     return loss * float("inf") if inf else loss
 
 
-def _train(model, opt, steps, *, overflow=(), micro=1, delay=True, clip=None, two_losses=False, closure=False):
+def _train(model, opt, steps, *, overflow=(), micro=1, delay=True, clip=None, two_losses=False, closure=False,
+           repeat=0, no_zero_grad=False):
     for step in steps:
         if closure:  # the backward runs inside optimizer.step
 
@@ -70,7 +71,8 @@ def _train(model, opt, steps, *, overflow=(), micro=1, delay=True, clip=None, tw
 
             opt.step(again)
             continue
-        opt.zero_grad()
+        if not no_zero_grad:  # else the grads of all steps add up (the fp32 params' ones are kept by scale_loss)
+            opt.zero_grad()
         for k in range(micro):
             last = k == micro - 1
             with amp.scale_loss(_loss(model, 10 * step + k, step in overflow), opt,
@@ -82,6 +84,8 @@ def _train(model, opt, steps, *, overflow=(), micro=1, delay=True, clip=None, tw
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(amp.master_params(opt), clip)
         opt.step()
+        for _ in range(repeat):  # a step without a new backward: only the fp32 params move (their grads again)
+            opt.step()
 
 
 def _everything(model, opt):
@@ -93,12 +97,13 @@ def _everything(model, opt):
 
 
 def _count_calls(monkeypatch, name):
-    """Count the calls of ``masters.<name>`` (a pass over every gradient or master) until monkeypatch.undo()."""
+    """Record the calls of ``masters.<name>`` (a pass over gradients or masters) until monkeypatch.undo(): the
+    dtypes of the tensors of its first argument, per call."""
     calls = []
     real = getattr(masters, name)
 
     def counted(*args, **kwargs):
-        calls.append(name)
+        calls.append({t.dtype for t in args[0]})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(masters, name, counted)
@@ -121,6 +126,14 @@ SCENARIOS = {
     "two_losses": ({"steps": range(3), "two_losses": True}, False),
     "closure": ({"steps": range(3), "closure": True}, False),
     "bf16": ({"steps": range(3), "overflow": {1}}, True),  # low_precision_dtype=torch.bfloat16
+    "step_twice": ({"steps": range(3), "repeat": 1}, True),
+    "no_zero_grad": ({"steps": range(3), "no_zero_grad": True}, False),
+    "O3+master_weights": ({"steps": range(3)}, True),  # every param fp16 and mastered, static scale 1
+}
+INIT = {
+    "two_losses": {"num_losses": 2},
+    "bf16": {"low_precision_dtype": torch.bfloat16},
+    "O3+master_weights": {"opt_level": "O3", "master_weights": True},
 }
 
 
@@ -128,17 +141,16 @@ SCENARIOS = {
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 def test_fused_path_matches_stash_path_bit_for_bit(kind, scenario, monkeypatch):
     kw, stays_fused = SCENARIOS[scenario]
-    extra = {"num_losses": 2} if kw.get("two_losses") else {}
-    if scenario == "bf16":
-        extra = {"low_precision_dtype": torch.bfloat16}
+    extra = INIT.get(scenario, {})
     results = []
     for stash_path in (True, False):
         model, opt = _setup(kind, stash_path=stash_path, monkeypatch=monkeypatch, **extra)
         passes = _count_calls(monkeypatch, "unscale_and_check")
         _train(model, opt, **kw)
         monkeypatch.undo()
-        if not stash_path:
-            assert (not passes) == stays_fused
+        if not stash_path:  # fused: only the fp32 params' grads are unscaled (after the step), never fp16 ones
+            fp16_unscaled = [dtypes for dtypes in passes if dtypes - {torch.float32}]
+            assert (not fp16_unscaled) == stays_fused
         results.append((_everything(model, opt), amp.state_dict()))
     _same(results[0][0], results[1][0])
     assert results[0][1] == results[1][1]  # the same scales, overflows and skip counts
@@ -165,7 +177,8 @@ def test_masters_live_in_state_and_no_fp32_master_grad_or_copy_pass(monkeypatch)
         assert all(opt.state[p]["master"].grad is None for p in low)  # no fp32 master grad buffer
         assert all(p.grad.dtype == torch.float16 for p in low)  # the scaled fp16 grads wait for the step
         opt.step()
-    assert unscales == copies == []  # no unscale pass, no separate masters -> model pass
+    assert copies == []  # no separate masters -> model pass
+    assert all(dtypes == {torch.float32} for dtypes in unscales)  # only the fp32 batchnorm grads, after the step
     assert all(not torch.equal(b, bits(p)) for b, p in zip(before, low))
     for p in low:  # the model param is the rounded master, written by the optimizer's own pass
         assert torch.equal(bits(p), bits(opt.state[p]["master"].half()))
@@ -319,7 +332,10 @@ def test_apex_alias_leaves_the_model_grads_scaled():
         scaled.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     opt.step()
-    _same([p.grad for p in model.parameters()], grads)  # apex's O2: grads as scale_loss left them
+    # apex's O2: the fp16 grads as scale_loss left them (scaled), the fp32 (batchnorm) grads unscaled
+    scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    expected = [g if g.dtype == torch.float16 else g / scale for g in grads]
+    _same([p.grad for p in model.parameters()], expected)
 
 
 @pytest.mark.interpreter

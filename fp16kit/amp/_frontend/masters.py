@@ -406,6 +406,17 @@ class FusedMasterStash(OptimizerStash):
         finally:
             for p, grad in hidden:
                 p.grad = grad
+            if scale is not None:
+                self._unscale_direct_grads(scale)
+
+    def _unscale_direct_grads(self, scale: torch.Tensor) -> None:
+        """After the step the fp32 params' grads hold unscaled values, as apex and the stash path leave them (a
+        repeated ``step()``, or a next ``scale_loss`` without ``zero_grad`` that adds to them, reads them so);
+        the fp16 model grads stay scaled, as in apex. A pass over the fp32 params only (batchnorm: small)."""
+        grads = [p.grad for p in self.direct if p.grad is not None]
+        if grads:
+            inv = scale.double().reciprocal().float()
+            _unscale_by_device(grads, grads, inv, new_found_inf(inv.device))
 
 
 @contextlib.contextmanager
