@@ -371,3 +371,20 @@ def test_exit_check_flags_exactly_what_the_unscale_pass_flags(backend, data):
     with use_backend(backend):
         masters._flag_nonfinite(grads, inv, flag)
     assert float(flag) == float(expected)
+
+
+@pytest.mark.parametrize("reduced", [None, torch.float16], ids=["no-masters-of-its-own", "fp16"])
+def test_mixed_precision_lamb_keeps_the_masters_too(reduced, monkeypatch):
+    # a FusedLAMB subclass with tensor lr and step; amp switches its masters on whatever it was built with
+    from fp16kit.optim import FusedMixedPrecisionLamb
+
+    OPTIMIZERS["mixed"] = lambda p: FusedMixedPrecisionLamb(p, lr=1e-2, reduced_precision_dtype=reduced)
+    results = []
+    try:
+        for stash_path in (True, False):
+            model, opt = _setup("mixed", stash_path=stash_path, monkeypatch=monkeypatch)
+            _train(model, opt, steps=range(3), overflow={1})
+            results.append(_everything(model, opt))
+    finally:
+        del OPTIMIZERS["mixed"]
+    _same(*results)
