@@ -313,7 +313,9 @@ def test_soak_o2_param_group_added_after_initialize(optimizer):
         if k == 4:
             run.opt.add_param_group({"params": [extra]})
         run.step(k, Step(fault=s.fault))
-        assert all(p.dtype == torch.float32 for g in run.opt.param_groups for p in g["params"]), (
-            "the optimizer steps a param without an fp32 master"
-        )
+        # fp16kit's fused optimizers keep the master in their state (amp/_frontend/masters.py), others in the groups
+        assert all(
+            p.dtype == torch.float32 or run.opt.state[p]["master"].dtype == torch.float32
+            for g in run.opt.param_groups for p in g["params"]
+        ), "the optimizer steps a param without an fp32 master"
         assert all(torch.isfinite(t).all() for t in run.tensors())

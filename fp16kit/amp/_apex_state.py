@@ -158,14 +158,20 @@ class ApexStashNames:
         """The model's fp16/bf16 parameters (those with masters, then those the optimizer updates directly)."""
         return [*self.model, *(p for p in self.direct if p.dtype in (torch.float16, torch.bfloat16))]
 
+    def materialize(self) -> None:
+        """Make the fp32 master grads of this step exist now (the stash decides whether there is work)."""
+
     @property
     def all_fp32_from_fp16_params(self) -> list[torch.Tensor]:
-        """The fp32 master weights of the fp16 parameters (``amp.master_params`` minus the fp32 params)."""
+        """The fp32 master weights of the fp16 parameters (``amp.master_params`` minus the fp32 params); their
+        ``.grad`` holds the unscaled gradients between ``scale_loss`` and ``step``, as in apex."""
+        self.materialize()
         return list(self.masters)
 
     @property
     def all_fp32_params(self) -> list[torch.Tensor]:
-        """fp32 parameters the optimizer updates directly (e.g. batchnorm under O2)."""
+        """fp32 parameters the optimizer updates directly (e.g. batchnorm under O2), grads unscaled as in apex."""
+        self.materialize()
         return [p for p in self.direct if p.dtype == torch.float32]
 
 

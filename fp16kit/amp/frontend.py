@@ -79,9 +79,11 @@ def initialize(
     ``keep_batchnorm_fp32``, cast floating inputs of ``forward`` to the model type and outputs to fp32 (or
     ``cast_model_outputs``), and make ``model.state_dict()`` return fp32. O1 runs ``forward`` inside the cast
     policy (low-precision outputs come back as fp32, so a loss computed outside the model runs in fp32 as
-    apex's patched loss functions did) and ``optimizer.step`` with casts disabled. ``master_weights``: the
-    optimizer's param groups hold fp32 masters (started from the exact fp32 initial weights), written into
-    the model after each step. ``num_losses`` dynamic (``loss_scale="dynamic"``: start at
+    apex's patched loss functions did) and ``optimizer.step`` with casts disabled. ``master_weights``: fp32
+    masters (started from the exact fp32 initial weights) that the optimizer updates and that are written into
+    the model after each step: fp16kit's ``FusedAdam``/``FusedLAMB`` keep them in their own state and write the
+    model copy in their update pass; other optimizers get them in their param groups (docs/migrating-from-apex.md,
+    "O2 master weights"). ``num_losses`` dynamic (``loss_scale="dynamic"``: start at
     ``min(2**16, max_loss_scale)``, halve on overflow down to ``min_loss_scale``, double after ``scale_window``
     clean steps up to ``max_loss_scale``) or static loss scalers.
 
@@ -258,8 +260,9 @@ def scale_loss(
     ``S`` is loss scaler ``loss_id``'s current scale (exact for the power-of-two scales dynamic scaling
     uses). On exit, unless ``delay_unscale``: every new gradient is multiplied by ``1/S`` in one fused pass
     (under master weights straight from the fp16 model grads into the fp32 master grads; grads that existed
-    before the backward are kept and added); inf/NaN raises the overflow flag; the scaler updates (not with
-    ``delay_overflow_check``); on overflow the next ``optimizer.step()`` is skipped and
+    before the backward are kept and added) — or, where the optimizer keeps the masters itself, left scaled for
+    it and only checked (docs/migrating-from-apex.md, "O2 master weights"); inf/NaN raises the overflow flag;
+    the scaler updates (not with ``delay_overflow_check``); on overflow the next ``optimizer.step()`` is skipped and
     ``Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0`` is printed.
     ``delay_unscale=True`` leaves the grads scaled so that several backward passes accumulate; the next
     ``scale_loss`` without it unscales the sum. Static scale 1.0 without master weights (O0, O3): yields
@@ -285,9 +288,18 @@ def scale_loss(
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """The params ``optimizer`` updates: the fp32 masters under master weights (use them to clip grads)."""
-    for group in optimizer.param_groups:
-        yield from group["params"]
+    """The params ``optimizer`` updates: the fp32 masters under master weights (use them to clip grads).
+
+    Between ``scale_loss`` and ``step`` their ``.grad`` holds the unscaled fp32 gradients, as in apex; where
+    the optimizer keeps the masters itself (fp16kit's fused optimizers), asking for them here is what makes
+    those fp32 master grads exist for this step (docs/migrating-from-apex.md, "O2 master weights").
+    """
+    stash = getattr(_unwrap(optimizer), "_amp_stash", None)
+    if stash is None:
+        for group in optimizer.param_groups:
+            yield from group["params"]
+        return
+    yield from stash.master_params()
 
 
 def state_dict(destination: OrderedDict | None = None) -> OrderedDict:

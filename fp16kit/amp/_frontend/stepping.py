@@ -5,8 +5,9 @@ static scale never skips, as in apex):
 
 * fp16kit's fused optimizers (and torch's fused ones) declare ``_step_supports_amp_scaling``. For them
   nothing is read back: each ``scale_loss`` ORs its device flag into the optimizer's ``found_inf``, and
-  ``step()`` hands it over as ``optimizer.found_inf`` (with ``optimizer.grad_scale = None``: the grads
-  are unscaled already); the optimizer skips on the device. The overflow message, which needs the
+  ``step()`` hands it over as ``optimizer.found_inf`` (with ``optimizer.grad_scale``: None where the grads
+  are unscaled already, the scale they carry where the optimizer keeps the masters and unscales itself,
+  ``masters.FusedMasterStash``); the optimizer skips on the device. The overflow message, which needs the
   host, is printed once the flag has reached the host (pinned copy + CUDA event, polled without
   blocking at the next ``scale_loss`` / ``step`` / ``amp.state_dict``; at once on the CPU).
 * Plain optimizers: the flag is read at ``scale_loss`` exit (a host sync, as apex did after every
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ...kernels import flag_for, merge_found_inf
+from ...kernels import merge_found_inf
 from .masters import OptimizerStash
 from .state import Session
 
@@ -125,10 +126,10 @@ def run_scale_loss(
         yield loss.float()
         return
 
-    if not delay_unscale:
-        for stash in stashes:
-            if not stash.params_have_scaled_gradients:
-                stash.prepare()
+    for stash in stashes:
+        # grads an earlier scale_loss left scaled for the step (fused masters) go into fp32 sums first
+        if stash.settle_pending() or (not delay_unscale and not stash.params_have_scaled_gradients):
+            stash.prepare()
 
     try:
         yield loss.float() * scaler.scale.reshape(())
@@ -144,7 +145,7 @@ def run_scale_loss(
     found_inf = scaler.new_found_inf()
     inv_scale = scaler.inv_scale()
     for stash in stashes:
-        stash.unscale(inv_scale, found_inf)
+        stash.unscale(inv_scale, found_inf, scaler.scale)
         stash.params_have_scaled_gradients = False
     if delay_overflow_check:
         return
@@ -177,7 +178,7 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
             overflow, stash.skip = stash.skip, None
             overflow.report()
             stash.found_inf = None
-            stash.drop_master_grads()
+            stash.discard()
             return None
         if stash.model_grads_bypassed_scale_loss():
             _warn_backward_outside_scale_loss(stash)
@@ -185,24 +186,19 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
         flag, stash.found_inf = stash.found_inf, None
         if flag is not None and closure is not None and float(flag[0]) != 0.0:
             raise RuntimeError(_CLOSURE_ON_SKIP)
-        if flag is not None:
-            optimizer.grad_scale = None  # grads were unscaled at scale_loss exit
-            # the form the optimizer declares (fp16kit's [1] for _fp16kit_checks_inf, else torch's 0-dim)
-            optimizer.found_inf = flag_for(optimizer, flag)
-        try:
+
+        def call() -> Any:
             if disable_casts:
                 from .. import disable_casts as no_casts
 
                 with no_casts():
-                    result = _call(original_step, closure, args, kwargs)
-            else:
-                result = _call(original_step, closure, args, kwargs)
-        finally:
-            if flag is not None:
-                del optimizer.grad_scale
-                del optimizer.found_inf
-        stash.write_masters_to_model()
-        stash.drop_master_grads()
+                    return _call(original_step, closure, args, kwargs)
+            return _call(original_step, closure, args, kwargs)
+
+        if closure is not None:  # its scale_loss runs inside the optimizer's step: unscaled fp32 master grads
+            stash.use_master_grads()
+        # hands over grad_scale / found_inf, writes masters -> model where the optimizer does not (masters.py)
+        result = stash.run_step(flag, call)
         REPORTS.poll()
         return result
 
@@ -225,7 +221,7 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
                     else:
                         p.grad.detach_()
                         p.grad.zero_()
-            stash.drop_master_grads()
+            stash.discard()
             stash.mark_model_grads_seen()  # zeroed grads are not a backward outside scale_loss
 
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
