@@ -342,15 +342,11 @@ class _AutocastMode(TorchFunctionMode):
         if entry is None:
             if not _is_compiling():
                 return func(*args, **kwargs) if kwargs else func(*args)  # an absent op, eager: the commonest case
-            return self._compiled(func, None, args, kwargs)
-        if _is_compiling():
-            return self._compiled(func, entry, args, kwargs)
+            return self._compiled_miss(func, args, kwargs)
         if not self.enabled:
+            if _is_compiling():
+                return self._compiled_miss(func, args, kwargs, disabled=True)
             return func(*args, **kwargs) if kwargs else func(*args)
-        return self._apply(entry, func, args, kwargs)
-
-    def _apply(self, entry: Any, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-        """Run ``func`` under its ``entry``: a row, or the pass-through copy of an absent composite."""
         if entry.__class__ is tuple:
             rule = entry[0]
             if not kwargs and not entry[1]:  # the common cases, inlined
@@ -366,23 +362,21 @@ class _AutocastMode(TorchFunctionMode):
         with self:
             return entry(*args, **(kwargs or {}))
 
-    def _compiled(self, func: Any, entry: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-        """The same decisions while Dynamo traces. ``entry`` is ``_DISPATCH``'s; when it is None, the row by name
-        is read through ``_compiled_row`` (no dict guards): Dynamo hands Tensor methods called on intermediates
-        and Python operators (``h.exp()``, ``x @ y``) to the mode as sourceless variables whose ``id()`` is a fake
-        one that misses ``_DISPATCH`` and cannot be compared with anything else (see _BY_NAME).
-        """
+    def _compiled_miss(self, func: Any, args: tuple[Any, ...], kwargs: Any, *, disabled: bool = False) -> Any:
+        """While Dynamo traces: ``func`` missed ``_DISPATCH`` (or casting is off). Dynamo hands Tensor methods called
+        on intermediates and Python operators (``h.exp()``, ``x @ y``) to the mode as sourceless variables whose
+        ``id()`` is a fake one (see _BY_NAME): their row is found by name, through ``_compiled_row`` (no dict
+        guards). A Tensor method Dynamo cannot trace through a mode (zero-argument ``super()``) is replaced by the
+        in-graph torch function it forwards to (eager keeps the Python method, which also handles named dims)."""
         name = getattr(func, "__name__", None)
+        entry = None if disabled else _compiled_row(name)
         if entry is None:
-            entry = _compiled_row(name)
-        if entry is None or not self.enabled:
             redirect = _compiled_redirect(name)
             if redirect is not None:
-                # a Tensor method Dynamo cannot trace through a mode (zero-argument super()): call the in-graph
-                # torch function it forwards to (eager keeps the Python method, which also handles named dims)
                 return redirect(*args, **(kwargs or {}))
             return func(*args, **kwargs) if kwargs else func(*args)
-        return self._apply(entry, func, args, kwargs)
+        args, kwargs = cast_args(self, entry, func, args, kwargs or _NO_KWARGS)  # the general form of the hot path
+        return func(*args, **kwargs)
 
 
 def active_mode() -> _AutocastMode | None:
