@@ -348,14 +348,19 @@ class _AutocastMode(TorchFunctionMode):
                 return self._compiled_miss(func, args, kwargs, disabled=True)
             return func(*args, **kwargs) if kwargs else func(*args)
         if entry.__class__ is tuple:
-            rule = entry[0]
-            if not kwargs and not entry[1]:  # the common cases, inlined
-                if rule is _LOW:
-                    return func(*cast_all(args, self.dtype, self))
-                if rule is _FP32:
-                    return func(*cast_all(args, _F32, self))
-                if rule is _PROMOTE:
-                    return func(*cast_all(args, _F32, self)) if _mixed(args) else func(*args)
+            if not kwargs:
+                if not entry[1]:  # the common cases, inlined
+                    rule = entry[0]
+                    if rule is _LOW:
+                        return func(*cast_all(args, self.dtype, self))
+                    if rule is _FP32:
+                        return func(*cast_all(args, _F32, self))
+                    if rule is _PROMOTE:
+                        return func(*cast_all(args, _F32, self)) if _mixed(args) else func(*args)
+            elif kwargs.get("out") is not None:
+                # run as called (cast_args' first rule), without its call: compiled code calls Inductor's
+                # extern_kernels (addmm, mm, bmm with out=) through any active mode, at every compiled call
+                return func(*args, **kwargs)
             args, kwargs = cast_args(self, entry, func, args, kwargs or _NO_KWARGS)
             return func(*args, **kwargs)
         # an absent composite: run its body with the mode pushed again so the ops inside it are seen
