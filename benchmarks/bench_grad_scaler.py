@@ -99,7 +99,10 @@ class Setup:
 
 def time_rounds(setups: dict[str, Setup], fn_name: str, rounds: int, iters: int) -> dict[str, list[float]]:
     """Per setup, the ms per call of each round (``iters`` calls, each after an untimed ``restore``); the setups
-    take turns round by round, in alternating order (A B B A ...)."""
+    take turns round by round, in alternating order (A B B A ...). On the CPU the clock is this thread's CPU time
+    (all work runs on it with one intra-op thread; time the scheduler gives to other processes is not counted:
+    wall-clock medians swung by 2x on the shared box); on a GPU, wall-clock time with a sync."""
+    clock = time.perf_counter_ns if any(s.device.type == "cuda" for s in setups.values()) else time.thread_time_ns
     times: dict[str, list[float]] = {k: [] for k in setups}
     names = list(setups)
     for r in range(rounds + 1):  # round 0 warms up
@@ -108,10 +111,10 @@ def time_rounds(setups: dict[str, Setup], fn_name: str, rounds: int, iters: int)
             for _ in range(iters):
                 setup.restore()
                 setup.sync()
-                t0 = time.perf_counter_ns()
+                t0 = clock()
                 fn()
                 setup.sync()
-                total += time.perf_counter_ns() - t0
+                total += clock() - t0
             if r:
                 times[key].append(total / iters / 1e6)
     return times
@@ -132,7 +135,8 @@ def header(device: torch.device, depth: int, rounds: int, iters: int) -> list[st
         f"{select_backend(device).backend.value}; {platform.python_implementation()} {platform.python_version()}; "
         f"load average at the start (1, 5, 15 min): {load}.",
         f"Model: {depth}-layer MLP ({2 * depth} parameter tensors). {rounds} interleaved rounds of {iters} iterations "
-        "of scale + unscale_ + step + update; ms per iteration, minimum / median over the rounds.",
+        "of scale + unscale_ + step + update; ms per iteration (thread CPU time on the CPU), minimum / median over "
+        "the rounds.",
         "",
         "| width (params) | params/grads | optimizer | grads | torch.amp.GradScaler | fp16kit GradScaler "
         "| fp16kit / torch (min) | (median) | bare optimizer.step() |",
@@ -215,7 +219,7 @@ def main() -> None:
     parser.add_argument("--widths", default="32,256", help="comma-separated MLP widths")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     parser.add_argument("--depth", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
+    parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds")
     parser.add_argument("--iters", type=int, default=20, help="iterations per round")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
