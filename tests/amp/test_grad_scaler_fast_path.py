@@ -63,7 +63,7 @@ def unscale_with(grads, scale, *, fast):
     scaler = scaler_at(scale)
     with pytest.MonkeyPatch.context() as m:
         if not fast:
-            m.setattr(gs_module, "_fast_path_grads", lambda grads: False)
+            m.setattr(gs_module, "_fast_path_grads", lambda grads: None)
         scaler.unscale_(opt)
     flag = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"][torch.device("cpu")]
     return [p.grad for p in params], flag
