@@ -44,6 +44,7 @@ from __future__ import annotations
 import inspect
 import operator
 import warnings
+import weakref
 from collections import abc, defaultdict
 from enum import Enum
 from typing import Any, overload
@@ -206,7 +207,8 @@ class GradScaler:
             self._enabled = False
         self._warned_fp16 = False
         self._signature_cache: dict[Any, bool] = {}
-        self._param_sets: dict[int, _ParamSet] = {}  # id(optimizer) -> its checked parameter list (fast path)
+        # optimizer -> its checked parameter list (fast path); weak, so a dropped optimizer's params are not kept alive
+        self._param_sets: weakref.WeakKeyDictionary[Any, _ParamSet] = weakref.WeakKeyDictionary()
         self._one: torch.Tensor | None = None  # fp32 [1] 1.0 on the CPU: the fast path's check-only scale
         self._scaler: LossScaler | None = None
         self._scale0: torch.Tensor | None = None  # 0-dim view of the scale, for scale() and torch optimizers
@@ -358,9 +360,9 @@ class GradScaler:
         if self._process_group is not None:
             return None
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        pset = self._param_sets.get(id(optimizer))
+        pset = self._param_sets.get(optimizer)
         if pset is None or not pset.same(params):
-            pset = self._param_sets[id(optimizer)] = _ParamSet(params)
+            pset = self._param_sets[optimizer] = _ParamSet(params)
         if not pset.fast or select_backend(_CPU).backend is not Backend.TORCH:
             return None
         grads = [g for g in [p.grad for p in params] if g is not None]
@@ -737,9 +739,10 @@ class GradScaler:
             state["_scaler"] = None
             state["_scale0"] = None
         state["_signature_cache"] = {}  # holds step functions, which need not pickle
-        state["_param_sets"] = {}  # keyed by id(optimizer): meaningless in another process
+        del state["_param_sets"]  # plans for this process's optimizers (weak references do not pickle)
         state["_one"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"_param_sets": {}, "_one": None, **state})  # pickles from before the fast path
+        self.__dict__.update({"_one": None, **state})  # (pickles from before the fast path have no _one)
+        self._param_sets = weakref.WeakKeyDictionary()

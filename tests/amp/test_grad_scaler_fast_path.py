@@ -252,4 +252,17 @@ def test_fused_step_check_uses_fast_path_and_pickle_drops_the_plans(monkeypatch)
     scaler.update()
     assert scaler.get_scale() == 4.0
     clone = pickle.loads(pickle.dumps(scaler))
-    assert clone._param_sets == {} and clone.get_scale() == 4.0
+    assert len(clone._param_sets) == 0 and clone.get_scale() == 4.0
+
+
+def test_plans_do_not_keep_dropped_optimizers_alive():
+    import gc
+    import weakref
+
+    _, opt, scaler = setup()
+    unscale(scaler, opt)
+    assert len(scaler._param_sets) == 1
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None and len(scaler._param_sets) == 0
