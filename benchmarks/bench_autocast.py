@@ -12,6 +12,11 @@ A third column, "bare mode", times torch.autocast with an empty ``TorchFunctionM
 ``__torch_function__`` only calls the op): the floor of any design that intercepts ops with a Python mode, which
 fp16kit's autocast does. Its ratio shows how much of fp16kit's overhead is the interception itself.
 
+Under torch.compile the script also reports, per model and dtype, why the two differ (``compile_diagnosis``):
+whether the traced forward graphs (AOT, aten level) are the same op for op and dtype for dtype, how many guards
+Dynamo installs under each autocast, and how many ``__torch_function__`` calls the *compiled* forward still makes at
+run time (the compiled code's own Python-level torch calls, which pass through any active mode).
+
     python benchmarks/bench_autocast.py            # writes benchmarks/results/autocast.md and prints it
 """
 
@@ -118,11 +123,73 @@ def measure(model: nn.Module, x: torch.Tensor, dtype: torch.dtype, compiled: boo
     return _paired(steps, iters, repeats)
 
 
+def _aten_forward(model: nn.Module, x: torch.Tensor, ctx: Callable[[], object]) -> list[str]:
+    """The forward graph AOT autograd traces under ``ctx``: one ``op[dtype]`` string per node."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, _inputs: object) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=lambda gm, _: gm)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with ctx():  # type: ignore[attr-defined]
+        compiled(x)
+    nodes = [n for n in graphs[0].graph.nodes if n.op == "call_function"]
+    return [f"{n.target}[{getattr(n.meta.get('val'), 'dtype', None)}]" for n in nodes]
+
+
+def _guard_count(model: nn.Module, x: torch.Tensor, ctx: Callable[[], object]) -> int:
+    torch._dynamo.reset()
+    with ctx():  # type: ignore[attr-defined]
+        return len(torch._dynamo.explain(model)(x).out_guards or [])
+
+
+def _runtime_interceptions(model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> int:
+    """``__torch_function__`` calls that fp16kit's mode receives while the already compiled forward runs."""
+    from fp16kit.amp import autocast_mode
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with fp16kit_autocast(dtype=dtype):
+        compiled(x)
+    calls = [0]
+    real = autocast_mode._AutocastMode.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        calls[0] += 1
+        return real(self, func, types, args, kwargs)
+
+    autocast_mode._AutocastMode.__torch_function__ = counting
+    try:
+        with fp16kit_autocast(dtype=dtype):
+            compiled(x)
+    finally:
+        autocast_mode._AutocastMode.__torch_function__ = real
+    return calls[0]
+
+
+def compile_diagnosis(label: str, model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> str:
+    ctxs = _contexts(dtype)
+    ours, ref = ctxs["fp16kit.amp.autocast"], ctxs["torch.autocast"]
+    same = _aten_forward(model, x, ours) == _aten_forward(model, x, ref)
+    guards = (_guard_count(model, x, ref), _guard_count(model, x, ours), _guard_count(model, x, ctxs["bare mode"]))
+    calls = _runtime_interceptions(model, x, dtype)
+    return (
+        f"| {label} | {str(dtype).removeprefix('torch.')} | {'yes' if same else 'NO'} | {guards[0]} | {guards[1]} "
+        f"| {guards[2]} | {calls} |"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows (slow to compile)")
+    ap.add_argument("--only", default="", help="comma-separated model label prefixes to run (default: all)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least noise on a shared box)")
     args = ap.parse_args()
@@ -138,7 +205,8 @@ def main() -> None:
     lines = [
         "# autocast overhead: fp16kit.amp.autocast vs torch.autocast",
         "",
-        f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, load average at the "
+        f"start (1, 5, 15 min) {', '.join(f'{v:.2f}' for v in os.getloadavg())}, "
         f"{torch.get_num_threads()} thread, thread CPU time, {args.repeats} interleaved rounds x {args.iters} calls. "
         "Per call: minimum over interleaved rounds (the median beside it); ratio = fp16kit / torch "
         "(targets: eager <= 1.10, compile <= 1.02). 'bare mode' = torch.autocast plus an empty TorchFunctionMode, "
@@ -148,6 +216,8 @@ def main() -> None:
         "| bare mode ratio |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    if args.only:
+        cases = [c for c in cases if any(c[0].startswith(p) for p in args.only.split(","))]
     for label, model, x, compile_too in cases:
         modes = [False, True] if compile_too and not args.no_compile else [False]
         for dtype in (torch.bfloat16, torch.float16):
@@ -160,6 +230,23 @@ def main() -> None:
                     row = (f"| {label} | {str(dtype).removeprefix('torch.')} | {'compile' if compiled else 'eager'} "
                            f"| {'fwd+bwd' if backward else 'fwd'} | {ref * 1e3:.3f} | {ours * 1e3:.3f} "
                            f"| {ours / ref:.2f} | {med:.2f} | {bare:.2f} |")
+                    print(row, flush=True)
+                    lines.append(row)
+    if not args.no_compile:
+        lines += [
+            "",
+            "Under torch.compile (diagnosis, same models): are the forward graphs AOT autograd traces the same (op by "
+            "op, dtype by dtype)? Guards Dynamo installs; `__torch_function__` calls fp16kit's mode still gets while "
+            "the compiled forward runs (the bare mode receives the same ones).",
+            "",
+            "| model | dtype | same aten forward graph | guards torch.autocast | guards fp16kit | guards bare mode "
+            "| mode calls per compiled forward |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for label, model, x, compile_too in cases:
+            if compile_too:
+                for dtype in (torch.bfloat16, torch.float16):
+                    row = compile_diagnosis(label, model, x, dtype)
                     print(row, flush=True)
                     lines.append(row)
     text = "\n".join(lines) + "\n"

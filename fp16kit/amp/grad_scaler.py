@@ -42,20 +42,36 @@ where torch's scale stays forever (after ~165 overflows in a row from 2**16).
 from __future__ import annotations
 
 import inspect
+import operator
 import warnings
+import weakref
 from collections import abc, defaultdict
 from enum import Enum
 from typing import Any, overload
 
 import torch
 
-from ..kernels import as_torch_flag, checks_inf_itself, merge_found_inf, new_found_inf, unscale_and_check
+from ..distributed import is_dtensor
+from ..kernels import (
+    Backend,
+    as_torch_flag,
+    checks_inf_itself,
+    merge_found_inf,
+    new_found_inf,
+    select_backend,
+    unscale_and_check,
+)
 from . import _sharded
 from .loss_scaler import LossScaler
 
 __all__ = ["GradScaler", "OptState"]
 
 _F16 = torch.float16
+_CPU = torch.device("cpu")
+_TENSOR = torch.Tensor
+_STRIDED = torch.strided
+#: gradient dtypes whose fp16kit unscale (fp32 math, one rounding, in place) is torch's own CPU op bit for bit
+_FAST_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 
 
 class OptState(Enum):
@@ -82,6 +98,60 @@ class _PerDevice:
         if t is None:
             t = self._copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
         return t
+
+
+class _ParamSet:
+    """One optimizer's parameters, flattened and checked once: the fast path's plan (``GradScaler._fast_grads``).
+
+    ``fast`` is False when a parameter is not a tensor (the general path raises torch's error) or is a DTensor
+    (its gradient is unscaled shard by shard and its flag combined over the mesh: the general path).
+    ``grad_ids``/``grad_keys`` describe the last gradients that passed the full gradient checks: their ``id``
+    and ``(data_ptr, nbytes, stride, dtype, is_cpu)``, everything those checks depend on. No reference to a
+    gradient is kept (``zero_grad()`` must be able to free them).
+    """
+
+    __slots__ = ("fast", "grad_ids", "grad_keys", "params", "saw_fp16")
+
+    def __init__(self, params: list[Any]) -> None:
+        self.params = params
+        self.fast = all(isinstance(p, _TENSOR) and not is_dtensor(p) for p in params)
+        self.grad_ids: list[int] = []
+        self.grad_keys: list[tuple[Any, ...]] = []
+        self.saw_fp16 = False
+
+    def same(self, params: list[Any]) -> bool:
+        """Is ``params`` this set (the same tensors, in the same order)?"""
+        return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+
+
+def _cpu_scalar_at_most_one(t: torch.Tensor) -> bool:
+    """``|t| <= 1`` for a one-element CPU tensor: a host read, but of host memory (no device sync; the
+    host-read tests in tests/amp/_host_reads.py let this one function through for CPU tensors)."""
+    return abs(float(t)) <= 1.0
+
+
+def _grad_keys(grads: list[torch.Tensor]) -> list[tuple[Any, ...]]:
+    """What the fast path's gradient checks depend on, per gradient (see ``_ParamSet``)."""
+    return [(g.data_ptr(), g.nbytes, g.stride(), g.dtype, g.is_cpu) for g in grads]
+
+
+def _fast_path_grads(grads: list[torch.Tensor]) -> list[tuple[Any, ...]] | None:
+    """The gradients' ``_grad_keys`` if they qualify for the fast path, else None: plain strided CPU tensors of a
+    fast dtype, contiguous (no internal overlap), without the negative bit, no two sharing a byte. One pass per
+    property (list comprehensions; ~0.6 us per gradient in all), the keys' reads reused for dtype, device and spans."""
+    if not all([type(g) is _TENSOR and g.layout is _STRIDED for g in grads]):
+        return None  # (checked first: a sparse tensor has no strides, a wrapper subclass no data pointer)
+    if not all([g.is_contiguous() and not g.is_neg() for g in grads]):
+        return None
+    keys = _grad_keys(grads)
+    if not all([k[4] and k[3] in _FAST_DTYPES for k in keys]):
+        return None
+    end = 0
+    for start, nbytes in sorted([k[:2] for k in keys]):
+        if start < end:
+            return None  # shared memory (or an empty tensor inside another's span): the general path decides
+        end = start + nbytes
+    return keys
 
 
 _FP16_GRAD_WARNING = (
@@ -137,6 +207,9 @@ class GradScaler:
             self._enabled = False
         self._warned_fp16 = False
         self._signature_cache: dict[Any, bool] = {}
+        # optimizer -> its checked parameter list (fast path); weak, so a dropped optimizer's params are not kept alive
+        self._param_sets: weakref.WeakKeyDictionary[Any, _ParamSet] = weakref.WeakKeyDictionary()
+        self._one: torch.Tensor | None = None  # fp32 [1] 1.0 on the CPU: the fast path's check-only scale
         self._scaler: LossScaler | None = None
         self._scale0: torch.Tensor | None = None  # 0-dim view of the scale, for scale() and torch optimizers
         self._options = dict(
@@ -242,11 +315,11 @@ class GradScaler:
         return apply_scale(outputs)
 
     # ------------------------------------------------------------------ unscaling
-    def _grads_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, list[torch.Tensor]]:
-        """The optimizer's gradients (dense ones, and the values of coalesced sparse ones) by device.
-
-        Sets ``self._saw_fp16`` when one of them is fp16 (checked in this loop: a second pass costs ~1 us per grad).
-        """
+    def _grads_per_device(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[torch.device, list[torch.Tensor]], bool]:
+        """The optimizer's gradients (dense ones, and the values of coalesced sparse ones) by device, and whether
+        one of them is fp16 (checked in this loop: a second pass costs ~1 us per grad). The general path."""
         per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         saw_fp16 = False
         for group in optimizer.param_groups:
@@ -266,8 +339,54 @@ class GradScaler:
                 if grad.dtype is _F16:
                     saw_fp16 = True
                 per_device[grad.device].append(grad)
-        self._saw_fp16 = saw_fp16
-        return per_device
+        return per_device, saw_fp16
+
+    def _fast_grads(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], bool] | None:
+        """``(grads, saw_fp16)`` when the fast path applies to ``optimizer`` now, else ``None``.
+
+        The fast path is the general one (``_grads_per_device`` + ``unscale_and_check``) minus the work that
+        cannot change its result: on the CPU with the torch fallback, ``unscale_and_check`` of in-place dense
+        fp32/fp16/bf16 gradients with ``|inv_scale| <= 1`` runs exactly torch's
+        ``_amp_foreach_non_finite_check_and_unscale_`` (fp32 math, one rounding; no finite value can overflow, so
+        checking the inputs is checking the outputs). The scaler then calls that op itself, once for all dtypes.
+
+        What is checked when: the parameter list once per parameter set (``_ParamSet``: re-checked whenever the
+        optimizer's parameters are not the same tensors in the same order). The gradients fully (``_fast_path_grads``)
+        whenever they are not the ones that passed last time: same ids and same ``_grad_keys`` (data pointer, byte
+        size, strides, dtype, CPU), i.e. whenever a gradient changed identity (``zero_grad()`` gives new ones each
+        iteration), dtype, device or storage (``.data =``, ``set_``). A failed check sends the call down the
+        general path, which validates everything and raises fp16kit's errors.
+        """
+        if self._process_group is not None:
+            return None
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        pset = self._param_sets.get(optimizer)
+        if pset is None or not pset.same(params):
+            pset = self._param_sets[optimizer] = _ParamSet(params)
+        if not pset.fast or select_backend(_CPU).backend is not Backend.TORCH:
+            return None
+        grads = [g for g in [p.grad for p in params] if g is not None]
+        if not grads:
+            return None  # the general path records no flag, and step() raises torch's error
+        ids = list(map(id, grads))
+        if ids == pset.grad_ids:
+            try:
+                if _grad_keys(grads) == pset.grad_keys:
+                    return grads, pset.saw_fp16  # the gradients checked last time, unchanged
+            except RuntimeError:  # an id reused by a tensor without strides (sparse): the full checks decide
+                pass
+        keys = _fast_path_grads(grads)
+        if keys is None:
+            pset.grad_ids = []
+            return None
+        pset.grad_ids, pset.grad_keys = ids, keys
+        pset.saw_fp16 = any([k[3] is _F16 for k in keys])
+        return grads, pset.saw_fp16
+
+    def _warn_fp16(self, saw_fp16: bool) -> None:
+        if saw_fp16 and not self._warned_fp16:
+            self._warned_fp16 = True
+            warnings.warn(_FP16_GRAD_WARNING, UserWarning, stacklevel=5)
 
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | float, *, warn_fp16: bool
@@ -277,16 +396,34 @@ class GradScaler:
         Returns a fresh overflow flag (fp32 ``[1]``) per device, 1 where a written value is inf/NaN.
         """
         self._check_scale_growth_tracker("unscale_")  # raises when the scaler was never used to scale
-        inv = _PerDevice(inv_scale) if isinstance(inv_scale, torch.Tensor) else None
-        found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
-            per_device = self._grads_per_device(optimizer)
-            if warn_fp16 and self._saw_fp16 and not self._warned_fp16:
-                self._warned_fp16 = True
-                warnings.warn(_FP16_GRAD_WARNING, UserWarning, stacklevel=4)
+            fast = self._fast_grads(optimizer)
+            if fast is not None:
+                if not isinstance(inv_scale, torch.Tensor):  # 1.0: step() checking a fused optimizer's grads
+                    if self._one is None:
+                        self._one = torch.ones(1)
+                    inv = self._one if inv_scale == 1.0 else None
+                else:
+                    inv = inv_scale if inv_scale.is_cpu and inv_scale.dtype is torch.float32 else None
+                    # |inv| > 1 (a scale below 1) can overflow a finite value, which fp16kit flags and torch's op
+                    # (it checks its inputs) would not: the general path handles it.
+                    if inv is not None and not _cpu_scalar_at_most_one(inv):
+                        inv = None
+                if inv is not None:
+                    grads, saw_fp16 = fast
+                    if warn_fp16:
+                        self._warn_fp16(saw_fp16)
+                    flag = new_found_inf(_CPU)
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
+                    return {_CPU: flag}
+            per_device, saw_fp16 = self._grads_per_device(optimizer)
+            if warn_fp16:
+                self._warn_fp16(saw_fp16)
+            per_inv = _PerDevice(inv_scale) if isinstance(inv_scale, torch.Tensor) else None
+            found: dict[torch.device, torch.Tensor] = {}
             for device, grads in per_device.items():
                 flag = new_found_inf(device)
-                unscale_and_check(grads, inv.get(device) if inv is not None else inv_scale, flag)
+                unscale_and_check(grads, per_inv.get(device) if per_inv is not None else inv_scale, flag)
                 found[device] = flag
         _sharded.reduce_found_inf(found, _sharded.flag_group(optimizer, self._process_group))
         return found
@@ -343,8 +480,10 @@ class GradScaler:
         if len(found) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         retval = None
+        flags = list(found.values())
+        flag = flags[0] if len(flags) == 1 else merge_found_inf(flags, scaler.device)  # one flag: its own max
         # The one host sync of the non-fused path: Python must know whether to call step().
-        if not merge_found_inf(found.values(), scaler.device).item():
+        if not flag.item():
             retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         return retval
@@ -453,7 +592,8 @@ class GradScaler:
             found_infs = [f for s in self._per_optimizer_states.values() for f in s["found_inf_per_device"].values()]
             if len(found_infs) == 0:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            scaler.update(merge_found_inf(found_infs, scaler.device))
+            # One flag (one optimizer, one device) is its own max: LossScaler.update takes it on any device.
+            scaler.update(found_infs[0] if len(found_infs) == 1 else merge_found_inf(found_infs, scaler.device))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # ------------------------------------------------------------------ getters / setters
@@ -599,7 +739,10 @@ class GradScaler:
             state["_scaler"] = None
             state["_scale0"] = None
         state["_signature_cache"] = {}  # holds step functions, which need not pickle
+        del state["_param_sets"]  # plans for this process's optimizers (weak references do not pickle)
+        state["_one"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"_one": None, **state})  # (pickles from before the fast path have no _one)
+        self._param_sets = weakref.WeakKeyDictionary()

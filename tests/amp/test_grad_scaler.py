@@ -449,15 +449,21 @@ def test_sparse_duplicates_coalesced_before_the_check():
 
 
 # ----------------------------------------------------------------------------- one fused pass per device
-def test_one_unscale_and_check_call_per_device_for_mixed_dtypes(monkeypatch):
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "general-path"])
+def test_one_unscale_and_check_call_per_device_for_mixed_dtypes(monkeypatch, fast):
+    # The fast path (CPU, torch fallback) calls torch's op itself; the general path calls unscale_and_check.
     calls = []
-    real = gs_module.unscale_and_check
+    name = "_amp_foreach_non_finite_check_and_unscale_" if fast else "unscale_and_check"
+    owner = torch if fast else gs_module
+    real = getattr(owner, name)
 
-    def spy(tensors, inv_scale, found_inf, **kw):
+    def spy(tensors, *args, **kw):
         calls.append(sorted({t.dtype for t in tensors}, key=str))
-        return real(tensors, inv_scale, found_inf, **kw)
+        return real(tensors, *args, **kw)
 
-    monkeypatch.setattr(gs_module, "unscale_and_check", spy)
+    monkeypatch.setattr(owner, name, spy)
+    if not fast:
+        monkeypatch.setattr(gs_module, "_fast_path_grads", lambda grads: None)
     model = make_model()
     model[2].to(torch.bfloat16)
     model[4].to(torch.float16)
