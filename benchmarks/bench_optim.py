@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,6 +74,21 @@ def groups_for(decay, no_decay):
     return [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+# A source checkout of pytorch-optimizer (kozistr/pytorch_optimizer) to import its Lamb from, when the
+# package is not installed: ``--pytorch-optimizer DIR`` or ``FP16KIT_BENCH_PYTORCH_OPTIMIZER=DIR``.
+PYOPT_ENV = "FP16KIT_BENCH_PYTORCH_OPTIMIZER"
+
+
+def _pytorch_optimizer_lamb() -> type:
+    """pytorch-optimizer's ``Lamb``: the installed package, else the checkout named by ``PYOPT_ENV``."""
+    root = os.environ.get(PYOPT_ENV)
+    if root and root not in sys.path:
+        sys.path.insert(0, root)
+    from pytorch_optimizer import Lamb
+
+    return Lamb
+
+
 def peers() -> dict[str, tuple[Callable, str]]:
     """name -> (factory(groups) -> optimizer, bytes key), for the optimizers that are installed."""
     out: dict[str, tuple[Callable, str]] = {
@@ -79,9 +96,8 @@ def peers() -> dict[str, tuple[Callable, str]]:
         "torch AdamW (fused)": (lambda g: torch.optim.AdamW(g, lr=1e-3, fused=True), "adamw"),
     }
     try:
-        import pytorch_optimizer
-
-        out["pytorch-optimizer Lamb"] = (lambda g: pytorch_optimizer.Lamb(g, lr=1e-3), "lamb_fp32")
+        Lamb = _pytorch_optimizer_lamb()
+        out["pytorch-optimizer Lamb"] = (lambda g: Lamb(g, lr=1e-3), "lamb_fp32")
     except ImportError:
         pass
     try:

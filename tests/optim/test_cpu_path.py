@@ -5,8 +5,9 @@ stage 1) in torch's fused CPU Adam kernel. These tests check that the path is ta
 only there, that its results stay inside the float64-reference budgets of ``optim_helpers.py`` (loss scale,
 clipping, bf16 grads with masters, non-contiguous grads, several batches), that the grads are never written
 (torch's kernel writes unscaled grads back when given ``grad_scale``; we never give it one), and that the
-one-read global norm (``functional._max_norms``) decides the flag and the norm exactly as the two-read one did,
-edge values included.
+one-read global norm (``optim_fallback._max_norms``) decides the flag and the norm exactly as the two-read one did,
+edge values included; the CPU check-and-norm (BLAS dot sums of squares, host-side verdicts, float64 repair) and
+the trust-ratio norms against the float64 references.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from optim_helpers import adam_step_and_check, lamb_step_and_check, make_params,
 
 from fp16kit.kernels import cpu_native as _cpu_native
 from fp16kit.kernels import optim_fallback, use_backend
+from fp16kit.numerics import reference
+from fp16kit.numerics.formats import gamma
 from fp16kit.optim import FusedAdam, FusedLAMB
 from fp16kit.optim import functional as F
 
@@ -175,8 +178,8 @@ def test_one_read_norm_equals_two_read_norm(lists, inv, monkeypatch):
     flag_one = torch.zeros(1)
     norm_one = F.check_and_norm(grads, inv64, flag_one)
 
-    def true_max(chosen, norms, inv_scale64):
-        return torch.stack(torch._foreach_norm(list(chosen), float("inf"))).to(torch.float64)
+    def true_max(chosen, norms, inv):
+        return torch.stack(torch._foreach_norm(list(chosen), float("inf"))).tolist()
 
     monkeypatch.setattr(optim_fallback, "_max_norms", true_max)
     flag_two = torch.zeros(1)
@@ -184,6 +187,62 @@ def test_one_read_norm_equals_two_read_norm(lists, inv, monkeypatch):
     assert torch.equal(flag_one, flag_two)
     if not bool(flag_two):
         assert torch.equal(norm_one, norm_two), (norm_one, norm_two)
+
+
+EDGE_FINITE = [v for v in EDGE if math.isfinite(v)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+    edges=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(EDGE)), max_size=4),
+    exponent=st.integers(-130, 120),
+    inv=st.sampled_from([1.0, 2.0**-16, 2.0**20, 1 / 3.0]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_cpu_check_and_norm_matches_float64_reference(sizes, edges, exponent, inv, dtype, seed):
+    """The CPU check-and-norm (fp32: ``torch.dot`` sums of squares; bf16: ``_foreach_norm``) against the float64
+    reference ``fp16kit.numerics.reference.l2norm``: the flag exactly (inf/NaN, and finite grads that overflow
+    only once scaled), the norm within ``gamma(n)`` plus the final roundings, at any magnitude (the fp32 sums of
+    squares over- or underflow from ~1e19 and ~1e-19 on; those tensors are repaired in float64)."""
+    gen = torch.Generator().manual_seed(seed)
+    grads = [(torch.randn(n, generator=gen, dtype=torch.float64) * 2.0**exponent).to(dtype) for n in sizes]
+    for i, value in edges:
+        g = grads[i % len(grads)]
+        g.view(-1)[seed % g.numel()] = value
+    found = torch.zeros(1)
+    norm = float(F.check_and_norm(grads, torch.tensor([inv], dtype=torch.float64), found))
+    want, _, want_found = reference.l2norm(grads, inv)
+    assert bool(found) == want_found
+    if want_found:
+        return
+    n = sum(g.numel() for g in grads)
+    budget = gamma(n, torch.float32) + 3 * 2.0**-24
+    # scaled elements that are subnormal in the reference carry an absolute error of up to 2**-150 each
+    assert abs(norm - want) <= budget * want + math.sqrt(n) * 2.0**-149, (norm, want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    values=st.lists(st.sampled_from([*EDGE_FINITE, 0.5, -2.0, 7.0]), min_size=1, max_size=40),
+    scale_exp=st.integers(-60, 60),
+)
+def test_sumsq32_is_an_fp32_sum_of_squares(values, scale_exp):
+    """``_sumsq32`` (the dot path for fp32, ``_foreach_norm`` for other dtypes) is a sum of squares with fp32
+    accumulation: within gamma(n) of the float64 sum where fp32 can hold it, inf where it overflows fp32 (which
+    ``_max_norms``/``_repair_fp32_norms`` rely on to redo such tensors in float64), and it propagates NaN."""
+    x = torch.tensor(values, dtype=torch.float64) * 2.0**scale_exp
+    xs = [x.float(), torch.stack([x.float(), x.float()], 1)[:, 0], x.to(torch.bfloat16)]  # strided: not dot
+    for t in xs:
+        got = optim_fallback._sumsq32([t])[0]
+        exact = math.fsum(v * v for v in t.to(torch.float64).tolist())
+        if exact > 3.0e38:
+            assert got == math.inf or got >= 3.0e38
+        elif exact >= 2.0**-100:
+            assert abs(got - exact) <= (gamma(t.numel(), torch.float32) + 2.0**-24) * exact + t.numel() * 2.0**-149
+    nan = torch.tensor([*values, math.nan], dtype=torch.float32)
+    assert math.isnan(optim_fallback._sumsq32([nan])[0])
 
 
 def test_native_build_never_stalls_a_step(monkeypatch):
