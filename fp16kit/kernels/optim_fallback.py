@@ -138,18 +138,31 @@ def _cpu_check_and_norm(chosen: Sequence[torch.Tensor], inv: float) -> tuple[flo
     return math.fsum(n * n for n in norms), max(largest, key=_nan_first)
 
 
+# fp32 tensors from this size on get their own BLAS dot; smaller ones (and other dtypes) share one
+# ``_foreach_norm`` call: per-call host cost, not bandwidth, is what matters for them.
+_DOT_MIN = 1 << 14
+
+
 def _sumsq32(tensors: Sequence[torch.Tensor]) -> list[float]:
-    """Per-tensor sums of squares with fp32 accumulation (host numbers): ``torch.dot`` for fp32 tensors (the
-    BLAS dot reads at memory bandwidth and uses both threads; ``_foreach_norm`` on the CPU runs at about
-    half that speed and on one thread), ``_foreach_norm`` for other dtypes (squared)."""
-    out = [
-        torch.dot(t.view(-1), t.view(-1)) if t.dtype == torch.float32 and t.is_contiguous() else None for t in tensors
-    ]
-    rest = [i for i, x in enumerate(out) if x is None]
-    if rest:
-        for i, n in zip(rest, torch._foreach_norm([tensors[i] for i in rest], 2, dtype=torch.float32)):
-            out[i] = n.square()
-    return torch.stack(out).tolist()
+    """Per-tensor sums of squares (host numbers) with fp32 accumulation, so over- and underflowing like the
+    fp32 norms ``_max_norms``/``_repair_fp32_norms`` are written for: ``torch.dot`` for large contiguous fp32
+    tensors (the BLAS dot reads at memory bandwidth on all threads; ``_foreach_norm`` on the CPU runs at about
+    half that speed on one thread), the squared ``_foreach_norm`` (fp32 result, squared in float64) for the rest.
+    """
+    f32 = torch.float32
+    big, small = [], []
+    for i, t in enumerate(tensors):
+        (big if t.dtype is f32 and t.numel() >= _DOT_MIN and t.is_contiguous() else small).append(i)
+    parts = [torch.dot(f, f) for f in (tensors[i].view(-1) for i in big)]
+    if small:
+        parts += torch._foreach_norm([tensors[i] for i in small], 2, dtype=f32)
+    values = torch.stack(parts).tolist()
+    out = [0.0] * len(tensors)
+    for i, x in zip(big, values):
+        out[i] = x
+    for i, x in zip(small, values[len(big) :]):
+        out[i] = x * x
+    return out
 
 
 def _nan_first(x: float) -> float:
@@ -488,10 +501,9 @@ def _fused_takes(
     dtype = p[0].dtype
     if p[0].device.type != "cpu" or dtype not in (torch.float32, torch.float64):
         return False
-    return all(
-        t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
-        for lst in (p, exp_avgs, exp_avg_sqs)
-        for t in lst
+    tensors = (*p, *exp_avgs, *exp_avg_sqs)
+    return {(t.dtype, t.device.type) for t in tensors} == {(dtype, "cpu")} and all(
+        map(torch.Tensor.is_contiguous, tensors)
     )
 
 

@@ -13,6 +13,7 @@ the trust-ratio norms against the float64 references.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import threading
 
@@ -192,6 +193,17 @@ def test_one_read_norm_equals_two_read_norm(lists, inv, monkeypatch):
 EDGE_FINITE = [v for v in EDGE if math.isfinite(v)]
 
 
+@contextlib.contextmanager
+def dot_threshold(elements: int):
+    """``optim_fallback._DOT_MIN`` set for the block: 1 sends every contiguous fp32 tensor to ``torch.dot``."""
+    old = optim_fallback._DOT_MIN
+    optim_fallback._DOT_MIN = elements
+    try:
+        yield
+    finally:
+        optim_fallback._DOT_MIN = old
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 300), min_size=1, max_size=4),
@@ -199,10 +211,12 @@ EDGE_FINITE = [v for v in EDGE if math.isfinite(v)]
     exponent=st.integers(-130, 120),
     inv=st.sampled_from([1.0, 2.0**-16, 2.0**20, 1 / 3.0]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dot_min=st.sampled_from([1, 1 << 30]),
     seed=st.integers(0, 2**16),
 )
-def test_cpu_check_and_norm_matches_float64_reference(sizes, edges, exponent, inv, dtype, seed):
-    """The CPU check-and-norm (fp32: ``torch.dot`` sums of squares; bf16: ``_foreach_norm``) against the float64
+def test_cpu_check_and_norm_matches_float64_reference(sizes, edges, exponent, inv, dtype, dot_min, seed):
+    """The CPU check-and-norm (fp32: ``torch.dot`` sums of squares, or ``_foreach_norm`` for tensors below
+    ``_DOT_MIN`` elements; bf16: ``_foreach_norm``) against the float64
     reference ``fp16kit.numerics.reference.l2norm``: the flag exactly (inf/NaN, and finite grads that overflow
     only once scaled), the norm within ``gamma(n)`` plus the final roundings, at any magnitude (the fp32 sums of
     squares over- or underflow from ~1e19 and ~1e-19 on; those tensors are repaired in float64)."""
@@ -212,7 +226,8 @@ def test_cpu_check_and_norm_matches_float64_reference(sizes, edges, exponent, in
         g = grads[i % len(grads)]
         g.view(-1)[seed % g.numel()] = value
     found = torch.zeros(1)
-    norm = float(F.check_and_norm(grads, torch.tensor([inv], dtype=torch.float64), found))
+    with dot_threshold(dot_min):
+        norm = float(F.check_and_norm(grads, torch.tensor([inv], dtype=torch.float64), found))
     want, _, want_found = reference.l2norm(grads, inv)
     assert bool(found) == want_found
     if want_found:
@@ -229,20 +244,23 @@ def test_cpu_check_and_norm_matches_float64_reference(sizes, edges, exponent, in
     scale_exp=st.integers(-60, 60),
 )
 def test_sumsq32_is_an_fp32_sum_of_squares(values, scale_exp):
-    """``_sumsq32`` (the dot path for fp32, ``_foreach_norm`` for other dtypes) is a sum of squares with fp32
-    accumulation: within gamma(n) of the float64 sum where fp32 can hold it, inf where it overflows fp32 (which
-    ``_max_norms``/``_repair_fp32_norms`` rely on to redo such tensors in float64), and it propagates NaN."""
+    """``_sumsq32`` (``torch.dot`` for fp32, ``_foreach_norm`` for small or other-dtype tensors) is a sum of squares
+    with fp32 accumulation: within gamma(n) of the float64 sum where fp32 can hold it, inf (or beyond fp32's range)
+    where it overflows fp32 (``_max_norms``/``_repair_fp32_norms`` redo such tensors in float64), NaN propagated."""
     x = torch.tensor(values, dtype=torch.float64) * 2.0**scale_exp
     xs = [x.float(), torch.stack([x.float(), x.float()], 1)[:, 0], x.to(torch.bfloat16)]  # strided: not dot
-    for t in xs:
-        got = optim_fallback._sumsq32([t])[0]
+    for t, dot_min in itertools.product(xs, [1, 1 << 30]):
+        with dot_threshold(dot_min):
+            got = optim_fallback._sumsq32([t])[0]
         exact = math.fsum(v * v for v in t.to(torch.float64).tolist())
         if exact > 3.0e38:
             assert got == math.inf or got >= 3.0e38
         elif exact >= 2.0**-100:
             assert abs(got - exact) <= (gamma(t.numel(), torch.float32) + 2.0**-24) * exact + t.numel() * 2.0**-149
     nan = torch.tensor([*values, math.nan], dtype=torch.float32)
-    assert math.isnan(optim_fallback._sumsq32([nan])[0])
+    for dot_min in (1, 1 << 30):
+        with dot_threshold(dot_min):
+            assert math.isnan(optim_fallback._sumsq32([nan])[0])
 
 
 def test_native_build_never_stalls_a_step(monkeypatch):
