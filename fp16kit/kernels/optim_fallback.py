@@ -147,21 +147,36 @@ def _sumsq32(tensors: Sequence[torch.Tensor]) -> list[float]:
     """Per-tensor sums of squares (host numbers) with fp32 accumulation, so over- and underflowing like the
     fp32 norms ``_max_norms``/``_repair_fp32_norms`` are written for: ``torch.dot`` for large contiguous fp32
     tensors (the BLAS dot reads at memory bandwidth on all threads; ``_foreach_norm`` on the CPU runs at about
-    half that speed on one thread), the squared ``_foreach_norm`` (fp32 result, squared in float64) for the rest.
-    """
+    half that speed on one thread), and for large contiguous fp16/bf16 tensors on their exact fp32 conversion
+    in a cached scratch buffer, ``_BATCH`` elements at a time (``_foreach_norm(dtype=float32)`` allocates a
+    converted copy of every tensor, page faults included); the squared ``_foreach_norm`` (fp32 result, squared
+    in float64) for the rest. A tensor converted in pieces sums the pieces' fp32 sums in float64."""
     f32 = torch.float32
-    big, small = [], []
+    big, small, low = [], [], []
     for i, t in enumerate(tensors):
-        (big if t.dtype is f32 and t.numel() >= _DOT_MIN and t.is_contiguous() else small).append(i)
+        if t.numel() < _DOT_MIN or not t.is_contiguous():
+            small.append(i)
+        elif t.dtype is f32:
+            big.append(i)
+        else:
+            (low if t.dtype in (torch.float16, torch.bfloat16) else small).append(i)
     parts = [torch.dot(f, f) for f in (tensors[i].view(-1) for i in big)]
     if small:
         parts += torch._foreach_norm([tensors[i] for i in small], 2, dtype=f32)
-    values = torch.stack(parts).tolist()
+    values = torch.stack(parts).tolist() if parts else []
     out = [0.0] * len(tensors)
     for i, x in zip(big, values):
         out[i] = x
     for i, x in zip(small, values[len(big) :]):
         out[i] = x * x
+    for i in low:
+        flat = tensors[i].view(-1)
+        pieces = []
+        for start in range(0, flat.numel(), _BATCH):
+            buf = _scratch_views("check", [flat[start : start + _BATCH]], f32)[0]
+            buf.copy_(flat[start : start + _BATCH])  # exact widening conversion
+            pieces.append(torch.dot(buf, buf))
+        out[i] = math.fsum(torch.stack(pieces).tolist())
     return out
 
 
@@ -532,19 +547,22 @@ def _batches(p: Sequence[torch.Tensor]) -> Iterator[list[int]]:
 _views: dict[tuple, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
 
 
-def _scratch_views(name: str, rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _scratch_views(
+    name: str, rows: Sequence[torch.Tensor], dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``(flat, views)``: buffers shaped like ``rows`` (uninitialized), consecutive views of one module-level
     scratch tensor per (name, device, dtype) that grows to the largest batch seen (no allocation, and no page
     faults, per step), and ``flat``, the 1-D slice they tile (one op over a batch instead of one per tensor).
-    The views are cached by the batch's shapes: a training loop's batches repeat every step."""
-    key = (name, rows[0].device, rows[0].dtype, tuple(t.shape for t in rows))
+    The views are cached by the batch's shapes: a training loop's batches repeat every step. ``dtype``: of the
+    buffers (default: that of ``rows``)."""
+    key = (name, rows[0].device, dtype or rows[0].dtype, tuple(t.shape for t in rows))
     buf = _scratch.get(key[:3])
     hit = _views.get(key)
     if hit is not None and hit[0] is buf:
         return hit[1], hit[2]
     need = sum(t.numel() for t in rows)
     if buf is None or buf.numel() < need:
-        buf = _scratch[key[:3]] = torch.empty(max(need, _BATCH), dtype=rows[0].dtype, device=rows[0].device)
+        buf = _scratch[key[:3]] = torch.empty(max(need, _BATCH), dtype=key[2], device=rows[0].device)
     flat = buf[:need]
     views, offset = [], 0
     for t in rows:

@@ -194,14 +194,16 @@ EDGE_FINITE = [v for v in EDGE if math.isfinite(v)]
 
 
 @contextlib.contextmanager
-def dot_threshold(elements: int):
-    """``optim_fallback._DOT_MIN`` set for the block: 1 sends every contiguous fp32 tensor to ``torch.dot``."""
-    old = optim_fallback._DOT_MIN
+def dot_threshold(elements: int, batch: int | None = None):
+    """``optim_fallback._DOT_MIN`` (and ``_BATCH``) set for the block: 1 sends every contiguous fp32/fp16/bf16
+    tensor to ``torch.dot``; a small batch converts low-precision tensors in several pieces."""
+    old = optim_fallback._DOT_MIN, optim_fallback._BATCH
     optim_fallback._DOT_MIN = elements
+    optim_fallback._BATCH = batch or old[1]
     try:
         yield
     finally:
-        optim_fallback._DOT_MIN = old
+        optim_fallback._DOT_MIN, optim_fallback._BATCH = old
 
 
 @settings(max_examples=40, deadline=None)
@@ -210,13 +212,14 @@ def dot_threshold(elements: int):
     edges=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(EDGE)), max_size=4),
     exponent=st.integers(-130, 120),
     inv=st.sampled_from([1.0, 2.0**-16, 2.0**20, 1 / 3.0]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     dot_min=st.sampled_from([1, 1 << 30]),
+    batch=st.sampled_from([64, None]),
     seed=st.integers(0, 2**16),
 )
-def test_cpu_check_and_norm_matches_float64_reference(sizes, edges, exponent, inv, dtype, dot_min, seed):
-    """The CPU check-and-norm (fp32: ``torch.dot`` sums of squares, or ``_foreach_norm`` for tensors below
-    ``_DOT_MIN`` elements; bf16: ``_foreach_norm``) against the float64
+def test_cpu_check_and_norm_matches_float64_reference(sizes, edges, exponent, inv, dtype, dot_min, batch, seed):
+    """The CPU check-and-norm (``torch.dot`` sums of squares of fp32 tensors and of bf16 tensors converted in
+    scratch pieces of ``_BATCH`` elements, ``_foreach_norm`` below ``_DOT_MIN`` elements) against the float64
     reference ``fp16kit.numerics.reference.l2norm``: the flag exactly (inf/NaN, and finite grads that overflow
     only once scaled), the norm within ``gamma(n)`` plus the final roundings, at any magnitude (the fp32 sums of
     squares over- or underflow from ~1e19 and ~1e-19 on; those tensors are repaired in float64)."""
@@ -226,7 +229,7 @@ def test_cpu_check_and_norm_matches_float64_reference(sizes, edges, exponent, in
         g = grads[i % len(grads)]
         g.view(-1)[seed % g.numel()] = value
     found = torch.zeros(1)
-    with dot_threshold(dot_min):
+    with dot_threshold(dot_min, batch):
         norm = float(F.check_and_norm(grads, torch.tensor([inv], dtype=torch.float64), found))
     want, _, want_found = reference.l2norm(grads, inv)
     assert bool(found) == want_found
