@@ -52,9 +52,11 @@ class FusedAdamArgs(NamedTuple):
     hp64: torch.Tensor
 
 
-# Elements per batch of LAMB's fused path: p and the update buffer of a batch (8 MiB in fp32) stay in the
-# caches between the kernel, the norms and the final update.
-_BATCH = 1 << 20
+# Elements per batch of the fused paths: a batch's p, scaled grads and update buffer (256 KiB each in fp32)
+# stay in the per-core L2 cache between the kernel, the norms and the final update. Measured on a 2 MiB-L2
+# x86 box (1 thread, BERT-base-shaped lists): LAMB 5% faster than with 1M-element batches; beyond L2 every
+# pass is bound by the per-core bandwidth to L3/DRAM, so larger batches gain nothing from "cache".
+_BATCH = 1 << 16
 _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 _forced_host_branch: list[bool] = []
