@@ -237,6 +237,9 @@ def test_cpu_check_and_norm_matches_float64_reference(sizes, edges, exponent, in
         return
     n = sum(g.numel() for g in grads)
     budget = gamma(n, torch.float32) + 3 * 2.0**-24
+    if want * (1 - budget) > torch.finfo(torch.float32).max:  # the fp32 result overflows
+        assert norm == math.inf
+        return
     # scaled elements that are subnormal in the reference carry an absolute error of up to 2**-150 each
     assert abs(norm - want) <= budget * want + math.sqrt(n) * 2.0**-149, (norm, want)
 
