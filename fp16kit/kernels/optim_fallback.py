@@ -16,16 +16,24 @@ Fast CPU path (no compiler needed): when the caller hands over the step counter 
 contiguous fp32/fp64 tensors run Adam's elementwise math in torch's fused CPU Adam kernel
 (``torch._fused_adam_``/``torch._fused_adamw_``: one vectorized, multi-threaded pass reading g, p, m, v and
 writing p, m, v), instead of ~8 foreach passes. LAMB's stage 1 *is* that Adam update direction when grad
-averaging is on and there is no L2 term: the kernel runs with lr = 1 on a zeroed scratch buffer standing in
-for the param, which leaves ``-(m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`` there; the decoupled decay, the
-per-tensor norms and ``p += ratio * buf`` follow, batch by batch (~1M elements, so the batch's p and buffer
-are still in cache for the norms and the update). The kernel computes its bias corrections from the step
-counter in float64 (``1 - beta**t``) exactly as ``functional.py`` does; the path is taken only where they
-agree with ``hp64`` (else bias correction is off) and ``beta3 == 1 - beta1``. It is never given
-``grad_scale``: torch's CPU kernel writes the unscaled grads back into ``grad`` (fp16kit leaves grads
-untouched), so a loss scale or clip is applied to a scaled copy first. Rounding differs from the foreach
+averaging is on and there is no L2 term: the kernel runs with lr = 1 on a scratch buffer holding ``-wd p``
+(or 0) in place of the param, which leaves ``-u = -wd p - (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`` there;
+the per-tensor norms and ``p += ratio * buf`` follow. Both run batch by batch (``_BATCH`` elements: a batch's
+p, scaled grads and buffer stay in L2 between its passes) and write the model copies of a batch while it is
+in cache. The kernel computes its bias corrections from the step counter in float64 (``1 - beta**t``)
+exactly as ``functional.py`` does; the path is taken only where they agree with ``hp64`` (else bias
+correction is off) and ``beta3 == 1 - beta1``. It is never given ``grad_scale``: torch's CPU kernel writes
+the unscaled grads back into ``grad`` (fp16kit leaves grads untouched), so a loss scale and a clip are
+applied to a scaled copy first, as one multiply by ``inv_scale / clip``. Rounding differs from the foreach
 sequence by a few fp32 roundings (``sqrt(v) / sqrt(bc2)`` for ``sqrt(v / bc2)``, ``m * (1 / bc1)`` for
-``m / bc1``), inside the ulp budgets of ``tests/optim/optim_helpers.py``.
+``m / bc1``, one rounded factor for the scale and the clip), inside the ulp budgets of
+``tests/optim/optim_helpers.py``.
+
+Sums of squares on the CPU (the check pass over the grads, LAMB's trust-ratio norms) use ``torch.dot`` on
+large fp32 tensors (BLAS: memory bandwidth on every thread; ``_foreach_norm`` runs at about half that on one
+thread) with fp32 accumulation, and every verdict on them (inf/NaN flag, which tensors to redo in float64,
+trust ratios) is taken on host numbers: on a loaded machine, a small tensor op that wakes the worker threads
+can cost milliseconds.
 """
 
 from __future__ import annotations
