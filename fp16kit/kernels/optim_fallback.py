@@ -160,11 +160,12 @@ def _sumsq32(tensors: Sequence[torch.Tensor]) -> list[float]:
     half that speed on one thread), and for large contiguous fp16/bf16 tensors on their exact fp32 conversion
     in a cached scratch buffer, ``_BATCH`` elements at a time (``_foreach_norm(dtype=float32)`` allocates a
     converted copy of every tensor, page faults included); the squared ``_foreach_norm`` (fp32 result, squared
-    in float64) for the rest. A tensor converted in pieces sums the pieces' fp32 sums in float64."""
+    in float64) for the rest. A tensor converted in pieces sums the pieces' fp32 sums in float64. float64
+    tensors (LAMB's trust ratio on float64 params) get float64 norms."""
     f32 = torch.float32
     big, small, low = [], [], []
     for i, t in enumerate(tensors):
-        if t.numel() < _DOT_MIN or not t.is_contiguous():
+        if t.numel() < _DOT_MIN or not t.is_contiguous() or t.dtype is torch.float64:
             small.append(i)
         elif t.dtype is f32:
             big.append(i)
@@ -172,8 +173,10 @@ def _sumsq32(tensors: Sequence[torch.Tensor]) -> list[float]:
             (low if t.dtype in (torch.float16, torch.bfloat16) else small).append(i)
     parts = [torch.dot(f, f) for f in (tensors[i].view(-1) for i in big)]
     if small:
-        parts += torch._foreach_norm([tensors[i] for i in small], 2, dtype=f32)
-    values = torch.stack(parts).tolist() if parts else []
+        chosen = [tensors[i] for i in small]
+        wide = any(t.dtype is torch.float64 for t in chosen)
+        parts += torch._foreach_norm(chosen, 2, dtype=torch.float64 if wide else f32)
+    values = torch.stack([x.double() for x in parts]).tolist() if parts else []
     out = [0.0] * len(tensors)
     for i, x in zip(big, values):
         out[i] = x

@@ -135,6 +135,32 @@ def test_matches_reference_through_the_fast_path(
             set_grads(params, seed + 2 + k, scale=grad_scale / inv_scale)
 
 
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("cls", [FusedLAMB, FusedAdam])
+def test_tensors_split_into_batches_with_hostile_layouts(cls, master, monkeypatch):
+    """Tensors larger than a batch run in flat pieces (stage 1 piece by piece, LAMB's update once the last
+    piece is in): with non-contiguous grads and model params (transposed), within the float64-reference budgets,
+    model copies bit for bit ``round(master)``; and through the kernel."""
+    monkeypatch.setattr(optim_fallback, "_BATCH", 128)
+    dtype = torch.bfloat16 if master else torch.float32
+    params = make_params([(300,), (40, 9), (7,), (130,)], dtype, 11)
+    params[1] = torch.nn.Parameter(params[1].detach().t().contiguous().t())  # non-contiguous model param
+    for k, p in enumerate(params):
+        g = torch.randn(p.shape[::-1], generator=torch.Generator().manual_seed(20 + k)).to(dtype)
+        p.grad = g.t() if p.dim() == 2 else g  # a non-contiguous grad for the 2-D param
+    opt = cls(two_groups(params), master_weights=master)
+    for _ in range(2):
+        with kernel_calls() as calls:
+            if cls is FusedLAMB:
+                lamb_step_and_check(opt)
+            else:
+                adam_step_and_check(opt, adam_w_mode=True)
+        assert calls, "fast path not taken"
+        for i, p in enumerate(params):  # adam_step_and_check does not look at the model copies
+            master = opt.state[p].get("master")
+            assert master is None or torch.equal(p.detach(), master.to(p.dtype)), f"model copy {i} != round(master)"
+
+
 def test_fast_path_and_foreach_path_agree():
     """The same LAMB steps through the kernel and through the foreach sequence: a few fp32 roundings apart."""
     results = []
@@ -149,6 +175,26 @@ def test_fast_path_and_foreach_path_agree():
         results.append([p.detach().clone() for p in params])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e40])
+def test_float64_lamb_trust_ratio_has_float64_norms(scale):
+    """float64 params through the kernel: the trust ratio's norms are float64 (fp32 norms of params around
+    1e40 would be inf, and lose float64's precision at any scale), so the fast path agrees with the float64
+    foreach sequence to float64 rounding."""
+    results = []
+    for block in (contextlib.nullcontext, optim_fallback.foreach_only):
+        params = make_params([(64,), (16, 16), (7,)], torch.float64, 5, scale=scale)
+        set_grads(params, 6, scale=0.01)
+        opt = FusedLAMB(two_groups(params), weight_decay=0.01)
+        with block(), kernel_calls() as calls:
+            for _ in range(2):
+                opt.step()
+        assert bool(calls) == (block is contextlib.nullcontext)
+        results.append([p.detach().clone() for p in params])
+    for fast, slow in zip(*results):
+        assert torch.isfinite(fast).all()
+        torch.testing.assert_close(fast, slow, rtol=1e-13, atol=0)
 
 
 def test_found_inf_skips_before_the_kernel():
