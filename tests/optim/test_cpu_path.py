@@ -161,19 +161,24 @@ def test_tensors_split_into_batches_with_hostile_layouts(cls, master, monkeypatc
             assert master is None or torch.equal(p.detach(), master.to(p.dtype)), f"model copy {i} != round(master)"
 
 
-def test_fast_path_and_foreach_path_agree():
-    """The same LAMB steps through the kernel and through the foreach sequence: a few fp32 roundings apart."""
+def fast_and_foreach(dtype: torch.dtype, steps: int, *, scale: float, grad_scale: float) -> list[list[torch.Tensor]]:
+    """The params after the same LAMB steps through the kernel and through the foreach sequence."""
     results = []
     for block in (contextlib.nullcontext, optim_fallback.foreach_only):
-        params = make_params([(64,), (16, 16), (7,)], torch.float32, 5)
-        set_grads(params, 6, scale=50.0)  # clipping active
+        params = make_params([(64,), (16, 16), (7,)], dtype, 5, scale=scale)
+        set_grads(params, 6, scale=grad_scale)
         opt = FusedLAMB(two_groups(params))
         with block(), kernel_calls() as calls:
-            for _ in range(3):
+            for _ in range(steps):
                 opt.step()
         assert bool(calls) == (block is contextlib.nullcontext)
         results.append([p.detach().clone() for p in params])
-    for a, b in zip(*results):
+    return results
+
+
+def test_fast_path_and_foreach_path_agree():
+    """The same LAMB steps through the kernel and through the foreach sequence: a few fp32 roundings apart."""
+    for a, b in zip(*fast_and_foreach(torch.float32, 3, scale=1.0, grad_scale=50.0)):  # clipping active
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
 
 
@@ -182,17 +187,7 @@ def test_float64_lamb_trust_ratio_has_float64_norms(scale):
     """float64 params through the kernel: the trust ratio's norms are float64 (fp32 norms of params around
     1e40 would be inf, and lose float64's precision at any scale), so the fast path agrees with the float64
     foreach sequence to float64 rounding."""
-    results = []
-    for block in (contextlib.nullcontext, optim_fallback.foreach_only):
-        params = make_params([(64,), (16, 16), (7,)], torch.float64, 5, scale=scale)
-        set_grads(params, 6, scale=0.01)
-        opt = FusedLAMB(two_groups(params), weight_decay=0.01)
-        with block(), kernel_calls() as calls:
-            for _ in range(2):
-                opt.step()
-        assert bool(calls) == (block is contextlib.nullcontext)
-        results.append([p.detach().clone() for p in params])
-    for fast, slow in zip(*results):
+    for fast, slow in zip(*fast_and_foreach(torch.float64, 2, scale=scale, grad_scale=0.01)):
         assert torch.isfinite(fast).all()
         torch.testing.assert_close(fast, slow, rtol=1e-13, atol=0)
 
