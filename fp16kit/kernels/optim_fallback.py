@@ -171,17 +171,16 @@ def _sumsq32(tensors: Sequence[torch.Tensor]) -> list[float]:
             big.append(i)
         else:
             (low if t.dtype in (torch.float16, torch.bfloat16) else small).append(i)
-    parts = [torch.dot(f, f) for f in (tensors[i].view(-1) for i in big)]
+    out = [0.0] * len(tensors)
+    if big:
+        for i, x in zip(big, torch.stack([torch.dot(f, f) for f in (tensors[i].view(-1) for i in big)]).tolist()):
+            out[i] = x
     if small:
         chosen = [tensors[i] for i in small]
         wide = any(t.dtype is torch.float64 for t in chosen)
-        parts += torch._foreach_norm(chosen, 2, dtype=torch.float64 if wide else f32)
-    values = torch.stack([x.double() for x in parts]).tolist() if parts else []
-    out = [0.0] * len(tensors)
-    for i, x in zip(big, values):
-        out[i] = x
-    for i, x in zip(small, values[len(big) :]):
-        out[i] = x * x
+        norms = torch._foreach_norm(chosen, 2, dtype=torch.float64 if wide else f32)
+        for i, x in zip(small, torch.stack(norms).tolist()):
+            out[i] = x * x
     for i in low:
         flat = tensors[i].view(-1)
         pieces = []
@@ -529,10 +528,8 @@ def _fused_takes(
     dtype = p[0].dtype
     if p[0].device.type != "cpu" or dtype not in (torch.float32, torch.float64):
         return False
-    tensors = (*p, *exp_avgs, *exp_avg_sqs)
-    return {(t.dtype, t.device.type) for t in tensors} == {(dtype, "cpu")} and all(
-        map(torch.Tensor.is_contiguous, tensors)
-    )
+    tensors = (*p, *exp_avgs, *exp_avg_sqs)  # on one device: the callers validate that (functional.py)
+    return all(t.dtype is dtype for t in tensors) and all(map(torch.Tensor.is_contiguous, tensors))
 
 
 def bump_versions(*lists: Sequence[torch.Tensor | None]) -> None:
