@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +42,11 @@ BYTES = {
     "adam_master": 2 + 14 + 14,
     # torch.optim.AdamW: one pass (no check pass)
     "adamw": 16 + 12,
+    # under torch's GradScaler: its inf check reads and writes g (x 1/scale), the kernel writes g back unscaled
+    "adamw_scaler": 8 + 16 + 16,
+    # fp16kit's optimizers under torch's GradScaler: its check pass, then their own step
+    "adam_scaler": 8 + 4 + 16 + 12,
+    "lamb_scaler": 8 + 4 + 16 + 8 + 12 + 4,
 }
 
 
@@ -72,6 +79,21 @@ def groups_for(decay, no_decay):
     return [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+# A source checkout of pytorch-optimizer (kozistr/pytorch_optimizer) to import its Lamb from, when the
+# package is not installed: ``--pytorch-optimizer DIR`` or ``FP16KIT_BENCH_PYTORCH_OPTIMIZER=DIR``.
+PYOPT_ENV = "FP16KIT_BENCH_PYTORCH_OPTIMIZER"
+
+
+def _pytorch_optimizer_lamb() -> type:
+    """pytorch-optimizer's ``Lamb``: the installed package, else the checkout named by ``PYOPT_ENV``."""
+    root = os.environ.get(PYOPT_ENV)
+    if root and root not in sys.path:
+        sys.path.insert(0, root)
+    from pytorch_optimizer import Lamb
+
+    return Lamb
+
+
 def peers() -> dict[str, tuple[Callable, str]]:
     """name -> (factory(groups) -> optimizer, bytes key), for the optimizers that are installed."""
     out: dict[str, tuple[Callable, str]] = {
@@ -79,9 +101,8 @@ def peers() -> dict[str, tuple[Callable, str]]:
         "torch AdamW (fused)": (lambda g: torch.optim.AdamW(g, lr=1e-3, fused=True), "adamw"),
     }
     try:
-        import pytorch_optimizer
-
-        out["pytorch-optimizer Lamb"] = (lambda g: pytorch_optimizer.Lamb(g, lr=1e-3), "lamb_fp32")
+        Lamb = _pytorch_optimizer_lamb()
+        out["pytorch-optimizer Lamb"] = (lambda g: Lamb(g, lr=1e-3), "lamb_fp32")
     except ImportError:
         pass
     try:
@@ -186,6 +207,11 @@ def targets(fast: dict[str, float], master: dict[str, float] | None = None) -> l
         out.append(_ratio_line(LAMB, fast[LAMB], "torch AdamW (fused)", fused, 1.8))
     if ADAM in fast and fused:
         out.append(_ratio_line(ADAM, fast[ADAM], "torch AdamW (fused)", fused, 1.2))
+    scaled = fast.get(ADAMW_FUSED + SCALER)
+    if scaled:
+        for name, limit in ((LAMB, 1.8), (ADAM, 1.2)):
+            if name + SCALER in fast:
+                out.append(_ratio_line(name + SCALER, fast[name + SCALER], ADAMW_FUSED + SCALER, scaled, limit))
     for name in (LAMB, ADAM):
         if master and name in fast and name + MASTER in master:
             out.append(_ratio_line(name + MASTER, master[name + MASTER], f"{name} (fp32 params)", fast[name], 2))
@@ -193,6 +219,23 @@ def targets(fast: dict[str, float], master: dict[str, float] | None = None) -> l
 
 
 MASTER = " (master, bf16 model)"
+ADAMW_FUSED = "torch AdamW (fused)"
+SCALER = " + GradScaler"
+
+
+class WithScaler:
+    """``step()`` = ``scaler.step(opt); scaler.update()`` with ``torch.amp.GradScaler("cpu", init_scale=1)``: the
+    GradScaler hand-over (torch's inf check pass over the grads, then ``grad_scale``/``found_inf`` given to the
+    optimizer), as in an amp training loop, for torch's fused AdamW and fp16kit's optimizers alike."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+        self.scaler.scale(torch.ones(()))  # initializes the scale; the grads are taken as already scaled by 1
+
+    def step(self) -> None:
+        self.scaler.step(self.opt)
+        self.scaler.update()
 
 
 def cpu_section(rounds: int, quick: bool, native: bool) -> list[str]:
@@ -241,6 +284,10 @@ def cpu_section(rounds: int, quick: bool, native: bool) -> list[str]:
             )
             for name, (factory, key) in peers().items():
                 add(name, factory, key, dtype=torch.float32)
+            if not master:  # like with like: torch's GradScaler hands each optimizer its scale and inf flag
+                add(ADAMW_FUSED + SCALER, lambda g: WithScaler(torch.optim.AdamW(g, fused=True)), "adamw_scaler")
+                add(ADAM + SCALER, lambda g: WithScaler(FusedAdam(g, lr=1e-3)), "adam_scaler")
+                add(LAMB + SCALER, lambda g: WithScaler(FusedLAMB(g, lr=1e-3)), "lamb_scaler")
             if not master:  # the default path before torch's fused Adam kernel was used (same code, toggled)
                 for name, cls, key in ((LAMB, FusedLAMB, "lamb_fp32"), (ADAM, FusedAdam, "adam_fp32")):
                     add(name + FOREACH, lambda g, c=cls: c(g, lr=1e-3), key)

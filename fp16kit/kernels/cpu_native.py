@@ -1,6 +1,6 @@
 """Optional native CPU kernel for FusedLAMB on fp32 tensors (opt-in; built with the system C++ compiler).
 
-The torch path runs LAMB as torch's fused Adam kernel plus ~4 more per-tensor ops (~2x the time of
+The torch path runs LAMB as torch's fused Adam kernel plus ~5 more per-tensor ops (2.6–2.9x the time of
 ``torch.optim.AdamW(fused=True)``, ``benchmarks/results/optim.md``). This module compiles (once, cached by torch in
 ``TORCH_EXTENSIONS_DIR``) a C++ version of the two LAMB stages of ``fp16kit/kernels/lamb_kernel.py``:
 the same math and the same order of fp32 operations, with 16384-element chunks of all tensors spread over
@@ -15,7 +15,7 @@ itself fast on the CPU: torch's fused Adam kernel does LAMB's stage 1). A set ``
 CPU tensors have no queue to drain.
 
 Measured reason for this fourth copy of the LAMB math (``docs/benchmarks.md``): it does LAMB in 2 passes
-(44 B/param) where torch ops need ~5 (~60 B/param). Two rules keep it safe to opt into:
+(44 B/param) where torch ops need ~6 (~52 B/param). Two rules keep it safe to opt into:
 
 - the build is cached under a name keyed by the CPU features it was compiled for (``-march=native``): a cache
   shared between machines (a network home, a container image) never loads code built for another CPU;

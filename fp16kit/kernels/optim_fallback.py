@@ -16,16 +16,24 @@ Fast CPU path (no compiler needed): when the caller hands over the step counter 
 contiguous fp32/fp64 tensors run Adam's elementwise math in torch's fused CPU Adam kernel
 (``torch._fused_adam_``/``torch._fused_adamw_``: one vectorized, multi-threaded pass reading g, p, m, v and
 writing p, m, v), instead of ~8 foreach passes. LAMB's stage 1 *is* that Adam update direction when grad
-averaging is on and there is no L2 term: the kernel runs with lr = 1 on a zeroed scratch buffer standing in
-for the param, which leaves ``-(m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`` there; the decoupled decay, the
-per-tensor norms and ``p += ratio * buf`` follow, batch by batch (~1M elements, so the batch's p and buffer
-are still in cache for the norms and the update). The kernel computes its bias corrections from the step
-counter in float64 (``1 - beta**t``) exactly as ``functional.py`` does; the path is taken only where they
-agree with ``hp64`` (else bias correction is off) and ``beta3 == 1 - beta1``. It is never given
-``grad_scale``: torch's CPU kernel writes the unscaled grads back into ``grad`` (fp16kit leaves grads
-untouched), so a loss scale or clip is applied to a scaled copy first. Rounding differs from the foreach
+averaging is on and there is no L2 term: the kernel runs with lr = 1 on a scratch buffer holding ``-wd p``
+(or 0) in place of the param, which leaves ``-u = -wd p - (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`` there;
+the per-tensor norms and ``p += ratio * buf`` follow. Both run batch by batch (``_BATCH`` elements: a batch's
+p, scaled grads and buffer stay in L2 between its passes) and write the model copies of a batch while it is
+in cache. The kernel computes its bias corrections from the step counter in float64 (``1 - beta**t``)
+exactly as ``functional.py`` does; the path is taken only where they agree with ``hp64`` (else bias
+correction is off) and ``beta3 == 1 - beta1``. It is never given ``grad_scale``: torch's CPU kernel writes
+the unscaled grads back into ``grad`` (fp16kit leaves grads untouched), so a loss scale and a clip are
+applied to a scaled copy first, as one multiply by ``inv_scale / clip``. Rounding differs from the foreach
 sequence by a few fp32 roundings (``sqrt(v) / sqrt(bc2)`` for ``sqrt(v / bc2)``, ``m * (1 / bc1)`` for
-``m / bc1``), inside the ulp budgets of ``tests/optim/optim_helpers.py``.
+``m / bc1``, one rounded factor for the scale and the clip), inside the ulp budgets of
+``tests/optim/optim_helpers.py``.
+
+Sums of squares on the CPU (the check pass over the grads, LAMB's trust-ratio norms) use ``torch.dot`` on
+large fp32 tensors (BLAS: memory bandwidth on every thread; ``_foreach_norm`` runs at about half that on one
+thread) with fp32 accumulation, and every verdict on them (inf/NaN flag, which tensors to redo in float64,
+trust ratios) is taken on host numbers: on a loaded machine, a small tensor op that wakes the worker threads
+can cost milliseconds.
 """
 
 from __future__ import annotations
@@ -52,9 +60,11 @@ class FusedAdamArgs(NamedTuple):
     hp64: torch.Tensor
 
 
-# Elements per batch of LAMB's fused path: p and the update buffer of a batch (8 MiB in fp32) stay in the
-# caches between the kernel, the norms and the final update.
-_BATCH = 1 << 20
+# Elements per batch of the fused paths: a batch's p, scaled grads and update buffer (256 KiB each in fp32)
+# stay in the per-core L2 cache between the kernel, the norms and the final update. Measured on a 2 MiB-L2
+# x86 box (1 thread, BERT-base-shaped lists): LAMB 5% faster than with 1M-element batches; beyond L2 every
+# pass is bound by the per-core bandwidth to L3/DRAM, so larger batches gain nothing from "cache".
+_BATCH = 1 << 16
 _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 _forced_host_branch: list[bool] = []
@@ -92,6 +102,7 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
     ``|g|max * inv_scale`` overflows exactly when some ``g * inv_scale`` does (rounding is monotonic), so the
     flag equals the kernel's; the norm differs from the norm of scaled values by at most one rounding.
     Empty grads are left out (``_foreach_norm`` has no inf-norm of an empty tensor; they add nothing).
+    CPU grads of fp32 math take :func:`_cpu_check_and_norm` (one read of the grads, verdicts on the host).
     """
     grads = [g for g in grads if g.numel()]
     if not grads:
@@ -99,13 +110,13 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
     sumsq, amax = [], []
     for rows in group_by([F64 if g.dtype == F64 else torch.float32 for g in grads]).values():
         chosen = [grads[i] for i in rows]
-        math = F64 if chosen[0].dtype == F64 or chosen[0].device.type != "cpu" else torch.float32
-        norms = torch.stack(torch._foreach_norm(chosen, 2, dtype=math)).to(F64)
-        if math is torch.float32:  # CPU: one read of the grads (see _max_norms)
-            largest = _max_norms(chosen, norms, inv_scale64)
-            norms = _repair_fp32_norms(chosen, norms, largest)
-        else:
-            largest = torch.stack(torch._foreach_norm(chosen, float("inf"))).to(F64)
+        if chosen[0].dtype != F64 and chosen[0].device.type == "cpu":
+            sq, worst = _cpu_check_and_norm(chosen, float(inv_scale64.reshape(())))
+            sumsq.append(torch.tensor(sq, dtype=F64))
+            amax.append(torch.tensor(worst, dtype=F64))
+            continue
+        norms = torch.stack(torch._foreach_norm(chosen, 2, dtype=F64))
+        largest = torch.stack(torch._foreach_norm(chosen, float("inf"))).to(F64)
         sumsq.append(norms.square().sum())
         amax.append(largest.max())
     inv = inv_scale64.reshape(())
@@ -120,36 +131,109 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
 _TINY_FOR_FP32_SQUARES = 2.0**-60
 
 
-def _max_norms(chosen: Sequence[torch.Tensor], norms: torch.Tensor, inv_scale64: torch.Tensor) -> torch.Tensor:
+def _cpu_check_and_norm(chosen: Sequence[torch.Tensor], inv: float) -> tuple[float, float]:
+    """CPU grads, fp32 math: ``(sum of the per-tensor squared norms, a stand-in of max |g|)`` (float64 host
+    numbers), from one read of the grads: the per-tensor fp32 2-norms (``torch._foreach_norm``, one call).
+
+    The max-norm of a tensor is read (a second pass over that tensor only, see :func:`_max_norms`) where it
+    may matter, and its norm recomputed with float64 accumulation where the fp32 sum of squares over- or
+    underflowed (:func:`_repair_fp32_norms`). Every verdict is a host decision on a few host numbers (no
+    small tensor ops: on a loaded machine each one that wakes the worker threads can stall for milliseconds).
+    The returned max stand-in is ``max |g|`` itself where it was read, else a 2-norm with ``norm * inv <=
+    2**127``: its fp32 product with ``inv`` overflows (or is NaN) exactly when some ``|g| * inv`` does.
+    """
+    norms = [math.sqrt(x) for x in _sumsq32(chosen)]
+    largest = _max_norms(chosen, norms, inv)
+    norms = _repair_fp32_norms(chosen, norms, largest)
+    return math.fsum(n * n for n in norms), max(largest, key=_nan_first)
+
+
+# fp32 tensors from this size on get their own BLAS dot; smaller ones (and other dtypes) share one
+# ``_foreach_norm`` call: per-call host cost, not bandwidth, is what matters for them.
+_DOT_MIN = 1 << 14
+
+
+def _sumsq32(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """Per-tensor sums of squares (host numbers) with fp32 accumulation, so over- and underflowing like the
+    fp32 norms ``_max_norms``/``_repair_fp32_norms`` are written for: ``torch.dot`` for large contiguous fp32
+    tensors (the BLAS dot reads at memory bandwidth on all threads; ``_foreach_norm`` on the CPU runs at about
+    half that speed on one thread), and for large contiguous fp16/bf16 tensors on their exact fp32 conversion
+    in a cached scratch buffer, ``_BATCH`` elements at a time (``_foreach_norm(dtype=float32)`` allocates a
+    converted copy of every tensor, page faults included); the squared ``_foreach_norm`` (fp32 result, squared
+    in float64) for the rest. A tensor converted in pieces sums the pieces' fp32 sums in float64. float64
+    tensors (LAMB's trust ratio on float64 params) get float64 norms."""
+    f32 = torch.float32
+    big, small, low = [], [], []
+    for i, t in enumerate(tensors):
+        if t.numel() < _DOT_MIN or not t.is_contiguous() or t.dtype is torch.float64:
+            small.append(i)
+        elif t.dtype is f32:
+            big.append(i)
+        else:
+            (low if t.dtype in (torch.float16, torch.bfloat16) else small).append(i)
+    out = [0.0] * len(tensors)
+    if big:
+        for i, x in zip(big, torch.stack([torch.dot(f, f) for f in (tensors[i].view(-1) for i in big)]).tolist()):
+            out[i] = x
+    if small:
+        chosen = [tensors[i] for i in small]
+        wide = any(t.dtype is torch.float64 for t in chosen)
+        norms = torch._foreach_norm(chosen, 2, dtype=torch.float64 if wide else f32)
+        for i, x in zip(small, torch.stack(norms).tolist()):
+            out[i] = x * x
+    for i in low:
+        flat = tensors[i].view(-1)
+        pieces = []
+        for start in range(0, flat.numel(), _BATCH):
+            buf = _scratch_views("check", [flat[start : start + _BATCH]], f32)[0]
+            buf.copy_(flat[start : start + _BATCH])  # exact widening conversion
+            pieces.append(torch.dot(buf, buf))
+        out[i] = math.fsum(torch.stack(pieces).tolist())
+    return out
+
+
+def _nan_first(x: float) -> float:
+    """Sort key that ranks NaN above everything (``max`` over host numbers then propagates NaN as torch does)."""
+    return math.inf if math.isnan(x) else x
+
+
+def _max_norms(chosen: Sequence[torch.Tensor], norms: list[float], inv: float) -> list[float]:
     """CPU, fp32 math: per-tensor max-norms where the caller needs them, the 2-norms as stand-ins elsewhere,
     so the grads are read once instead of twice. The max-norm is read (a second pass over that tensor only)
     where the 2-norm is not finite, where ``norm * inv_scale > 2**127`` (the scaled max might overflow), or
     where ``norm <= 2 sqrt(n) * _TINY_FOR_FP32_SQUARES`` (the max might be below the tiny threshold). For the
     other tensors ``max <= norm`` (up to rounding, which the 2**127 margin absorbs) and ``max >= tiny``, so
     ``_repair_fp32_norms`` and the inf/NaN flag decide exactly as with the true max-norms."""
-    numel = torch.tensor([t.numel() for t in chosen], dtype=F64)
-    tiny = 2.0 * numel.sqrt() * _TINY_FOR_FP32_SQUARES
-    inv = float(inv_scale64.reshape(()))
-    suspect = ~torch.isfinite(norms) | (norms * inv > 2.0**127) | (norms <= tiny)
-    redo = suspect.nonzero().flatten().tolist()
+    redo = [
+        i
+        for i, (n, t) in enumerate(zip(norms, chosen))
+        if not math.isfinite(n) or n * inv > 2.0**127 or n <= 2.0 * math.sqrt(t.numel()) * _TINY_FOR_FP32_SQUARES
+    ]
     if not redo:
         return norms
-    largest = norms.clone()
-    largest[redo] = torch.stack(torch._foreach_norm([chosen[i] for i in redo], float("inf"))).to(F64)
+    largest = list(norms)
+    exact = torch.stack(torch._foreach_norm([chosen[i] for i in redo], float("inf"))).tolist()
+    for i, value in zip(redo, exact):
+        largest[i] = value
     return largest
 
 
-def _repair_fp32_norms(chosen: Sequence[torch.Tensor], norms: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
+def _repair_fp32_norms(chosen: Sequence[torch.Tensor], norms: list[float], largest: list[float]) -> list[float]:
     """CPU only: the fp32 per-tensor norms, with the tensors whose fp32 sum of squares over- or underflowed (a
     finite, nonzero max-norm but an inf norm, or a max-norm below ``_TINY_FOR_FP32_SQUARES``) recomputed with
-    float64 accumulation. Reading the verdict is free on the CPU; on other devices the norms are float64 from
-    the start (a memory-bound reduction there), so this never syncs a device."""
-    finite = torch.isfinite(largest) & (largest > 0)
-    redo = (finite & (~torch.isfinite(norms) | (largest < _TINY_FOR_FP32_SQUARES))).nonzero().flatten().tolist()
+    float64 accumulation. On other devices the norms are float64 from the start (a memory-bound reduction
+    there), so this never syncs a device."""
+    redo = [
+        i
+        for i, (n, big) in enumerate(zip(norms, largest))
+        if math.isfinite(big) and big > 0 and (not math.isfinite(n) or big < _TINY_FOR_FP32_SQUARES)
+    ]
     if not redo:
         return norms
-    norms = norms.clone()
-    norms[redo] = torch.stack(torch._foreach_norm([chosen[i] for i in redo], 2, dtype=F64))
+    norms = list(norms)
+    exact = torch.stack(torch._foreach_norm([chosen[i] for i in redo], 2, dtype=F64)).tolist()
+    for i, value in zip(redo, exact):
+        norms[i] = value
     return norms
 
 
@@ -280,8 +364,9 @@ def _lamb_host(
     p = _math(params, hp.dtype)
     if fused is not None and not l2_mode and _fused_takes(fused, p, exp_avgs, exp_avg_sqs, lamb=True):
         scaling = (inv_scale, clip)
-        _lamb_fused(p, grads, exp_avgs, exp_avg_sqs, fused, scaling, lr=lr, wd=wd if decoupled else 0.0, trust=trust)
-        _write_params(params, models, p, False)
+        lists = (p, grads, exp_avgs, exp_avg_sqs, models)
+        _lamb_fused(*lists, fused, scaling, lr=lr, wd=wd if decoupled else 0.0, trust=trust)
+        _write_params(params, [None] * len(p), p, False)  # models: written batch by batch
         return
     g = _math(grads, hp.dtype)  # read only
     if inv_scale != 1.0 or clip != 1.0:
@@ -389,8 +474,9 @@ def _adam_host(
     _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = hp.tolist()
     p = _math(params, hp.dtype)
     if fused is not None and _fused_takes(fused, p, exp_avgs, exp_avg_sqs, lamb=False):
-        _adam_fused(p, grads, exp_avgs, exp_avg_sqs, fused, inv_scale, l2_mode=l2_mode, decoupled=decoupled)
-        _write_params(params, models, p, False)
+        lists = (p, grads, exp_avgs, exp_avg_sqs, models)
+        _adam_fused(*lists, fused, inv_scale, l2_mode=l2_mode, decoupled=decoupled)
+        _write_params(params, [None] * len(p), p, False)  # models: written batch by batch
         return
     g = _math(grads, hp.dtype)
     if inv_scale != 1.0:
@@ -442,11 +528,8 @@ def _fused_takes(
     dtype = p[0].dtype
     if p[0].device.type != "cpu" or dtype not in (torch.float32, torch.float64):
         return False
-    return all(
-        t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
-        for lst in (p, exp_avgs, exp_avg_sqs)
-        for t in lst
-    )
+    tensors = (*p, *exp_avgs, *exp_avg_sqs)  # on one device: the callers validate that (functional.py)
+    return all(t.dtype is dtype for t in tensors) and all(map(torch.Tensor.is_contiguous, tensors))
 
 
 def bump_versions(*lists: Sequence[torch.Tensor | None]) -> None:
@@ -470,42 +553,64 @@ def _batches(p: Sequence[torch.Tensor]) -> Iterator[list[int]]:
         yield run
 
 
-def _scratch_views(name: str, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Buffers shaped like ``rows`` (uninitialized), views of one module-level scratch tensor per (name,
-    device, dtype) that grows to the largest batch seen: no allocation, and no page faults, per step."""
+# (name, device, dtype, shapes) -> (the scratch tensor the views are of, its flat prefix, the views)
+_views: dict[tuple, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
+
+
+def _scratch_views(
+    name: str, rows: Sequence[torch.Tensor], dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(flat, views)``: buffers shaped like ``rows`` (uninitialized), consecutive views of one module-level
+    scratch tensor per (name, device, dtype) that grows to the largest batch seen (no allocation, and no page
+    faults, per step), and ``flat``, the 1-D slice they tile (one op over a batch instead of one per tensor).
+    The views are cached by the batch's shapes: a training loop's batches repeat every step. ``dtype``: of the
+    buffers (default: that of ``rows``)."""
+    key = (name, rows[0].device, dtype or rows[0].dtype, tuple(t.shape for t in rows))
+    buf = _scratch.get(key[:3])
+    hit = _views.get(key)
+    if hit is not None and hit[0] is buf:
+        return hit[1], hit[2]
     need = sum(t.numel() for t in rows)
-    key = (name, rows[0].device, rows[0].dtype)
-    buf = _scratch.get(key)
     if buf is None or buf.numel() < need:
-        buf = _scratch[key] = torch.empty(max(need, _BATCH), dtype=rows[0].dtype, device=rows[0].device)
-    out, offset = [], 0
+        buf = _scratch[key[:3]] = torch.empty(max(need, _BATCH), dtype=key[2], device=rows[0].device)
+    flat = buf[:need]
+    views, offset = [], 0
     for t in rows:
-        out.append(buf[offset : offset + t.numel()].view(t.shape))
+        views.append(flat[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
-    return out
+    if len(_views) >= 256:
+        _views.clear()
+    _views[key] = (buf, flat, views)
+    return flat, views
 
 
 def _grads_for(pb: list[torch.Tensor], grads: list[torch.Tensor], inv_scale: float, clip: float) -> list[torch.Tensor]:
     """The kernel's grads for one batch: the caller's own where nothing is to be done (the kernel only reads
-    them), else ``(g * inv_scale) / clip`` in the math dtype, computed in a scratch buffer (in cache) with
-    the roundings of the foreach path (``_foreach_mul`` then ``_foreach_div``)."""
-    if inv_scale == 1.0 and clip == 1.0 and all(g.dtype == q.dtype and g.is_contiguous() for g, q in zip(grads, pb)):
+    them), else ``g * (inv_scale / clip)`` in the math dtype, in a scratch buffer (in cache): one rounding of
+    the float64 factor to the math dtype and one of the product, the same count as the foreach path's
+    ``(g * inv_scale) / clip`` (exact for a power-of-two scale, then a rounded divisor and the quotient)."""
+    same = all(g.dtype == q.dtype and g.is_contiguous() for g, q in zip(grads, pb))
+    if inv_scale == 1.0 and clip == 1.0 and same:
         return grads
-    out = _scratch_views("grad", pb)
-    # One op per tensor where the dtypes agree (each op over a large tensor is a parallel region, and on a
-    # loaded machine waking the worker threads costs more than the pass itself).
-    for dst, g in zip(out, grads):
-        if g.dtype != dst.dtype:
-            dst.copy_(g)  # exact widening conversion
-            g = dst
-        if inv_scale != 1.0:
-            torch.mul(g, inv_scale, out=dst)
-            g = dst
-        if clip != 1.0:
-            torch.div(g, clip, out=dst)
-        elif g is not dst:
-            dst.copy_(g)
+    flat, out = _scratch_views("grad", pb)
+    factor = inv_scale / clip
+    if same and factor != 1.0:
+        # One op per tensor (each op over a large tensor is a parallel region; on a loaded machine waking the
+        # worker threads costs more than the pass itself).
+        for dst, g in zip(out, grads):
+            torch.mul(g, factor, out=dst)
+        return out
+    torch._foreach_copy_(out, grads)  # exact widening conversion / gather of a non-contiguous layout
+    if factor != 1.0:
+        flat.mul_(factor)
     return out
+
+
+def _write_models(models: Sequence[torch.Tensor | None], rows: list[int], pb: list[torch.Tensor]) -> None:
+    """Model copies of one batch's updated params, while the params are still in cache (one call)."""
+    pairs = [(models[i], q) for i, q in zip(rows, pb) if models[i] is not None]
+    if pairs:
+        torch._foreach_copy_([m for m, _ in pairs], [q for _, q in pairs])
 
 
 def _adam_fused(
@@ -513,13 +618,15 @@ def _adam_fused(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
     fused: FusedAdamArgs,
     inv_scale: float,
     *,
     l2_mode: bool,
     decoupled: bool,
 ) -> None:
-    """Adam/AdamW in torch's fused CPU kernel (``p`` contiguous, in place), batch by batch."""
+    """Adam/AdamW in torch's fused CPU kernel (``p`` contiguous, in place), batch by batch: a batch's scaled
+    grads (when they need a copy) and its model copies are written while its data is in cache."""
     lr, beta1, beta2, _, _, eps, wd = fused.hp64.tolist()[:7]
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     for rows in _batches(p):
@@ -531,6 +638,7 @@ def _adam_fused(
             amsgrad=False, maximize=False,
         )  # fmt: skip
         bump_versions(pb, mb, vb)
+        _write_models(models, rows, pb)
 
 
 def _lamb_fused(
@@ -538,6 +646,7 @@ def _lamb_fused(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
     fused: FusedAdamArgs,
     scaling: tuple[float, float],
     *,
@@ -548,8 +657,9 @@ def _lamb_fused(
     """LAMB stage 1 in torch's fused Adam kernel, then the trust ratio and the update, batch by batch:
     ``buf = -wd p`` (or 0), ``buf -= (1 / bc1) m / (sqrt(v) / sqrt(bc2) + eps)`` (the kernel with lr = 1 and
     ``buf`` as its param), so ``buf = -u``; then ``p += ratio * buf`` with ``ratio = lr |p| / |buf|``
-    (``|buf| = |u|``). Without the trust ratio (then ``wd == 0``) the step is ``p -= lr u``: the kernel runs
-    on ``p`` itself with the learning rate, no buffer, no norms. ``scaling = (inv_scale, clip)``."""
+    (``|buf| = |u|``; float64 host numbers from the fp32 norms). Without the trust ratio (then ``wd == 0``)
+    the step is ``p -= lr u``: the kernel runs on ``p`` itself with the learning rate, no buffer, no norms.
+    ``scaling = (inv_scale, clip)``. Model copies are written per batch, from cache."""
     lr64, beta1, beta2, _, _, eps, *_ = fused.hp64.tolist()
     for rows in _batches(p):
         pb, mb, vb = [p[i] for i in rows], [exp_avgs[i] for i in rows], [exp_avg_sqs[i] for i in rows]
@@ -561,19 +671,20 @@ def _lamb_fused(
                 lr=lr64, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
             )  # fmt: skip
             bump_versions(pb, mb, vb)
+            _write_models(models, rows, pb)
             continue
-        buf = _scratch_views("update", pb)
+        flat, buf = _scratch_views("update", pb)
         if wd != 0.0:
             for b, q in zip(buf, pb):
                 torch.mul(q, -wd, out=b)
         else:
-            torch._foreach_zero_(buf)
+            flat.zero_()
         torch._fused_adam_(
             buf, gb, mb, vb, [], steps,
             lr=1.0, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
         )  # fmt: skip
         bump_versions(mb, vb)
-        ratios = _trust_ratios(pb, buf, lr, trust)
-        assert isinstance(ratios, list)
-        for q, b, r in zip(pb, buf, torch.stack(ratios).tolist()):
-            q.add_(b, alpha=r)
+        sq = _sumsq32(pb + buf)
+        for q, b, pp, uu in zip(pb, buf, sq[: len(pb)], sq[len(pb) :]):
+            q.add_(b, alpha=lr * math.sqrt(pp / uu) if pp != 0 and uu != 0 else lr)
+        _write_models(models, rows, pb)

@@ -5,13 +5,15 @@ stage 1) in torch's fused CPU Adam kernel. These tests check that the path is ta
 only there, that its results stay inside the float64-reference budgets of ``optim_helpers.py`` (loss scale,
 clipping, bf16 grads with masters, non-contiguous grads, several batches), that the grads are never written
 (torch's kernel writes unscaled grads back when given ``grad_scale``; we never give it one), and that the
-one-read global norm (``functional._max_norms``) decides the flag and the norm exactly as the two-read one did,
-edge values included.
+one-read global norm (``optim_fallback._max_norms``) decides the flag and the norm exactly as the two-read one did,
+edge values included; the CPU check-and-norm (BLAS dot sums of squares, host-side verdicts, float64 repair) and
+the trust-ratio norms against the float64 references.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import threading
 
@@ -23,6 +25,8 @@ from optim_helpers import adam_step_and_check, lamb_step_and_check, make_params,
 
 from fp16kit.kernels import cpu_native as _cpu_native
 from fp16kit.kernels import optim_fallback, use_backend
+from fp16kit.numerics import reference
+from fp16kit.numerics.formats import gamma
 from fp16kit.optim import FusedAdam, FusedLAMB
 from fp16kit.optim import functional as F
 
@@ -131,20 +135,61 @@ def test_matches_reference_through_the_fast_path(
             set_grads(params, seed + 2 + k, scale=grad_scale / inv_scale)
 
 
-def test_fast_path_and_foreach_path_agree():
-    """The same LAMB steps through the kernel and through the foreach sequence: a few fp32 roundings apart."""
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("cls", [FusedLAMB, FusedAdam])
+def test_tensors_split_into_batches_with_hostile_layouts(cls, master, monkeypatch):
+    """Tensors larger than a batch run in flat pieces (stage 1 piece by piece, LAMB's update once the last
+    piece is in): with non-contiguous grads and model params (transposed), within the float64-reference budgets,
+    model copies bit for bit ``round(master)``; and through the kernel."""
+    monkeypatch.setattr(optim_fallback, "_BATCH", 128)
+    dtype = torch.bfloat16 if master else torch.float32
+    params = make_params([(300,), (40, 9), (7,), (130,)], dtype, 11)
+    params[1] = torch.nn.Parameter(params[1].detach().t().contiguous().t())  # non-contiguous model param
+    for k, p in enumerate(params):
+        g = torch.randn(p.shape[::-1], generator=torch.Generator().manual_seed(20 + k)).to(dtype)
+        p.grad = g.t() if p.dim() == 2 else g  # a non-contiguous grad for the 2-D param
+    opt = cls(two_groups(params), master_weights=master)
+    for _ in range(2):
+        with kernel_calls() as calls:
+            if cls is FusedLAMB:
+                lamb_step_and_check(opt)
+            else:
+                adam_step_and_check(opt, adam_w_mode=True)
+        assert calls, "fast path not taken"
+        for i, p in enumerate(params):  # adam_step_and_check does not look at the model copies
+            master = opt.state[p].get("master")
+            assert master is None or torch.equal(p.detach(), master.to(p.dtype)), f"model copy {i} != round(master)"
+
+
+def fast_and_foreach(dtype: torch.dtype, steps: int, *, scale: float, grad_scale: float) -> list[list[torch.Tensor]]:
+    """The params after the same LAMB steps through the kernel and through the foreach sequence."""
     results = []
     for block in (contextlib.nullcontext, optim_fallback.foreach_only):
-        params = make_params([(64,), (16, 16), (7,)], torch.float32, 5)
-        set_grads(params, 6, scale=50.0)  # clipping active
+        params = make_params([(64,), (16, 16), (7,)], dtype, 5, scale=scale)
+        set_grads(params, 6, scale=grad_scale)
         opt = FusedLAMB(two_groups(params))
         with block(), kernel_calls() as calls:
-            for _ in range(3):
+            for _ in range(steps):
                 opt.step()
         assert bool(calls) == (block is contextlib.nullcontext)
         results.append([p.detach().clone() for p in params])
-    for a, b in zip(*results):
+    return results
+
+
+def test_fast_path_and_foreach_path_agree():
+    """The same LAMB steps through the kernel and through the foreach sequence: a few fp32 roundings apart."""
+    for a, b in zip(*fast_and_foreach(torch.float32, 3, scale=1.0, grad_scale=50.0)):  # clipping active
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e40])
+def test_float64_lamb_trust_ratio_has_float64_norms(scale):
+    """float64 params through the kernel: the trust ratio's norms are float64 (fp32 norms of params around
+    1e40 would be inf, and lose float64's precision at any scale), so the fast path agrees with the float64
+    foreach sequence to float64 rounding."""
+    for fast, slow in zip(*fast_and_foreach(torch.float64, 2, scale=scale, grad_scale=0.01)):
+        assert torch.isfinite(fast).all()
+        torch.testing.assert_close(fast, slow, rtol=1e-13, atol=0)
 
 
 def test_found_inf_skips_before_the_kernel():
@@ -175,8 +220,8 @@ def test_one_read_norm_equals_two_read_norm(lists, inv, monkeypatch):
     flag_one = torch.zeros(1)
     norm_one = F.check_and_norm(grads, inv64, flag_one)
 
-    def true_max(chosen, norms, inv_scale64):
-        return torch.stack(torch._foreach_norm(list(chosen), float("inf"))).to(torch.float64)
+    def true_max(chosen, norms, inv):
+        return torch.stack(torch._foreach_norm(list(chosen), float("inf"))).tolist()
 
     monkeypatch.setattr(optim_fallback, "_max_norms", true_max)
     flag_two = torch.zeros(1)
@@ -184,6 +229,85 @@ def test_one_read_norm_equals_two_read_norm(lists, inv, monkeypatch):
     assert torch.equal(flag_one, flag_two)
     if not bool(flag_two):
         assert torch.equal(norm_one, norm_two), (norm_one, norm_two)
+
+
+EDGE_FINITE = [v for v in EDGE if math.isfinite(v)]
+
+
+@contextlib.contextmanager
+def dot_threshold(elements: int, batch: int | None = None):
+    """``optim_fallback._DOT_MIN`` (and ``_BATCH``) set for the block: 1 sends every contiguous fp32/fp16/bf16
+    tensor to ``torch.dot``; a small batch converts low-precision tensors in several pieces."""
+    old = optim_fallback._DOT_MIN, optim_fallback._BATCH
+    optim_fallback._DOT_MIN = elements
+    optim_fallback._BATCH = batch or old[1]
+    try:
+        yield
+    finally:
+        optim_fallback._DOT_MIN, optim_fallback._BATCH = old
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+    edges=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(EDGE)), max_size=4),
+    exponent=st.integers(-130, 120),
+    inv=st.sampled_from([1.0, 2.0**-16, 2.0**20, 1 / 3.0]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    dot_min=st.sampled_from([1, 1 << 30]),
+    batch=st.sampled_from([64, None]),
+    seed=st.integers(0, 2**16),
+)
+def test_cpu_check_and_norm_matches_float64_reference(sizes, edges, exponent, inv, dtype, dot_min, batch, seed):
+    """The CPU check-and-norm (``torch.dot`` sums of squares of fp32 tensors and of bf16 tensors converted in
+    scratch pieces of ``_BATCH`` elements, ``_foreach_norm`` below ``_DOT_MIN`` elements) against the float64
+    reference ``fp16kit.numerics.reference.l2norm``: the flag exactly (inf/NaN, and finite grads that overflow
+    only once scaled), the norm within ``gamma(n)`` plus the final roundings, at any magnitude (the fp32 sums of
+    squares over- or underflow from ~1e19 and ~1e-19 on; those tensors are repaired in float64)."""
+    gen = torch.Generator().manual_seed(seed)
+    grads = [(torch.randn(n, generator=gen, dtype=torch.float64) * 2.0**exponent).to(dtype) for n in sizes]
+    for i, value in edges:
+        g = grads[i % len(grads)]
+        g.view(-1)[seed % g.numel()] = value
+    found = torch.zeros(1)
+    with dot_threshold(dot_min, batch):
+        norm = float(F.check_and_norm(grads, torch.tensor([inv], dtype=torch.float64), found))
+    want, _, want_found = reference.l2norm(grads, inv)
+    assert bool(found) == want_found
+    if want_found:
+        return
+    n = sum(g.numel() for g in grads)
+    budget = gamma(n, torch.float32) + 3 * 2.0**-24
+    if want * (1 - budget) > torch.finfo(torch.float32).max:  # the fp32 result overflows
+        assert norm == math.inf
+        return
+    # scaled elements that are subnormal in the reference carry an absolute error of up to 2**-150 each
+    assert abs(norm - want) <= budget * want + math.sqrt(n) * 2.0**-149, (norm, want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    values=st.lists(st.sampled_from([*EDGE_FINITE, 0.5, -2.0, 7.0]), min_size=1, max_size=40),
+    scale_exp=st.integers(-60, 60),
+)
+def test_sumsq32_is_an_fp32_sum_of_squares(values, scale_exp):
+    """``_sumsq32`` (``torch.dot`` for fp32, ``_foreach_norm`` for small or other-dtype tensors) is a sum of squares
+    with fp32 accumulation: within gamma(n) of the float64 sum where fp32 can hold it, inf (or beyond fp32's range)
+    where it overflows fp32 (``_max_norms``/``_repair_fp32_norms`` redo such tensors in float64), NaN propagated."""
+    x = torch.tensor(values, dtype=torch.float64) * 2.0**scale_exp
+    xs = [x.float(), torch.stack([x.float(), x.float()], 1)[:, 0], x.to(torch.bfloat16)]  # strided: not dot
+    for t, dot_min in itertools.product(xs, [1, 1 << 30]):
+        with dot_threshold(dot_min):
+            got = optim_fallback._sumsq32([t])[0]
+        exact = math.fsum(v * v for v in t.to(torch.float64).tolist())
+        if exact > 3.0e38:
+            assert got == math.inf or got >= 3.0e38
+        elif exact >= 2.0**-100:
+            assert abs(got - exact) <= (gamma(t.numel(), torch.float32) + 2.0**-24) * exact + t.numel() * 2.0**-149
+    nan = torch.tensor([*values, math.nan], dtype=torch.float32)
+    for dot_min in (1, 1 << 30):
+        with dot_threshold(dot_min):
+            assert math.isnan(optim_fallback._sumsq32([nan])[0])
 
 
 def test_native_build_never_stalls_a_step(monkeypatch):
