@@ -166,10 +166,13 @@ def _lookup(
     """``(key, table)``: the cached table for ``lists``, built (and verified) on a miss."""
     first = lists[0]
     device = first[0].device
+    # The list structure is part of the key: the flat address tuple of two lists of one tensor equals that of one
+    # list of two tensors, and a table read with the wrong ``num_tensors`` takes a numel for an address.
     key = (
         device,
         block,
         written,
+        len(first),
         tuple((t.data_ptr(), t.numel(), t.dtype, t.is_contiguous()) for tensors in lists for t in tensors),
     )
     capturing = _capturing(device)

@@ -116,3 +116,30 @@ def test_copy_stays_inside_views(backend, aligned, src_dtype, dst_dtype):
     dst.assert_guards_untouched("copy_ destination")
     for d, s in zip(dst.views, src.views):
         assert_bitwise_equal(d, s.to(dst_dtype))
+
+
+_TABLE_SHAPES_SCRIPT = """
+import torch
+from fp16kit.kernels import copy_, l2norm
+x, y = torch.arange(8.0), torch.full((8,), -1.0)
+l2norm([x, y])        # one list of two tensors: the flat address tuple (x, y)
+copy_([y], [x])       # two lists of one tensor (sources, destinations): the same flat address tuple
+assert torch.equal(y, x), y
+print("ok")
+"""
+
+
+@pytest.mark.interpreter
+def test_a_table_is_never_shared_between_list_structures():
+    """The address-table cache once keyed tables by the flat tuple of addresses alone: ``l2norm([x, y])``'s table
+    (one list of two tensors) was handed to ``copy_([y], [x])`` (two lists of one), whose kernel then read a
+    numel as the destination address and wrote there (a segfault, or silent corruption). Run in a subprocess:
+    the old code crashes the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FP16KIT_BACKEND": "triton"}
+    run = subprocess.run([sys.executable, "-c", _TABLE_SHAPES_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-2000:])
