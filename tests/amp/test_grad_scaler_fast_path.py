@@ -63,7 +63,7 @@ def unscale_with(grads, scale, *, fast):
     scaler = scaler_at(scale)
     with pytest.MonkeyPatch.context() as m:
         if not fast:
-            m.setattr(gs_module, "_fast_path_grads", lambda grads: None)
+            m.setattr(gs_module, "_fast_path_grads", lambda grads, pset: False)
         scaler.unscale_(opt)
     flag = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"][torch.device("cpu")]
     return [p.grad for p in params], flag
@@ -119,9 +119,9 @@ class Spy:
             self.general_calls += 1
             return real_general(*args, **kw)
 
-        def check(grads):
+        def check(grads, pset):
             self.checks += 1
-            return real_check(grads)
+            return real_check(grads, pset)
 
         monkeypatch.setattr(torch, OP, op)
         monkeypatch.setattr(gs_module, "unscale_and_check", general)
