@@ -379,18 +379,18 @@ class LossScaler:
             raise TypeError(
                 "LossScaler.update: found_inf must be a one-element float tensor (e.g. from new_found_inf())."
             )
-        flag = as_fp16kit_flag(found_inf)
         if (
-            flag.is_cpu
+            found_inf.is_cpu
             and self.scale.is_cpu
             and self.dynamic
             and self.hysteresis == 1
             and self.min_scale is None
             and self.max_scale is None
-            and _cpu_scalar(flag) == 0.0
+            and _cpu_scalar(found_inf) == 0.0
         ):
             self._clean_cpu_update()
             return
+        flag = as_fp16kit_flag(found_inf)
         if flag.device != self.scale.device:
             flag = flag.to(self.scale.device, non_blocking=True)
         inf, streak = self._inf, self._streak
