@@ -16,6 +16,8 @@ import torch
 
 SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
 _KERNELS_DIR = os.path.join("fp16kit", "kernels") + os.sep
+#: the scalers' named readers of one-element CPU tensors (host memory, not a device sync)
+_CPU_READERS = frozenset(("_cpu_scalar_at_most_one", "_cpu_scalar"))
 
 
 @contextmanager
@@ -27,9 +29,9 @@ def count_host_reads(*, forbid: bool) -> Iterator[list[str]]:
     def make(name):
         def patched(self, *args, **kwargs):
             frame = sys._getframe(1).f_code
-            # GradScaler's fast path reads a CPU scale (host memory, not a device sync) in one named function.
+            # the scalers read CPU scalars (host memory, not a device sync) in named functions only
             exempt = self.device.type == "cpu" and (
-                _KERNELS_DIR in frame.co_filename or frame.co_name == "_cpu_scalar_at_most_one"
+                _KERNELS_DIR in frame.co_filename or frame.co_name in _CPU_READERS
             )
             if not exempt:
                 if forbid:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def unscale_with(grads, scale, *, fast):
     scaler = scaler_at(scale)
     with pytest.MonkeyPatch.context() as m:
         if not fast:
-            m.setattr(gs_module, "_fast_path_grads", lambda grads: None)
+            m.setattr(gs_module, "_fast_path_grads", lambda grads, pset: False)
         scaler.unscale_(opt)
     flag = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"][torch.device("cpu")]
     return [p.grad for p in params], flag
@@ -119,9 +120,9 @@ class Spy:
             self.general_calls += 1
             return real_general(*args, **kw)
 
-        def check(grads):
+        def check(grads, pset):
             self.checks += 1
-            return real_check(grads)
+            return real_check(grads, pset)
 
         monkeypatch.setattr(torch, OP, op)
         monkeypatch.setattr(gs_module, "unscale_and_check", general)
@@ -266,3 +267,71 @@ def test_plans_do_not_keep_dropped_optimizers_alive():
     del opt
     gc.collect()
     assert ref() is None and len(scaler._param_sets) == 0
+
+
+# ----------------------------------------------------------------------------- the gradient checks themselves
+@settings(max_examples=80, deadline=None)
+@given(
+    spans=st.lists(
+        st.tuples(st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 24), st.integers(0, 6)),
+        min_size=1,
+        max_size=6,
+    ),
+    separate=st.lists(st.integers(1, 5), max_size=3),
+)
+def test_disjointness_check_equals_pairwise_overlap(spans, separate):
+    """``_fast_path_grads``'s sorted-starts/sorted-ends test against the pairwise definition, on views of one buffer
+    (fp32 views and bf16 views of the same bytes: overlaps down to 2 bytes, spans that only touch) and separate
+    tensors. Empty gradients are refused (an empty span has no place to compare)."""
+    buf = torch.zeros(32)
+    grads = [
+        buf[off : off + n] if dt is torch.float32 else buf.view(torch.bfloat16)[off : off + n] for dt, off, n in spans
+    ]
+    grads += [torch.zeros(n) for n in separate]
+    byte_spans = [(g.data_ptr(), g.data_ptr() + g.nbytes) for g in grads]
+    pairwise_disjoint = all(
+        not (a0 < b1 and b0 < a1) for i, (a0, a1) in enumerate(byte_spans) for b0, b1 in byte_spans[i + 1 :]
+    )
+    expected = pairwise_disjoint and all(g.numel() for g in grads)
+    pset = gs_module._ParamSet([])
+    assert gs_module._fast_path_grads(grads, pset) is expected
+    if expected:  # recorded for the next call, which then needs no full check
+        assert pset.unchanged(grads) and pset.saw_fp16 is False
+
+
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "mkldnn", "meta", "float64", "int_view", "empty"])
+def test_gradients_the_fast_path_refuses(kind):
+    """Each of these goes to the general path (``_fast_grads`` is None), including the layouts that are refused only
+    because ``data_ptr()`` raises for a tensor without storage, and a meta gradient (torch's op would silently run
+    its meta kernel on the whole list, unscaling nothing)."""
+    ok = torch.ones(4, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sparse CSR's "beta" warning
+        bad = {
+            "sparse_coo": lambda: ok.to_sparse(),
+            "sparse_csr": lambda: ok.to_sparse_csr(),
+            "mkldnn": lambda: ok.to_mkldnn(),
+            "meta": lambda: torch.ones(4, 2, device="meta"),
+            "float64": lambda: ok.double(),
+            "int_view": lambda: ok.view(torch.int32),
+            "empty": lambda: torch.ones(0),
+        }[kind]()
+    grads = [torch.ones(3), bad]
+    pset = gs_module._ParamSet([])
+    try:
+        verdict = gs_module._fast_path_grads(grads, pset)
+    except RuntimeError:  # no storage: _fast_grads takes this as "not fast"
+        verdict = False
+    assert verdict is False and pset.grad_ids == []
+
+
+def test_negative_bit_is_refused_by_torch_before_any_write(monkeypatch):
+    """The fast checks leave the negative bit to torch's op: it must refuse the list before writing anything (the
+    scaler then takes the general path, whose error names the problem). If a torch release wrote first, the
+    gradient before the negative-bit one would change here."""
+    first = torch.full((3,), 8.0)
+    neg = torch.full((3,), -8.0)._neg_view()
+    with pytest.raises(RuntimeError):
+        getattr(torch, OP)([first, neg], torch.zeros(1), torch.full((1,), 0.5))
+    assert torch.equal(first, torch.full((3,), 8.0))
+
