@@ -14,6 +14,16 @@ one raises the other. Which form an optimizer takes is declared, not guessed: a 
 check for inf/NaN in my own first pass and take fp16kit's ``[1]`` flag"; every other optimizer gets torch's
 0-dim form (:func:`flag_for`). Merging several flags (several devices, several losses) is a ``max``, not a sum:
 fused kernels test ``found_inf == 1`` and a NaN stays a NaN (still non-zero: an overflow).
+
+**Final flags.** A caller that hands over a flag it has already computed over exactly the grads the step will
+read (``optimizer.grad_scale`` their scale) may declare it *final* for that one step call:
+``optimizer.found_inf_final = True`` (:data:`FINAL_ATTR`, read by :func:`flag_is_final`). An optimizer that
+needs no gradient norm (FusedAdam; FusedLAMB with ``max_grad_norm=0``) then skips its own check pass. The
+declaration is the caller's proof, so it is made only where it holds: amp O2's fused-masters path makes it when
+every grad the optimizer will read is the tensor its ``scale_loss`` exit checked, unmodified since (same tensor,
+same version counter). fp16kit's GradScaler hands a zeroed flag and never declares it final; torch's GradScaler
+never does either (its check reads the *scaled* grads: with a scale below 1 an unscaled value may still
+overflow), so the optimizer checks in both cases.
 """
 
 from __future__ import annotations
@@ -27,12 +37,14 @@ from ._checks import check_flag
 
 __all__ = [
     "CHECKS_INF_ATTR",
+    "FINAL_ATTR",
     "FLAG_DTYPE",
     "as_fp16kit_flag",
     "as_torch_flag",
     "check_found_inf",
     "checks_inf_itself",
     "flag_for",
+    "flag_is_final",
     "merge_found_inf",
     "merge_found_inf_into",
     "new_found_inf",
@@ -42,6 +54,8 @@ __all__ = [
 FLAG_DTYPE = torch.float32
 #: class attribute of an optimizer that checks for inf/NaN itself and takes fp16kit's ``[1]`` flag
 CHECKS_INF_ATTR = "_fp16kit_checks_inf"
+#: attribute set on an optimizer, for one step call, by a caller whose handed-over ``found_inf`` is final
+FINAL_ATTR = "found_inf_final"
 
 
 def new_found_inf(device: torch.device | str) -> torch.Tensor:
@@ -67,6 +81,13 @@ def as_torch_flag(flag: torch.Tensor) -> torch.Tensor:
 def checks_inf_itself(optimizer: Any) -> bool:
     """Does ``optimizer``'s class declare ``_fp16kit_checks_inf = True`` (check in its own pass, ``[1]`` flag)?"""
     return getattr(type(optimizer), CHECKS_INF_ATTR, False) is True
+
+
+def flag_is_final(optimizer: Any) -> bool:
+    """Has the caller declared ``optimizer.found_inf`` final (module docstring: already raised for every inf/NaN
+    in ``grad * (1 / grad_scale)`` of every grad this step reads)? Only ``optimizer.found_inf_final is True``
+    counts; anything else means "check"."""
+    return getattr(optimizer, FINAL_ATTR, False) is True
 
 
 def flag_for(optimizer: Any, flag: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ The step skeleton (``FusedOptimizer.step``)::
     rows    = params with a grad, per group (the fp32 master instead of the param in master-weights mode)
     inv     = 1 / optimizer.grad_scale            (set by a GradScaler; 1 without one)
     flag    = optimizer.found_inf                 (set by a GradScaler; else a fresh zeroed flag)
-    gnorm   = check-and-norm pass over all grads  (raises flag on any inf/NaN: one read of the grads)
+    gnorm   = check-and-norm pass over all grads  (raises flag on any inf/NaN: one read of the grads; skipped
+              when the caller declared its flag final and the update uses no norm: found_inf.py, "Final flags")
     skip    = flag, or a tensor lr that is NaN/inf/negative (device arithmetic: the scaler's flag is not raised)
     for each group: step += (skip == 0); the subclass's update (a no-op on the device when skip is set)
 
@@ -38,6 +39,7 @@ from fp16kit.distributed import is_dtensor
 from fp16kit.kernels import (
     check_found_inf,
     common_device,
+    flag_is_final,
     library,
     metadata_guard,
     new_found_inf,
@@ -177,6 +179,11 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def _needs_grad_norm(self) -> bool:
+        """Does the update use the global gradient norm (clipping)? If not, a handed-over ``found_inf`` declared
+        final (``fp16kit.kernels.flag_is_final``) makes the step's check pass redundant, and it is skipped."""
+        return True
 
     def _check_groups(self) -> list[torch.Tensor]:
         """Host hyper-parameters of every group (edited after construction?), and host step counters.
@@ -470,7 +477,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             found_inf = new_found_inf(device)
         else:
             check_found_inf(f"{self._name}.step", found_inf, device)
-        grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], inv64, found_inf)
+        if not own_flag and shards is None and not self._needs_grad_norm() and flag_is_final(self):
+            # the caller's flag already covers these grads at this scale (fp16kit/kernels/found_inf.py, "Final
+            # flags": amp O2's fused path) and no norm is used: the check pass would only repeat it
+            grad_norm = torch.zeros((), dtype=torch.float32, device=device)
+        else:
+            grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], inv64, found_inf)
         if shards is not None:
             grad_norm = shards.reduce_norm_and_flag(grad_norm, found_inf)
         unchecked_steps = [s.to(device, torch.float64) for s in unchecked_steps]
