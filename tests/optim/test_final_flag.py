@@ -11,13 +11,15 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
 import fp16kit.optim.functional as optim_functional
 from fp16kit import amp
 from fp16kit.amp._frontend import stepping
-from fp16kit.amp._frontend.masters import FusedMasterStash
+from fp16kit.amp._frontend.masters import FusedMasterStash, _flag_nonfinite
 from fp16kit.kernels import flag_is_final, new_found_inf
 from fp16kit.optim import FusedAdam, FusedLAMB
 
@@ -171,3 +173,30 @@ def test_every_hand_over_mode_skips_a_nonfinite_step(cls, mode, checks):
     expected = 0 if mode == "declared_final" and cls is FusedAdam else 1
     assert len(checks) == expected
     assert all(torch.equal(a, b) for a, b in zip(before, params))
+
+
+_EDGES = [0.0, -0.0, 1e-7, -65504.0, 65504.0, 3.0e38, float("inf"), float("-inf"), float("nan")]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    sizes=st.lists(st.sampled_from([0, 3, 70000]), min_size=1, max_size=3),
+    inv=st.sampled_from([1.0, 2.0**-16, 0.7, 2.0**100, 2.0**127]),
+    edge=st.sampled_from(_EDGES),
+    where=st.integers(0, 10**6),
+)
+def test_exit_check_matches_the_float64_reference(dtype, sizes, inv, edge, where):
+    """``_flag_nonfinite`` (the O2 exit check whose flag may be final): raised exactly when some ``fp32(g) * inv``
+    is inf/NaN; large tensors go through ``aminmax``, small ones through ``_foreach_abs``/``_foreach_max``."""
+    gen = torch.Generator().manual_seed(where)
+    grads = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
+    target = grads[where % len(grads)]
+    if target.numel():
+        target[where % target.numel()] = edge  # the dtype's rounding of the edge value (may overflow to inf)
+    inv_t = torch.tensor([inv], dtype=torch.float32)
+    flag = new_found_inf("cpu")
+    _flag_nonfinite(grads, inv_t, flag)
+    exact = [g.double() * float(inv_t) for g in grads]  # exact products (<= 48 significant bits)
+    expected = any(bool((~torch.isfinite(x.float())).any()) for x in exact)
+    assert float(flag) == float(expected)

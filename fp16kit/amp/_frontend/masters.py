@@ -513,14 +513,21 @@ def _masters_in_groups(stash: FusedMasterStash) -> Iterator[None]:
             entry.update(opt.state.pop(master, {}))
 
 
+#: from this many elements a tensor's largest magnitude comes from its own ``aminmax`` (no temporary copy);
+#: smaller ones share one ``_foreach_abs``/``_foreach_max`` call (per-call host cost matters more for them)
+_AMINMAX_MIN = 1 << 16
+
+
 def _flag_nonfinite(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
     """``found_inf = 1`` if any ``fp32(g) * inv_scale`` is inf/NaN; reads each grad once, writes nothing.
 
     Triton backends: ``l2norm``'s check (its norm is not used). Torch backend: each tensor's largest magnitude
-    (``max(abs(g))``, NaN-propagating) times ``inv_scale``, which overflows exactly when some element's product
-    does (rounding is monotonic): the flag ``unscale_and_check`` would raise. ``abs`` makes a temporary copy of
-    the grads (fp16: 2 bytes per param, freed at once); it is still ~10x faster on the CPU than
-    ``_foreach_norm(inf)``, which reads in place (2.9 ms against 0.28 ms per 1M fp16 values, 1 thread).
+    (NaN-propagating) times ``inv_scale``, which overflows exactly when some element's product does (rounding is
+    monotonic): the flag ``unscale_and_check`` would raise. The largest magnitude is ``max(hi, -lo)`` of one
+    ``aminmax`` read for large tensors (no temporary: 0.16 ms per 1M fp16 values on 1 CPU thread), and
+    ``max(abs(g))`` over one ``_foreach`` call for the small ones (one call for all of them; ``abs`` makes a
+    temporary copy, 0.28 ms per 1M fp16 values). Both are ~10x faster on the CPU than ``_foreach_norm(inf)``
+    (2.8 ms per 1M fp16 values).
     """
     dev = grads[0].device
     flag = found_inf if dev == found_inf.device else new_found_inf(dev)
@@ -531,7 +538,13 @@ def _flag_nonfinite(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_in
         grads = [g for g in grads if g.numel()]  # an empty tensor has no max (and adds nothing)
         if not grads:
             return
-        largest = torch.stack([n.float() for n in torch._foreach_max(torch._foreach_abs(grads))]).max()
+        small = [g for g in grads if g.numel() < _AMINMAX_MIN]
+        ends = [n.float() for n in torch._foreach_max(torch._foreach_abs(small))] if small else []
+        for g in grads:
+            if g.numel() >= _AMINMAX_MIN:
+                lo, hi = torch.aminmax(g)
+                ends += (hi.float(), lo.float().neg())
+        largest = torch.stack(ends).max()
         torch.maximum(flag, (~torch.isfinite(largest * inv)).float().reshape(1), out=flag)
     if flag is not found_inf:
         merge_found_inf_into(found_inf, flag)
