@@ -5,8 +5,9 @@ The step skeleton (``FusedOptimizer.step``)::
     rows    = params with a grad, per group (the fp32 master instead of the param in master-weights mode)
     inv     = 1 / optimizer.grad_scale            (set by a GradScaler; 1 without one)
     flag    = optimizer.found_inf                 (set by a GradScaler; else a fresh zeroed flag)
-    gnorm   = check-and-norm pass over all grads  (raises flag on any inf/NaN: one read of the grads; skipped
-              when the caller declared its flag final and the update uses no norm: found_inf.py, "Final flags")
+    gnorm   = check-and-norm pass over all grads  (raises flag on any inf/NaN: one read of the grads); an update
+              that uses no norm (Adam) runs the check alone (``flag_nonfinite``), or nothing when the caller
+              declared its flag final (fp16kit/kernels/found_inf.py, "Final flags")
     skip    = flag, or a tensor lr that is NaN/inf/negative (device arithmetic: the scaler's flag is not raised)
     for each group: step += (skip == 0); the subclass's update (a no-op on the device when skip is set)
 
@@ -40,6 +41,7 @@ from fp16kit.kernels import (
     check_found_inf,
     common_device,
     flag_is_final,
+    flag_nonfinite,
     library,
     metadata_guard,
     new_found_inf,
@@ -477,10 +479,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             found_inf = new_found_inf(device)
         else:
             check_found_inf(f"{self._name}.step", found_inf, device)
-        if not own_flag and shards is None and not self._needs_grad_norm() and flag_is_final(self):
-            # the caller's flag already covers these grads at this scale (fp16kit/kernels/found_inf.py, "Final
-            # flags": amp O2's fused path) and no norm is used: the check pass would only repeat it
-            grad_norm = torch.zeros((), dtype=torch.float32, device=device)
+        if shards is None and not self._needs_grad_norm() and not torch.compiler.is_compiling():
+            grad_norm = torch.zeros((), dtype=torch.float32, device=device)  # not used
+            if own_flag or not flag_is_final(self):
+                # the check alone (no norm): fp16kit.kernels.flag_nonfinite, C-level on the CPU (a norm pass
+                # there is per-tensor Python); the caller's final flag (fp16kit/kernels/found_inf.py, "Final
+                # flags": amp O2's fused path) already covers these grads at this scale
+                flag_nonfinite([g for rows in all_rows for g in rows.grads], inv64.float(), found_inf)
         else:
             grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], inv64, found_inf)
         if shards is not None:

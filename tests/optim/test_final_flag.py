@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
+import fp16kit.optim._base as optim_base
 import fp16kit.optim.functional as optim_functional
 from fp16kit import amp
 from fp16kit.amp._frontend import stepping
-from fp16kit.amp._frontend.masters import FusedMasterStash, _flag_nonfinite
-from fp16kit.kernels import flag_is_final, new_found_inf
+from fp16kit.amp._frontend.masters import FusedMasterStash
+from fp16kit.kernels import flag_is_final, flag_nonfinite, new_found_inf
 from fp16kit.optim import FusedAdam, FusedLAMB
 
 
@@ -32,15 +33,18 @@ def _drop_pending_overflow_reports():
 
 @pytest.fixture
 def checks(monkeypatch):
-    """Count the optimizer's check passes."""
+    """Count the optimizer's check passes (the norm pass, or the check alone of a step that needs no norm)."""
     calls = []
-    real = optim_functional.check_and_norm
 
-    def counting(grads, inv, flag):
-        calls.append(len(grads))
-        return real(grads, inv, flag)
+    def counting(real):
+        def wrapper(grads, inv, flag):
+            calls.append(len(grads))
+            return real(grads, inv, flag)
 
-    monkeypatch.setattr(optim_functional, "check_and_norm", counting)
+        return wrapper
+
+    monkeypatch.setattr(optim_functional, "check_and_norm", counting(optim_functional.check_and_norm))
+    monkeypatch.setattr(optim_base, "flag_nonfinite", counting(optim_base.flag_nonfinite))
     return calls
 
 
@@ -187,7 +191,7 @@ _EDGES = [0.0, -0.0, 1e-7, -65504.0, 65504.0, 3.0e38, float("inf"), float("-inf"
     where=st.integers(0, 10**6),
 )
 def test_exit_check_matches_the_float64_reference(dtype, sizes, inv, edge, where):
-    """``_flag_nonfinite`` (the O2 exit check whose flag may be final): raised exactly when some ``fp32(g) * inv``
+    """``flag_nonfinite`` (the O2 exit check whose flag may be final): raised exactly when some ``fp32(g) * inv``
     is inf/NaN; large tensors go through ``aminmax``, small ones through ``_foreach_abs``/``_foreach_max``."""
     gen = torch.Generator().manual_seed(where)
     grads = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
@@ -196,7 +200,7 @@ def test_exit_check_matches_the_float64_reference(dtype, sizes, inv, edge, where
         target[where % target.numel()] = edge  # the dtype's rounding of the edge value (may overflow to inf)
     inv_t = torch.tensor([inv], dtype=torch.float32)
     flag = new_found_inf("cpu")
-    _flag_nonfinite(grads, inv_t, flag)
+    flag_nonfinite(grads, inv_t, flag)
     exact = [g.double() * float(inv_t) for g in grads]  # exact products (<= 48 significant bits)
     expected = any(bool((~torch.isfinite(x.float())).any()) for x in exact)
     assert float(flag) == float(expected)
