@@ -35,7 +35,7 @@ from fp16kit.optim import FusedAdam, FusedLAMB
 # fp16 grads 2 B, fp32 master/master grad/moments 4 B); docs/optim.md explains each pass
 BYTES = {
     ("adam", "before"): 6 + 4 + 28 + 6,  # unscale (r2 w4), check (r4), update (r16 w12), copy (r4 w2)
-    ("adam", "after"): 2 + 2 + 28,  # exit check (r2), check (r2), update (r14 w12 + model w2)
+    ("adam", "after"): 2 + 28,  # exit check (r2; its flag is final: no check pass in the step), update (r14 w12 + w2)
     ("lamb", "before"): 6 + 4 + 24 + 16 + 6,  # unscale, check, stage 1 (r16 w8), stage 2 (r12 w4), copy
     ("lamb", "after"): 2 + 2 + 22 + 18,  # exit check, check, stage 1 (r14 w8), stage 2 (r12 w4 + model w2)
 }

@@ -21,6 +21,8 @@ from .found_inf import (
     check_found_inf,
     checks_inf_itself,
     flag_for,
+    flag_is_final,
+    flag_nonfinite,
     merge_found_inf,
     merge_found_inf_into,
     new_found_inf,
@@ -58,6 +60,8 @@ __all__ = [
     "copy_",
     "exponent_histogram",
     "flag_for",
+    "flag_is_final",
+    "flag_nonfinite",
     "l2norm",
     "lamb_stage1",
     "lamb_stage2",
@@ -65,6 +69,7 @@ __all__ = [
     "library",
     "merge_found_inf",
     "merge_found_inf_into",
+    "metadata_guard",
     "new_found_inf",
     "novograd_update",
     "release_graph_tables",
@@ -73,3 +78,12 @@ __all__ = [
     "unscale_and_check",
     "use_backend",
 ]
+
+
+def metadata_guard(tensors: list) -> object:
+    """A guard over ``tensors``' metadata (shape, strides, dtype, device, dispatch keys): ``guard.check(*same)`` is
+    True while every tensor at each position still has that metadata. The planner's guard (``_plan.make_guard``:
+    torch's C++ ``TensorGuards`` where available); callers remember a validation verdict with it."""
+    from . import _plan
+
+    return _plan.make_guard(list(tensors))

@@ -14,11 +14,22 @@ one raises the other. Which form an optimizer takes is declared, not guessed: a 
 check for inf/NaN in my own first pass and take fp16kit's ``[1]`` flag"; every other optimizer gets torch's
 0-dim form (:func:`flag_for`). Merging several flags (several devices, several losses) is a ``max``, not a sum:
 fused kernels test ``found_inf == 1`` and a NaN stays a NaN (still non-zero: an overflow).
+
+**Final flags.** A caller that hands over a flag it has already computed over exactly the grads the step will
+read (``optimizer.grad_scale`` their scale) may declare it *final* for that one step call:
+``optimizer.found_inf_final = True`` (:data:`FINAL_ATTR`, read by :func:`flag_is_final`). An optimizer that
+needs no gradient norm (FusedAdam; FusedLAMB with ``max_grad_norm=0``) then skips its own check pass. The
+declaration is the caller's proof, so it is made only where it holds: amp O2's fused-masters path makes it when
+every grad the optimizer will read is the tensor its ``scale_loss`` exit checked, unmodified since (same tensor,
+same version counter). fp16kit's GradScaler hands a zeroed flag and never declares it final; torch's GradScaler
+never does either (its check reads the *scaled* grads: with a scale below 1 an unscaled value may still
+overflow), so the optimizer checks in both cases.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -27,12 +38,15 @@ from ._checks import check_flag
 
 __all__ = [
     "CHECKS_INF_ATTR",
+    "FINAL_ATTR",
     "FLAG_DTYPE",
     "as_fp16kit_flag",
     "as_torch_flag",
     "check_found_inf",
     "checks_inf_itself",
     "flag_for",
+    "flag_is_final",
+    "flag_nonfinite",
     "merge_found_inf",
     "merge_found_inf_into",
     "new_found_inf",
@@ -42,6 +56,8 @@ __all__ = [
 FLAG_DTYPE = torch.float32
 #: class attribute of an optimizer that checks for inf/NaN itself and takes fp16kit's ``[1]`` flag
 CHECKS_INF_ATTR = "_fp16kit_checks_inf"
+#: attribute set on an optimizer, for one step call, by a caller whose handed-over ``found_inf`` is final
+FINAL_ATTR = "found_inf_final"
 
 
 def new_found_inf(device: torch.device | str) -> torch.Tensor:
@@ -67,6 +83,89 @@ def as_torch_flag(flag: torch.Tensor) -> torch.Tensor:
 def checks_inf_itself(optimizer: Any) -> bool:
     """Does ``optimizer``'s class declare ``_fp16kit_checks_inf = True`` (check in its own pass, ``[1]`` flag)?"""
     return getattr(type(optimizer), CHECKS_INF_ATTR, False) is True
+
+
+def flag_is_final(optimizer: Any) -> bool:
+    """Has the caller declared ``optimizer.found_inf`` final (module docstring: already raised for every inf/NaN
+    in ``grad * (1 / grad_scale)`` of every grad this step reads)? Only ``optimizer.found_inf_final is True``
+    counts; anything else means "check"."""
+    return getattr(optimizer, FINAL_ATTR, False) is True
+
+
+#: from this many elements a tensor's largest magnitude comes from its own ``aminmax`` (no temporary copy)
+_AMINMAX_MIN = 1 << 16
+#: tensors below this many elements are checked together, as one concatenated copy (per-tensor calls cost ~1 us
+#: each on the CPU: ``_foreach_abs`` + ``_foreach_max`` over 400 four-element tensors take ~0.5 ms, their
+#: concatenation ~0.1 ms); the ones in between share one ``_foreach_abs``/``_foreach_max`` call
+_TINY = 1 << 12
+#: at most this many elements are concatenated at once (bounds the temporary copy)
+_CAT_MAX = 1 << 22
+
+
+def _largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """0-dim float32 tensors whose max is the largest ``|g|`` over ``grads`` (NaN if any element is NaN); empty
+    tensors add nothing (no tensor at all for an empty total)."""
+    sizes = list(map(torch.Tensor.numel, grads))
+    total = sum(sizes)
+    if not total:
+        return []
+    if max(sizes) < _TINY and total <= _CAT_MAX:  # the many-small-tensors case: no per-tensor Python
+        return [torch.cat(list(map(torch.flatten, grads))).abs().max().float()]
+    tiny, mid, ends = [], [], []
+    for g, n in zip(grads, sizes):
+        if n >= _AMINMAX_MIN:
+            lo, hi = torch.aminmax(g)  # one read, no temporary
+            ends += (hi.float(), lo.float().neg())
+        elif n >= _TINY:
+            mid.append(g)
+        elif n:
+            tiny.append(g)
+    if tiny and sum(map(torch.Tensor.numel, tiny)) <= _CAT_MAX:
+        ends.append(torch.cat(list(map(torch.flatten, tiny))).abs().max().float())
+    else:
+        mid += tiny
+    if mid:
+        ends += [n.float() for n in torch._foreach_max(torch._foreach_abs(mid))]
+    return ends
+
+
+def flag_nonfinite(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """``found_inf = 1`` if any ``fp32(g) * inv_scale`` is inf/NaN (``inv_scale``: one-element float32); reads each
+    grad once, writes nothing else, never lowers the flag, never syncs. The read-only check whose flag a caller
+    may hand over as final (module docstring), and the check of a step that needs no norm.
+
+    Triton backends: ``l2norm``'s check (its norm is not used). Torch backend: the largest magnitude (NaN-
+    propagating) times ``inv_scale``, which overflows exactly when some element's product does (rounding is
+    monotonic): the flag ``unscale_and_check`` would raise. The largest magnitude is ``max(hi, -lo)`` of one
+    ``aminmax`` read for large tensors (no temporary: 0.16 ms per 1M fp16 values on 1 CPU thread), ``max(abs(g))``
+    over one ``_foreach`` call for mid-sized ones (``abs`` makes a temporary copy, 0.28 ms per 1M fp16 values),
+    and over one concatenation of the tiny ones (exact: promotion to a wider float is exact). All ~10x faster on
+    the CPU than ``_foreach_norm(inf)`` (2.8 ms per 1M fp16 values). Grads on several devices: per device.
+    """
+    from .backend import Backend, select_backend
+    from .ops import l2norm
+
+    if not grads:
+        return
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    if len(set(map(attrgetter("device"), grads))) == 1:
+        by_device[grads[0].device] = list(grads)
+    else:
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+    for dev, same in by_device.items():
+        flag = as_fp16kit_flag(found_inf) if dev == found_inf.device else new_found_inf(dev)
+        inv = inv_scale.to(dev)
+        if select_backend(dev).backend is not Backend.TORCH:
+            l2norm(same, pre_scale=inv, found_inf=flag)
+        else:
+            ends = _largest_magnitudes(same)
+            if not ends:
+                continue
+            largest = torch.stack(ends).max()
+            torch.maximum(flag, (~torch.isfinite(largest * inv)).float().reshape(1), out=flag)
+        if dev != found_inf.device:
+            merge_found_inf_into(found_inf, flag)
 
 
 def flag_for(optimizer: Any, flag: torch.Tensor) -> torch.Tensor:

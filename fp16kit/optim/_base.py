@@ -5,7 +5,9 @@ The step skeleton (``FusedOptimizer.step``)::
     rows    = params with a grad, per group (the fp32 master instead of the param in master-weights mode)
     inv     = 1 / optimizer.grad_scale            (set by a GradScaler; 1 without one)
     flag    = optimizer.found_inf                 (set by a GradScaler; else a fresh zeroed flag)
-    gnorm   = check-and-norm pass over all grads  (raises flag on any inf/NaN: one read of the grads)
+    gnorm   = check-and-norm pass over all grads  (raises flag on any inf/NaN: one read of the grads); an update
+              that uses no norm (Adam) runs the check alone (``flag_nonfinite``), or nothing when the caller
+              declared its flag final (fp16kit/kernels/found_inf.py, "Final flags")
     skip    = flag, or a tensor lr that is NaN/inf/negative (device arithmetic: the scaler's flag is not raised)
     for each group: step += (skip == 0); the subclass's update (a no-op on the device when skip is set)
 
@@ -28,11 +30,23 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import attrgetter, is_not, itemgetter
 from typing import Any
 
 import torch
 
-from fp16kit.kernels import check_found_inf, common_device, library, new_found_inf, unscale_and_check
+from fp16kit.distributed import is_dtensor
+from fp16kit.kernels import (
+    check_found_inf,
+    common_device,
+    flag_is_final,
+    flag_nonfinite,
+    library,
+    metadata_guard,
+    new_found_inf,
+    unscale_and_check,
+)
 
 from . import _checkpoint, _sharding
 from . import functional as F
@@ -53,6 +67,24 @@ class _Rows:
     exp_avgs: list[torch.Tensor] = field(default_factory=list)
     exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
     models: list[torch.Tensor | None] = field(default_factory=list)  # low-precision params that get a copy
+
+
+_grad_of = attrgetter("grad")
+
+
+@dataclass(eq=False)
+class _Verdict:
+    """One group's remembered row check (``FusedOptimizer._collect``): valid while the group holds the same param
+    objects (``ids``), the same params have grads (``has_grad``) and masters (``has_master``), and every tensor of
+    the rows has the metadata it had when ``check_row`` passed (``guard``: shape, strides, dtype, device, dispatch
+    keys, checked in C++). ``device``: the rows' common device; ``dtensors``: some param of the group is a DTensor."""
+
+    ids: tuple[int, ...]
+    has_grad: tuple[bool, ...]
+    has_master: tuple[bool, ...]
+    guard: Any
+    device: torch.device | None
+    dtensors: bool
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -119,6 +151,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         state = dict(self.__dict__)
         state["_pending"] = []
         state["_known_steps"] = {}
+        state["_verdicts"] = {}  # keyed by id(group) and holding C++ guards: rebuilt at the next step
         return state
 
     # -- param groups ---------------------------------------------------------------------------------------
@@ -148,6 +181,11 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def _needs_grad_norm(self) -> bool:
+        """Does the update use the global gradient norm (clipping)? If not, a handed-over ``found_inf`` declared
+        final (``fp16kit.kernels.flag_is_final``) makes the step's check pass redundant, and it is skipped."""
+        return True
 
     def _check_groups(self) -> list[torch.Tensor]:
         """Host hyper-parameters of every group (edited after construction?), and host step counters.
@@ -188,24 +226,127 @@ class FusedOptimizer(torch.optim.Optimizer):
         return state
 
     def _collect(self) -> list[_Rows]:
-        """Rows of every group (params without a grad are left out), each checked (``check_row``)."""
+        """Rows of every group (params without a grad are left out), each checked (``check_row``).
+
+        The check's verdict is remembered per group (:class:`_Verdict`): the next step gathers the rows with
+        C-level maps (``p.grad``, ``state[p]``, the state keys) and, when the group holds the same params and the
+        guard passes on every row tensor (new grad tensors included: re-allocated grads have new addresses, and
+        what ``check_row`` reads of them, numel/dtype/layout/device, is their metadata), skips ``check_row``.
+        Anything else (a param or state entry missing or replaced by a tensor of other metadata, a state key
+        deleted, a grad appearing or disappearing) runs the full per-param check again, with its messages. Not
+        while ``torch.compile`` traces (the guard is host state Dynamo need not see): the per-param check then.
+        """
+        self._rows_device = None
+        self._rows_dtensors = True  # unknown: the step asks _sharding
+        if torch.compiler.is_compiling():
+            return [self._collect_group(gi, group)[0] for gi, group in enumerate(self.param_groups)]
+        verdicts = self.__dict__.setdefault("_verdicts", {})  # an optimizer pickled before the cache existed
         out = []
-        moment_keys = self._moment_keys
+        devices = set()
+        dtensors = False
         for gi, group in enumerate(self.param_groups):
-            rows = _Rows()
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                state = self._state_for(p)
-                check_row(self._name, gi, i, p, p.grad, state, moment_keys)
-                master = state.get("master")
-                rows.params.append(p if master is None else master)
-                rows.models.append(None if master is None else p)
-                rows.grads.append(p.grad)
-                rows.exp_avgs.append(state["exp_avg"])
-                rows.exp_avg_sqs.append(state["exp_avg_sq"])
+            rows = self._recollect(group, verdicts.get(id(group)))
+            if rows is None:
+                rows, verdict = self._collect_group(gi, group)
+                verdicts[id(group)] = verdict
+            else:
+                verdict = verdicts[id(group)]
             out.append(rows)
+            devices.add(verdict.device)
+            dtensors = dtensors or verdict.dtensors
+        if len(verdicts) > len(self.param_groups):  # groups removed by hand: drop their verdicts
+            live = {id(g) for g in self.param_groups}
+            for key in [k for k in verdicts if k not in live]:
+                del verdicts[key]
+        devices.discard(None)
+        if len(devices) == 1:
+            self._rows_device = devices.pop()
+        self._rows_dtensors = dtensors
         return out
+
+    def _collect_group(self, gi: int, group: dict[str, Any]) -> tuple[_Rows, _Verdict | None]:
+        """One group's rows, every param checked (``check_row``), and the verdict to remember (None while
+        compiling)."""
+        rows = _Rows()
+        moment_keys = self._moment_keys
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            state = self._state_for(p)
+            check_row(self._name, gi, i, p, p.grad, state, moment_keys)
+            master = state.get("master")
+            rows.params.append(p if master is None else master)
+            rows.models.append(None if master is None else p)
+            rows.grads.append(p.grad)
+            rows.exp_avgs.append(state["exp_avg"])
+            rows.exp_avg_sqs.append(state["exp_avg_sq"])
+        if torch.compiler.is_compiling():
+            return rows, None
+        params = group["params"]
+        present = [p for p in params if p.grad is not None]
+        states = [self.state[p] for p in present]
+        masters = [s.get("master") for s in states]
+        flat = self._row_tensors(present, states, [m for m in masters if m is not None])
+        device = common_device(self._name, rows.params, rows.grads)
+        verdict = _Verdict(
+            ids=tuple(map(id, params)),
+            has_grad=tuple(p.grad is not None for p in params),
+            has_master=tuple(m is not None for m in masters),
+            guard=metadata_guard(flat),
+            device=device,
+            dtensors=any(map(is_dtensor, params)),
+        )
+        return rows, verdict
+
+    def _row_tensors(self, present: list, states: list, masters: list) -> list[torch.Tensor]:
+        """Every tensor ``check_row`` reads, in the guard's order: params, grads, each moment, masters."""
+        flat = list(present)
+        flat += map(_grad_of, present)
+        for key in self._moment_keys:
+            flat += map(itemgetter(key), states)
+        flat += masters
+        return flat
+
+    def _recollect(self, group: dict[str, Any], verdict: _Verdict | None) -> _Rows | None:
+        """The group's rows under a remembered verdict, or None when the verdict does not cover them."""
+        if verdict is None:
+            return None
+        params = group["params"]
+        grads = list(map(_grad_of, params))
+        has_grad = tuple(map(is_not, grads, repeat(None)))
+        if has_grad != verdict.has_grad or tuple(map(id, params)) != verdict.ids:
+            return None
+        if False in has_grad:
+            present, grads = list(compress(params, has_grad)), list(compress(grads, has_grad))
+        else:
+            present = list(params)
+        try:
+            states = list(map(self.state.__getitem__, present))
+            moments = [list(map(itemgetter(key), states)) for key in self._moment_keys]
+            masters = list(map(dict.get, states, repeat("master")))
+        except (KeyError, TypeError):  # a state entry deleted or replaced by hand: the full check says what
+            return None
+        has_master = tuple(map(is_not, masters, repeat(None)))
+        if has_master != verdict.has_master:
+            return None
+        own = list(compress(masters, has_master)) if True in has_master else []
+        try:
+            flat = present + grads
+            for row in moments:
+                flat += row
+            if not verdict.guard.check(*flat, *own):
+                return None
+        except (TypeError, RuntimeError, AttributeError):  # a state value that is not a tensor
+            return None
+        if not own:
+            params_row, models = present, [None] * len(present)
+        elif len(own) == len(present):
+            params_row, models = own, present
+        else:
+            params_row = [p if m is None else m for p, m in zip(present, masters)]
+            models = [None if m is None else p for p, m in zip(present, masters)]
+        by_key = dict(zip(self._moment_keys, moments))
+        return _Rows(list(params_row), grads, by_key["exp_avg"], by_key["exp_avg_sq"], list(models))
 
     @staticmethod
     def _group_step(group: dict[str, Any], device: torch.device) -> torch.Tensor:
@@ -272,6 +413,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise
         self.state.clear()
         self.state.update(state)
+        self.__dict__.get("_verdicts", {}).clear()
         for group in self.param_groups:
             if group["params"] and "step" in group:
                 self._own_step(group, group["params"][0].device)
@@ -317,10 +459,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._flush_warnings()
         unchecked_steps = self._check_groups()
         all_rows = self._collect()
-        shards = _sharding.localize(self, all_rows)  # FSDP2/ZeRO: local shards and the group to sum over
-        device = common_device(
-            self._name, [p for rows in all_rows for p in rows.params], [g for rows in all_rows for g in rows.grads]
-        )
+        if self.process_group is None and not getattr(self, "_rows_dtensors", True):
+            shards = self._shard_plan = None  # no DTensor param and no process group: what localize would say
+        else:
+            shards = _sharding.localize(self, all_rows)  # FSDP2/ZeRO: local shards and the group to sum over
+        device = getattr(self, "_rows_device", None)
+        if device is None or shards is not None:
+            device = common_device(
+                self._name, [p for rows in all_rows for p in rows.params], [g for rows in all_rows for g in rows.grads]
+            )
         if device is None and shards is not None:
             device = shards.device  # no grads here, but this rank must still join the collectives
         if device is None:
@@ -332,7 +479,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             found_inf = new_found_inf(device)
         else:
             check_found_inf(f"{self._name}.step", found_inf, device)
-        grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], inv64, found_inf)
+        if shards is None and not self._needs_grad_norm() and not torch.compiler.is_compiling():
+            grad_norm = torch.zeros((), dtype=torch.float32, device=device)  # not used
+            if own_flag or not flag_is_final(self):
+                # the check alone (no norm): fp16kit.kernels.flag_nonfinite, C-level on the CPU (a norm pass
+                # there is per-tensor Python); the caller's final flag (fp16kit/kernels/found_inf.py, "Final
+                # flags": amp O2's fused path) already covers these grads at this scale
+                flag_nonfinite([g for rows in all_rows for g in rows.grads], inv64.float(), found_inf)
+        else:
+            grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], inv64, found_inf)
         if shards is not None:
             grad_norm = shards.reduce_norm_and_flag(grad_norm, found_inf)
         unchecked_steps = [s.to(device, torch.float64) for s in unchecked_steps]

@@ -73,6 +73,9 @@ class FusedAdam(FusedOptimizer):
             self._name, lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"]
         )
 
+    def _needs_grad_norm(self) -> bool:
+        return False  # no clipping
+
     def _update_group(
         self,
         group: dict[str, Any],

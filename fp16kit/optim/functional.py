@@ -22,6 +22,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import is_not
+from typing import Any
 
 import torch
 
@@ -32,6 +35,7 @@ from fp16kit.kernels import (
     check_tensor_list,
     common_device,
     lamb_update,
+    metadata_guard,
     new_found_inf,
 )
 from fp16kit.kernels import check_and_norm as _check_and_norm
@@ -192,6 +196,13 @@ def _with_bad_lr(flag: torch.Tensor, lr: Scalar, device: torch.device, *, own: b
     return torch.maximum(flag.reshape(1), bad)
 
 
+#: Remembered verdicts of :func:`_check_tensor_lists`: key (fn, list lengths, which model entries are present) ->
+#: (metadata guard over every tensor, the lists' device). Every check there reads metadata only (types, dtypes,
+#: layouts, shapes, devices), so tensors passing the guard get the same verdict, whatever their addresses.
+_verdicts: OrderedDict[tuple, tuple[Any, torch.device | None]] = OrderedDict()
+_VERDICTS_MAX = 64
+
+
 def _check_lists(
     fn: str,
     params: Sequence[torch.Tensor],
@@ -202,6 +213,48 @@ def _check_lists(
     step: torch.Tensor,
     found_inf: torch.Tensor | None,
 ) -> tuple[torch.device | None, list[torch.Tensor | None]]:
+    """The functional steps' validation (messages name the list and index); the list checks' verdict is
+    remembered per list shape under a C++ metadata guard (``_verdicts``), so a repeated call costs one guard
+    check over its tensors (~0.07 us each) instead of per-tensor Python (~1.7 us per row)."""
+    given = (params, grads, exp_avgs, exp_avg_sqs)
+    if any(isinstance(x, torch.Tensor) for x in given):  # a single tensor, not a list: the checks say so
+        _check_tensor_lists(fn, *given, [])
+    lists = [x if type(x) is list else list(x) for x in given]
+    models: list[torch.Tensor | None] = [None] * len(lists[0]) if model_params is None else list(model_params)
+    present = tuple(map(is_not, models, repeat(None)))
+    key = (fn, *map(len, lists), present)
+    flat = [t for row in lists for t in row]
+    flat += compress(models, present)
+    entry = None if torch.compiler.is_compiling() else _verdicts.get(key)
+    if entry is not None and entry[0].check(*flat):
+        device = entry[1]
+    else:
+        device = _check_tensor_lists(fn, *lists, models)
+        if not torch.compiler.is_compiling():
+            _verdicts[key] = (metadata_guard(flat), device)
+            if len(_verdicts) > _VERDICTS_MAX:
+                _verdicts.popitem(last=False)
+    if not isinstance(step, torch.Tensor) or step.numel() != 1 or not step.is_floating_point():
+        raise TypeError(
+            f"{fn}: step must be a one-element floating tensor counting the steps taken so far "
+            f"(e.g. torch.zeros(1, device=...)); it is incremented in place unless the step is skipped."
+        )
+    if device is not None and step.device != device:
+        raise ValueError(f"{fn}: step is on {step.device} but the params are on {device}.")
+    if found_inf is not None:
+        check_flag(fn, found_inf, device)
+    return device, models
+
+
+def _check_tensor_lists(
+    fn: str,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: list[torch.Tensor | None],
+) -> torch.device | None:
+    """Every check of the tensor lists (per tensor, naming list and index); returns their one device."""
     ps = check_tensor_list(fn, "params", params)
     gs = check_tensor_list(fn, "grads", grads)
     ms = check_tensor_list(fn, "exp_avgs", exp_avgs)
@@ -215,7 +268,6 @@ def _check_lists(
                 f"{fn}: exp_avgs[{i}]/exp_avg_sqs[{i}] are {m.dtype}/{v.dtype}; optimizer state must be {want} "
                 f"for {p.dtype} params (create it with torch.zeros_like(p, dtype={want}))."
             )
-    models: list[torch.Tensor | None] = [None] * len(ps) if model_params is None else list(model_params)
     if len(models) != len(ps):
         raise ValueError(f"{fn}: model_params has {len(models)} entries but params has {len(ps)}; they must pair up.")
     present = [m for m in models if m is not None]
@@ -223,17 +275,7 @@ def _check_lists(
     for i, (p, m) in enumerate(zip(ps, models)):
         if m is not None and m.shape != p.shape:
             raise ValueError(f"{fn}: model_params[{i}] has shape {tuple(m.shape)}, params[{i}] {tuple(p.shape)}.")
-    device = common_device(fn, ps, gs, ms, vs, present)
-    if not isinstance(step, torch.Tensor) or step.numel() != 1 or not step.is_floating_point():
-        raise TypeError(
-            f"{fn}: step must be a one-element floating tensor counting the steps taken so far "
-            f"(e.g. torch.zeros(1, device=...)); it is incremented in place unless the step is skipped."
-        )
-    if device is not None and step.device != device:
-        raise ValueError(f"{fn}: step is on {step.device} but the params are on {device}.")
-    if found_inf is not None:
-        check_flag(fn, found_inf, device)
-    return device, models
+    return common_device(fn, ps, gs, ms, vs, present)
 
 
 @torch.no_grad()

@@ -116,6 +116,9 @@ class FusedLAMB(FusedOptimizer):
             max_grad_norm=group["max_grad_norm"],
         )
 
+    def _needs_grad_norm(self) -> bool:
+        return float(self.defaults["max_grad_norm"]) > 0  # the clip reads the norm; 0 disables clipping
+
     def _update_group(
         self,
         group: dict[str, Any],

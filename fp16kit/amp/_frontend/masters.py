@@ -68,13 +68,11 @@ import torch
 from torch import nn
 
 from ...kernels import (
-    Backend,
     copy_,
     flag_for,
-    l2norm,
+    flag_nonfinite,
     merge_found_inf_into,
     new_found_inf,
-    select_backend,
     unscale_and_check,
 )
 from .._apex_state import ApexStashNames, install_optimizer_shims
@@ -284,6 +282,8 @@ class FusedMasterStash(OptimizerStash):
         self.materialized = False
         #: ``step(closure)`` in progress: the closure's ``scale_loss`` makes fp32 master grads
         self.closure_step = False
+        #: the grads the exit's overflow check read, by ``id(param)``: (grad, its version counter then)
+        self.checked: dict[int, tuple[torch.Tensor, int]] | None = None
 
     @property
     def masters(self) -> list[torch.Tensor]:
@@ -341,6 +341,7 @@ class FusedMasterStash(OptimizerStash):
         """Scaled grads waiting for the step -> fp32 master grads (``fp32(p.grad) * inv``, what the stash path's
         ``scale_loss`` exit writes) and direct grads unscaled in place. Their overflow was flagged at the exit
         already, so this pass's flag is not used."""
+        self.checked = None
         if self.scale is None:
             return
         inv = self.scale.double().reciprocal().float()  # as LossScaler.inv_scale computes it
@@ -364,9 +365,11 @@ class FusedMasterStash(OptimizerStash):
             super().unscale(inv_scale, found_inf)  # sums with earlier grads: the stash path's plumbing
             self.materialized = True
             return
-        grads = [p.grad for p in (*self.model, *self.direct) if p.grad is not None]
+        owners = [p for p in (*self.model, *self.direct) if p.grad is not None]
+        grads = [p.grad for p in owners]
         for same_device, _ in _by_device(grads, grads):
-            _flag_nonfinite(same_device, inv_scale, found_inf)
+            flag_nonfinite(same_device, inv_scale, found_inf)
+        self.checked = {id(p): (g, g._version) for p, g in zip(owners, grads)}
         self.scale = scale.detach().clone()
         self.mark_model_grads_seen()
 
@@ -384,6 +387,25 @@ class FusedMasterStash(OptimizerStash):
     def discard(self) -> None:
         self.drop_master_grads()
         self.scale = None
+        self.checked = None
+
+    def _flag_covers_step(self) -> bool:
+        """Is the exit's overflow flag final for the step about to run (fp16kit/kernels/found_inf.py, "Final
+        flags")? Yes when every grad the optimizer will read is a tensor the exit's check read, unmodified since
+        (the same tensor, the same version counter: an in-place edit such as clipping bumps it). One pass over
+        the params: O(1) Python per param, no device work."""
+        checked, self.checked = self.checked, None
+        if not checked:
+            return False
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                seen = checked.get(id(p))
+                if seen is None or seen[0] is not g or seen[1] != g._version:
+                    return False
+        return True
 
     # ------------------------------------------------------------------ the step
     def run_step(self, flag: torch.Tensor | None, call: Callable[[], Any]) -> Any:
@@ -396,12 +418,14 @@ class FusedMasterStash(OptimizerStash):
                     return super().run_step(flag, call)  # masters -> model, master grads dropped
             finally:
                 self.closure_step = False
+        final = flag is not None and self.scale is not None and self._flag_covers_step()
+        self.checked = None
         scale, self.scale = self.scale, None
         hidden = [] if scale is not None else [(p, p.grad) for p in self.model if p.grad is not None]
         for p, _ in hidden:
             p.grad = None
         try:
-            with _handed_over(self.optimizer, scale, flag), _no_grad_rewrite(self.optimizer):
+            with _handed_over(self.optimizer, scale, flag, final=final), _no_grad_rewrite(self.optimizer):
                 return call()
         finally:
             for p, grad in hidden:
@@ -421,22 +445,27 @@ class FusedMasterStash(OptimizerStash):
 
 @contextlib.contextmanager
 def _handed_over(optimizer: torch.optim.Optimizer, scale: torch.Tensor | None,
-                 flag: torch.Tensor | None) -> Iterator[None]:
+                 flag: torch.Tensor | None, *, final: bool = False) -> Iterator[None]:
     """``optimizer.grad_scale`` / ``optimizer.found_inf`` for one step call, as torch's GradScaler hands them
     over (the flag in the form the optimizer declares: fp16kit's ``[1]`` or torch's 0-dim). Nothing is set
-    when there is no flag and no scale."""
+    when there is no flag and no scale. ``final``: the flag already covers every grad the step reads at this
+    scale (``optimizer.found_inf_final = True`` for the call; fp16kit/kernels/found_inf.py, "Final flags")."""
     if scale is None and flag is None:
         yield
         return
     optimizer.grad_scale = scale  # type: ignore[attr-defined]
     if flag is not None:
         optimizer.found_inf = flag_for(optimizer, flag)  # type: ignore[attr-defined]
+        if final:
+            optimizer.found_inf_final = True  # type: ignore[attr-defined]
     try:
         yield
     finally:
         del optimizer.grad_scale  # type: ignore[attr-defined]
         if flag is not None:
             del optimizer.found_inf  # type: ignore[attr-defined]
+            if final:
+                del optimizer.found_inf_final  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -482,28 +511,8 @@ def _masters_in_groups(stash: FusedMasterStash) -> Iterator[None]:
             entry.update(opt.state.pop(master, {}))
 
 
-def _flag_nonfinite(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-    """``found_inf = 1`` if any ``fp32(g) * inv_scale`` is inf/NaN; reads each grad once, writes nothing.
-
-    Triton backends: ``l2norm``'s check (its norm is not used). Torch backend: each tensor's largest magnitude
-    (``max(abs(g))``, NaN-propagating) times ``inv_scale``, which overflows exactly when some element's product
-    does (rounding is monotonic): the flag ``unscale_and_check`` would raise. ``abs`` makes a temporary copy of
-    the grads (fp16: 2 bytes per param, freed at once); it is still ~10x faster on the CPU than
-    ``_foreach_norm(inf)``, which reads in place (2.9 ms against 0.28 ms per 1M fp16 values, 1 thread).
-    """
-    dev = grads[0].device
-    flag = found_inf if dev == found_inf.device else new_found_inf(dev)
-    inv = inv_scale.to(dev)
-    if select_backend(dev).backend is not Backend.TORCH:
-        l2norm(grads, pre_scale=inv, found_inf=flag)
-    else:
-        grads = [g for g in grads if g.numel()]  # an empty tensor has no max (and adds nothing)
-        if not grads:
-            return
-        largest = torch.stack([n.float() for n in torch._foreach_max(torch._foreach_abs(grads))]).max()
-        torch.maximum(flag, (~torch.isfinite(largest * inv)).float().reshape(1), out=flag)
-    if flag is not found_inf:
-        merge_found_inf_into(found_inf, flag)
+#: the exit check, under its old name (tests and callers use it): ``fp16kit.kernels.flag_nonfinite``
+_flag_nonfinite = flag_nonfinite
 
 
 def _by_device(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
