@@ -312,15 +312,52 @@ def lamb_(
         modes = {"l2_mode": l2_mode, "decoupled": decoupled, "trust": trust}
         _lamb_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, **modes, fused=fused)
         return
-    lr, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = hp.unbind()
+    lr = hp[0]
     p = _math(params, hp.dtype)  # may alias the params: only out-of-place ops on it
-    g = torch._foreach_mul(_math(grads, hp.dtype), inv_scale)
+    m, v, u = lamb_direction(p, grads, exp_avgs, exp_avg_sqs, hp.unbind()[1:], l2_mode, decoupled, in_place=False)
+    torch._foreach_mul_(u, _trust_ratios(p, u, lr, trust))
+    _finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, u, skip)
+
+
+def lamb_direction(
+    p: list[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    scalars: Sequence[torch.Tensor | float],
+    l2_mode: bool,
+    decoupled: bool,
+    *,
+    in_place: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """LAMB's stage 1 in torch ops, the one copy every torch path shares (``lamb_`` and the sharded
+    ``optimizers.lamb_stage1``; the math of ``lamb_kernel.py``): returns ``(m, v, u)`` with
+    ``g = grad * inv_scale / clip (+ wd p in l2 mode)``, ``m = beta1 m + beta3 g``,
+    ``v = beta2 v + (1 - beta2) g g``, ``u = (m / bc1) / (sqrt(v / bc2) + eps) (+ wd p when decoupled)``.
+
+    ``scalars`` are ``hp[1:]`` (0-dim tensors, or host numbers where the skip was read on the host);
+    ``p`` is the params in the math dtype (only read). ``in_place``: m and v are the state tensors themselves,
+    else new tensors (committed later under the skip mask). The rounding sequence (a multiply, then an add,
+    no fused ``alpha``) is the kernel's; ``_lamb_host`` keeps its own in-place sequence for the CPU fast path.
+    """
+    beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = scalars
+    dtype = p[0].dtype
+    g = torch._foreach_mul(_math(grads, dtype), inv_scale)
     torch._foreach_div_(g, clip)
     if l2_mode:
         torch._foreach_add_(g, torch._foreach_mul(p, wd))
-    m = torch._foreach_mul(list(exp_avgs), beta1)
+    if in_place:
+        m = list(exp_avgs)
+        torch._foreach_mul_(m, beta1)
+        v = list(exp_avg_sqs)
+        torch._foreach_mul_(v, beta2)
+    else:
+        m = torch._foreach_mul(list(exp_avgs), beta1)
+        v = torch._foreach_mul(list(exp_avg_sqs), beta2)
     torch._foreach_add_(m, torch._foreach_mul(g, beta3))
-    v = _second_moment(exp_avg_sqs, g, beta2, one_minus_beta2)
+    gg = torch._foreach_mul(g, one_minus_beta2)
+    torch._foreach_mul_(gg, g)
+    torch._foreach_add_(v, gg)
     u = torch._foreach_div(m, bc1)
     denom = torch._foreach_div(v, bc2)
     torch._foreach_sqrt_(denom)
@@ -328,8 +365,7 @@ def lamb_(
     torch._foreach_div_(u, denom)
     if decoupled:
         torch._foreach_add_(u, torch._foreach_mul(p, wd))
-    torch._foreach_mul_(u, _trust_ratios(p, u, lr, trust))
-    _finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, u, skip)
+    return m, v, u
 
 
 def _trust_ratios(

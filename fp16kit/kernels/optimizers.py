@@ -336,30 +336,11 @@ def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes:
     sums = torch.zeros(2, len(params), dtype=F64, device=hp.device)
     if skip is True:
         return hp, skip, None, None, None, None, sums
-    _, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = (
-        hp.tolist() if skip is False else hp.unbind()
-    )
-    in_place = skip is False
+    scalars = hp.tolist()[1:] if skip is False else hp.unbind()[1:]
     p = [t.to(hp.dtype) for t in params]  # may alias the params: only out-of-place ops on it here
-    gs = torch._foreach_mul([t.to(hp.dtype) for t in grads], inv_scale)
-    torch._foreach_div_(gs, clip)
-    if modes["l2_mode"]:
-        torch._foreach_add_(gs, torch._foreach_mul(p, wd))
-    m = list(exp_avgs) if in_place else [t.clone() for t in exp_avgs]
-    v = list(exp_avg_sqs) if in_place else [t.clone() for t in exp_avg_sqs]
-    torch._foreach_mul_(m, beta1)
-    torch._foreach_add_(m, torch._foreach_mul(gs, beta3))
-    torch._foreach_mul_(v, beta2)
-    gg = torch._foreach_mul(gs, one_minus_beta2)
-    torch._foreach_mul_(gg, gs)
-    torch._foreach_add_(v, gg)
-    u = torch._foreach_div(m, bc1)
-    denom = torch._foreach_div(v, bc2)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_div_(u, denom)
-    if modes["decoupled"]:
-        torch._foreach_add_(u, torch._foreach_mul(p, wd))
+    m, v, u = optim_fallback.lamb_direction(
+        p, grads, exp_avgs, exp_avg_sqs, scalars, modes["l2_mode"], modes["decoupled"], in_place=skip is False
+    )
     sums[0] = torch.stack(torch._foreach_norm(p)).to(F64).square()
     sums[1] = torch.stack(torch._foreach_norm(u)).to(F64).square()
     return hp, skip, p, m, v, u, sums
