@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
+from . import _plan
 from ._checks import check_tensor_list, common_device
 from ._table import upload as _upload
-from .backend import Backend, select_backend
 
 __all__ = ["INF_BIN", "MAX_EXP", "MIN_EXP", "NAN_BIN", "NUM_BINS", "ZERO_BIN", "exponent_histogram"]
 
@@ -32,6 +32,7 @@ _FORMATS = {  # integer view, exponent bits, mantissa bits, bias (for the kernel
     torch.float32: (torch.int32, 8, 23, 127),
 }
 _rows_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+_SPEC = _plan.Spec("exponent_histogram", ("tensors",), written=(), key_rows=(0,))
 
 
 def exponent_histogram(tensors: Sequence[torch.Tensor], *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,13 +79,13 @@ def exponent_histogram(tensors: Sequence[torch.Tensor], *, out: torch.Tensor | N
         _check_out(fn, out, len(items), device)
     if device is None:
         return out
-    kernel_groups, rest_groups = _plan(device, items)
-    for dtype_idx in kernel_groups:
+    plan = _plan.plan(_SPEC, (items,))  # the one planner: dtype groups, contiguous ones to the kernel, cached
+    for g in plan.kernel:
         from .histogram_kernel import launch_histogram
 
-        launch_histogram([items[i] for i in dtype_idx], _rows(device, dtype_idx), out)
-    for idx in rest_groups:
-        _torch_histogram([items[i] for i in idx], _rows(device, idx), out)
+        launch_histogram(g.pick(items), _rows(device, g.idx), out)
+    for g in plan.rest:
+        _torch_histogram(g.pick(items), _rows(device, g.idx), out)
     return out
 
 
@@ -99,19 +100,6 @@ def _check_out(fn: str, out: torch.Tensor, n: int, device: torch.device | None) 
         )
     if device is not None and out.device != device:
         raise ValueError(f"{fn}: out is on {out.device} but the tensors are on {device}; move it there.")
-
-
-def _plan(device: torch.device, items: list[torch.Tensor]) -> tuple[list[list[int]], list[list[int]]]:
-    """Positions grouped by dtype: Triton groups (backend allows it; contiguous) and torch groups. Empty
-    tensors are in neither: their rows stay as they are."""
-    triton_ok = select_backend(device).backend is not Backend.TORCH
-    kernel: dict[torch.dtype, list[int]] = {}
-    rest: dict[torch.dtype, list[int]] = {}
-    for i, x in enumerate(items):
-        if x.numel() == 0:
-            continue
-        (kernel if triton_ok and x.is_contiguous() else rest).setdefault(x.dtype, []).append(i)
-    return list(kernel.values()), list(rest.values())
 
 
 def upload(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
