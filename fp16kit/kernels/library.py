@@ -164,8 +164,9 @@ _UPDATE_SCHEMA = (
 
 
 def _register_update(kind: str, extra: tuple[str, ...]) -> None:
-    """``fp16kit::<kind>_update``: ``fp16kit.optim.functional.<kind>_update`` over the dispatcher form of its
-    lists. LAMB and Adam share the schema but for LAMB's ``use_nvlamb``, so one factory registers both."""
+    """``fp16kit::<kind>_update``: ``fp16kit.kernels.<kind>_update`` (fp16kit/kernels/optimizers.py) over the
+    dispatcher form of its lists. LAMB and Adam share the schema but for LAMB's ``use_nvlamb``, so one factory
+    registers both."""
 
     def impl(params, grads, exp_avgs, exp_avg_sqs, models, model_rows, hp64, found_inf, weight_decay, adam_w_mode,
              *rest):  # fmt: skip
@@ -259,7 +260,7 @@ def copy_(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
 
 
 def check_and_norm(grads: Sequence[Tensor], inv_scale64: Tensor, found_inf: Tensor) -> Tensor:
-    """``fp16kit.optim.functional.check_and_norm`` through ``torch.ops.fp16kit.check_and_norm``."""
+    """``fp16kit.kernels.check_and_norm`` through ``torch.ops.fp16kit.check_and_norm``."""
     return torch.ops.fp16kit.check_and_norm(list(grads), inv_scale64, found_inf)
 
 
@@ -282,7 +283,7 @@ def lamb_update(
     use_nvlamb: bool,
     step: Tensor | None = None,
 ) -> None:
-    """``fp16kit.optim.functional.lamb_update`` through ``torch.ops.fp16kit.lamb_update``."""
+    """``fp16kit.kernels.lamb_update`` through ``torch.ops.fp16kit.lamb_update``."""
     flags = (float(weight_decay), bool(adam_w_mode), bool(use_nvlamb), step)
     _update(torch.ops.fp16kit.lamb_update, (params, grads, exp_avgs, exp_avg_sqs), models, hp64, found_inf, *flags)
 
@@ -300,6 +301,6 @@ def adam_update(
     adam_w_mode: bool,
     step: Tensor | None = None,
 ) -> None:
-    """``fp16kit.optim.functional.adam_update`` through ``torch.ops.fp16kit.adam_update``."""
+    """``fp16kit.kernels.adam_update`` through ``torch.ops.fp16kit.adam_update``."""
     flags = (float(weight_decay), bool(adam_w_mode), step)
     _update(torch.ops.fp16kit.adam_update, (params, grads, exp_avgs, exp_avg_sqs), models, hp64, found_inf, *flags)

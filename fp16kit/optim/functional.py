@@ -35,6 +35,7 @@ from fp16kit.kernels import (
     check_tensor_list,
     common_device,
     lamb_update,
+    library,
     metadata_guard,
     new_found_inf,
 )
@@ -86,19 +87,14 @@ def inv_scale_from_grad_scale(grad_scale: torch.Tensor | None, device: torch.dev
 
 
 def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
-    """Global L2 norm of the unscaled grads (0-dim fp32), raising ``found_inf`` on any inf/NaN.
-
-    Triton backends: ``fp16kit.kernels.l2norm`` (one read of the grads). Torch backend: the native CPU pass
-    when enabled, else ``optim_fallback.check_and_norm`` (``torch._foreach_norm``: one read on the CPU, the
-    2-norm and the max-norm elsewhere), which unlike ``l2norm``'s fallback materializes no scaled copy.
-    Under ``torch.compile`` the pass is the op ``torch.ops.fp16kit.check_and_norm`` (fp16kit/kernels/library.py),
-    whose implementation is this function.
+    """Global L2 norm of the unscaled grads (0-dim fp32), raising ``found_inf`` on any inf/NaN: the pass of
+    ``fp16kit.kernels.check_and_norm`` (fp16kit/kernels/optimizers.py; empty grads add 0). Under
+    ``torch.compile`` it runs as the op ``torch.ops.fp16kit.check_and_norm`` (fp16kit/kernels/library.py), whose
+    implementation is that same function, so Dynamo sees one op instead of the backends' address reads.
     """
     if torch.compiler.is_compiling():
-        from fp16kit.kernels import library
-
         return library.check_and_norm(grads, inv_scale64, found_inf)
-    return _check_and_norm(grads, inv_scale64, found_inf)  # fp16kit.kernels.check_and_norm (empty grads add 0)
+    return _check_and_norm(grads, inv_scale64, found_inf)
 
 
 def clip_factor(gnorm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
