@@ -78,6 +78,10 @@ class ChunkTable:
     aligned: bool  # every address is a multiple of 16 bytes: kernels may use 16-byte vector loads
     host: torch.Tensor | None = None  # the pinned source of the (non-blocking) upload, alive as long as the table
 
+    def leading_args(self) -> tuple:
+        """The table's kernel arguments, in the order every chunked kernel takes them first."""
+        return (self.ptrs, self.num_tensors, self.numels, self.chunk_tensor, self.chunk_start, self.num_chunks)
+
 
 _tables: OrderedDict[tuple, ChunkTable] = OrderedDict()
 #: Counters read by tests and the host-cost benchmark: tables built (cache misses), tables handed out from a tape.

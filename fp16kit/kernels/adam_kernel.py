@@ -118,12 +118,7 @@ def launch_adam(
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
     _adam_kernel[(num_programs(device, table.num_chunks),)](
-        table.ptrs,
-        table.num_tensors,
-        table.numels,
-        table.chunk_tensor,
-        table.chunk_start,
-        table.num_chunks,
+        *table.leading_args(),
         hp,
         found_inf,
         P_DTYPE=p_dtype,

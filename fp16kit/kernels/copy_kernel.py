@@ -52,12 +52,7 @@ def launch_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Non
     table = chunk_table([src, dst])  # destinations checked by ops.copy_ (check_writes)
     grid = (num_programs(src[0].device, table.num_chunks),)
     _copy_kernel[grid](
-        table.ptrs,
-        table.num_tensors,
-        table.numels,
-        table.chunk_tensor,
-        table.chunk_start,
-        table.num_chunks,
+        *table.leading_args(),
         SRC_DTYPE=triton_dtype(src[0].dtype),
         DST_DTYPE=triton_dtype(dst[0].dtype),
         BLOCK=table.block,

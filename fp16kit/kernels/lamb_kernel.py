@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
-from ._table import chunk_table, num_programs, triton_dtype
+from ._table import ChunkTable, chunk_table, num_programs, triton_dtype
 from .l2norm_kernel import segment_sums
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -178,6 +178,30 @@ def launch_lamb(
 
     ``models`` (master-weights mode) receives the rounded copy of the updated ``params``.
     """
+    table, p_sumsq, u_sumsq = launch_lamb_stage1(
+        params, grads, exp_avgs, exp_avg_sqs, models, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled
+    )
+    launch_lamb_stage2(table, params, models, hp, found_inf, u_sumsq, p_sumsq, decoupled=decoupled, trust=trust)
+
+
+def launch_lamb_stage1(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor] | None,
+    hp: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+) -> tuple[ChunkTable, torch.Tensor, torch.Tensor]:
+    """Stage 1 (m, v written; ``u`` not stored) and the per-tensor sums of ``p^2`` and ``u^2``.
+
+    Returns ``(table, p_sumsq, u_sumsq)``: the address table stage 2 reuses (its rows include ``models``, so it is
+    built for the whole step) and two ``[N]`` sums. A sharded step all-reduces the sums in between
+    (``fp16kit/kernels/optimizers.py``); :func:`launch_lamb` hands them straight to :func:`launch_lamb_stage2`.
+    """
     table = chunk_table(
         [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
         written=(0, 2, 3) if models is None else (0, 2, 3, 4),
@@ -185,16 +209,13 @@ def launch_lamb(
     device = params[0].device
     u_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
     p_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
-    grid = (num_programs(device, table.num_chunks),)
-    common = (table.ptrs, table.num_tensors, table.numels, table.chunk_tensor, table.chunk_start, table.num_chunks)
-    p_dtype = triton_dtype(params[0].dtype)
-    _lamb_stage1_kernel[grid](
-        *common,
+    _lamb_stage1_kernel[(num_programs(device, table.num_chunks),)](
+        *table.leading_args(),
         hp,
         found_inf,
         u_partials,
         p_partials,
-        P_DTYPE=p_dtype,
+        P_DTYPE=triton_dtype(params[0].dtype),
         G_DTYPE=triton_dtype(grads[0].dtype),
         L2_MODE=l2_mode,
         DECOUPLED=decoupled,
@@ -202,9 +223,27 @@ def launch_lamb(
         ALIGNED=table.aligned,
         **LAUNCH["_lamb_stage1_kernel"],
     )
-    u_sumsq, p_sumsq = segment_sums(u_partials, table), segment_sums(p_partials, table)
-    _lamb_stage2_kernel[grid](
-        *common,
+    return table, segment_sums(p_partials, table), segment_sums(u_partials, table)
+
+
+def launch_lamb_stage2(
+    table: ChunkTable,
+    params: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor] | None,
+    hp: torch.Tensor,
+    found_inf: torch.Tensor,
+    u_sumsq: torch.Tensor,
+    p_sumsq: torch.Tensor,
+    *,
+    decoupled: bool,
+    trust: bool,
+) -> None:
+    """Stage 2 over ``table`` (from :func:`launch_lamb_stage1`): ``p -= ratio * u`` with the per-tensor trust
+    ratio from the completed sums; model copies written."""
+    device = params[0].device
+    p_dtype = triton_dtype(params[0].dtype)
+    _lamb_stage2_kernel[(num_programs(device, table.num_chunks),)](
+        *table.leading_args(),
         hp,
         found_inf,
         u_sumsq,
@@ -218,3 +257,4 @@ def launch_lamb(
         ALIGNED=table.aligned,
         **LAUNCH["_lamb_stage2_kernel"],
     )
+

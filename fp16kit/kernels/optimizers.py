@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from . import _plan, cpu_native, optim_fallback, optim_fallback_apex
-from ._table import chunk_table, num_programs, playing, triton_dtype
+from ._table import playing
 from .backend import Backend, select_backend
 from .ops import l2norm
 
@@ -282,45 +282,30 @@ def _lists(staged: LambStaged, g: _plan.Group) -> tuple[list, ...]:
 
 
 def _kernel_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes: dict) -> tuple:
-    """``launch_lamb``'s first half: stage-1 kernel (m, v written) and per-tensor sums of p^2 and u^2."""
-    from .l2norm_kernel import segment_sums
-    from .lamb_kernel import LAUNCH, _lamb_stage1_kernel
+    """``launch_lamb``'s first half (``lamb_kernel.launch_lamb_stage1``): ``(table, p_sumsq, u_sumsq)``."""
+    from .lamb_kernel import launch_lamb_stage1
 
     params, grads, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
     with playing(g.tape):
-        table = chunk_table([params, grads, exp_avgs, exp_avg_sqs, params if models[0] is None else models],
-                            written=(0, 2, 3) if models[0] is None else (0, 2, 3, 4))
-    device = params[0].device
-    u_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
-    p_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
-    _lamb_stage1_kernel[(num_programs(device, table.num_chunks),)](
-        table.ptrs, table.num_tensors, table.numels, table.chunk_tensor, table.chunk_start, table.num_chunks,
-        staged.hp64.float(), flag.reshape(1), u_partials, p_partials,
-        P_DTYPE=triton_dtype(params[0].dtype), G_DTYPE=triton_dtype(grads[0].dtype),
-        L2_MODE=modes["l2_mode"], DECOUPLED=modes["decoupled"],
-        BLOCK=table.block, ALIGNED=table.aligned, **LAUNCH["_lamb_stage1_kernel"],
-    )
-    return table, segment_sums(p_partials, table), segment_sums(u_partials, table)
+        return launch_lamb_stage1(
+            params, grads, exp_avgs, exp_avg_sqs, None if models[0] is None else models, staged.hp64.float(),
+            flag.reshape(1), l2_mode=modes["l2_mode"], decoupled=modes["decoupled"],
+        )
 
 
 def _kernel_stage2(
     staged: LambStaged, g: _plan.Group, table: Any, u_sumsq: torch.Tensor, p_sumsq: torch.Tensor,
     flag: torch.Tensor, decoupled: bool, trust: bool,
 ) -> None:
-    """``launch_lamb``'s second half with the completed (all-reduced) per-tensor sums."""
-    from .lamb_kernel import LAUNCH, _lamb_stage2_kernel
+    """``launch_lamb``'s second half (``lamb_kernel.launch_lamb_stage2``) with the completed (all-reduced)
+    per-tensor sums."""
+    from .lamb_kernel import launch_lamb_stage2
 
     params, _, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
-    device = params[0].device
-    p_dtype = triton_dtype(params[0].dtype)
-    _lamb_stage2_kernel[(num_programs(device, table.num_chunks),)](
-        table.ptrs, table.num_tensors, table.numels, table.chunk_tensor, table.chunk_start, table.num_chunks,
-        staged.hp64.float(), flag, u_sumsq, p_sumsq,
-        P_DTYPE=p_dtype, MODEL_DTYPE=p_dtype if models[0] is None else triton_dtype(models[0].dtype),
-        HAS_MODEL=models[0] is not None, DECOUPLED=decoupled, TRUST=trust,
-        BLOCK=table.block, ALIGNED=table.aligned, **LAUNCH["_lamb_stage2_kernel"],
-    )
-    optim_fallback.bump_versions(params, exp_avgs, exp_avg_sqs, [] if models[0] is None else models)
+    models = None if models[0] is None else models
+    launch_lamb_stage2(table, params, models, staged.hp64.float(), flag, u_sumsq, p_sumsq, decoupled=decoupled,
+                       trust=trust)
+    optim_fallback.bump_versions(params, exp_avgs, exp_avg_sqs, [] if models is None else models)
 
 
 def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes: dict) -> tuple:

@@ -80,12 +80,7 @@ def launch_unscale(
     partials = torch.empty(table.num_chunks if with_norm else 1, dtype=torch.float64, device=device)
     grid = (num_programs(device, table.num_chunks),)
     _unscale_kernel[grid](
-        table.ptrs,
-        table.num_tensors,
-        table.numels,
-        table.chunk_tensor,
-        table.chunk_start,
-        table.num_chunks,
+        *table.leading_args(),
         inv_scale,
         found_inf,
         partials,
