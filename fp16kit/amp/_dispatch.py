@@ -35,14 +35,14 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from . import _torch_lists, policy
 from .policy import Rule
 
-__all__ = ["MARKER", "composite_rows", "install", "installed_ops", "plan", "region", "region_active"]
+__all__ = ["MARKER", "composite_rows", "install", "installed_ops", "plan", "region", "region_active", "uninstall"]
 
 #: the autocast device type whose enabled state marks an fp16kit region (no CPU/CUDA tensor dispatches through it)
 MARKER = "mtia"
@@ -86,6 +86,8 @@ class _State:
     (torch's own C++ cache serves the LOW ops torch does; fp16kit's overrides cast with ``Tensor.to``)."""
 
     cache_enabled = False
+    #: always empty: torch's C++ weight cache (``torch.clear_autocast_cache``) is the one in use
+    cache: ClassVar[dict[int, Any]] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -251,6 +253,10 @@ def _make_kernel(key: str, name: str) -> Callable[..., Any]:
     excluded = torch._C.DispatchKeySet(dk)
     live = _LIVE[key]
     torch_kernel = torch.library.get_kernel(op, key) if _torch_has_kernel(name, key) else None
+    # torch has no kernel here (the key falls through): a composite op decomposes with autocast still on, as under
+    # the fallthrough; any other op runs with the key excluded. (Not op.redispatch(keyset - key): under Dynamo's
+    # fake-tensor propagation that came back to this kernel, forever.)
+    composite = torch_kernel is None and _torch_has_kernel(name, "CompositeImplicitAutograd")
     cast_args = _CAST_ARGS[0]
     enabled = torch.is_autocast_enabled
     guard = torch._C._ExcludeDispatchKeyGuard
@@ -265,9 +271,12 @@ def _make_kernel(key: str, name: str) -> Callable[..., Any]:
                 with guard(excluded):
                     return op(*args, **kwargs)
         # torch's own behaviour on this key (outside an fp16kit region, or an op that now agrees)
-        if torch_kernel is None:
-            return op.redispatch(keyset.remove(dk), *args, **kwargs)
-        return torch_kernel.call_boxed(keyset, *args, **kwargs)
+        if torch_kernel is not None:
+            return torch_kernel.call_boxed(keyset, *args, **kwargs)
+        if composite:
+            return op.decompose(*args, **kwargs)
+        with guard(excluded):
+            return op(*args, **kwargs)
 
     return kernel
 
@@ -290,6 +299,9 @@ def _refresh() -> None:
         _LIVE[key].update(new)
 
 
+_LISTENING: list[bool] = []
+
+
 def install(cast_args: Callable[..., Any]) -> None:
     """Register the override kernels (once; later calls do nothing). ``cast_args`` is
     ``autocast_mode.cast_args``, handed in so that this module does not import the mode engine."""
@@ -298,7 +310,23 @@ def install(cast_args: Callable[..., Any]) -> None:
     for key in KEYS:
         _torch_kernel_ops(key)  # read torch's kernels before ours replace any
     _CAST_ARGS.append(cast_args)
-    policy.add_listener(_refresh)
+    if _LISTENING:
+        _refresh()
+    else:
+        _LISTENING.append(True)
+        policy.add_listener(_refresh)  # calls it now
+
+
+def uninstall() -> None:
+    """Remove every override kernel: torch's own kernels are back on their keys (plain ``torch.autocast`` code
+    then pays nothing for this engine). The next region of this engine installs them again."""
+    for lib in _LIBS.values():
+        lib._destroy()
+    _LIBS.clear()
+    for key in KEYS:
+        _REGISTERED[key].clear()
+        _LIVE[key].clear()
+    _CAST_ARGS.clear()
 
 
 def installed_ops(key: str = "AutocastCPU") -> dict[str, tuple[_Entry, Any]]:
