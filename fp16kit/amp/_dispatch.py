@@ -42,7 +42,17 @@ import torch
 from . import _torch_lists, policy
 from .policy import Rule
 
-__all__ = ["MARKER", "composite_rows", "install", "installed_ops", "plan", "region", "region_active", "uninstall"]
+__all__ = [
+    "MARKER",
+    "EagerRegion",
+    "composite_rows",
+    "install",
+    "installed_ops",
+    "plan",
+    "region",
+    "region_active",
+    "uninstall",
+]
 
 #: the autocast device type whose enabled state marks an fp16kit region (no CPU/CUDA tensor dispatches through it)
 MARKER = "mtia"
@@ -350,6 +360,37 @@ def region(dtype: torch.dtype, enabled: bool = True, cache_enabled: bool = True)
                 yield
         else:
             yield
+
+
+_DEVICES = ("cpu", "cuda", MARKER) if _CUDA else ("cpu", MARKER)
+
+
+class EagerRegion:
+    """:func:`region`'s state changes made directly (what ``torch.autocast.__enter__``/``__exit__`` do for each
+    device, without building three context managers): ~3 us per region instead of ~8. Eager only: under
+    ``torch.compile`` (or when a torch-function mode is active, e.g. ``torch.export``'s pre-dispatch tracing, to
+    which ``torch.autocast`` reports itself) the caller uses :func:`region`, which Dynamo traces."""
+
+    __slots__ = ("_prev",)
+
+    def __init__(self, dtype: torch.dtype, enabled: bool, cache_enabled: bool) -> None:
+        prev = [torch.is_autocast_cache_enabled()]
+        for device in _DEVICES:
+            prev.append((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+            torch.autocast_increment_nesting()
+        torch.set_autocast_cache_enabled(cache_enabled)
+        self._prev = prev
+
+    def __exit__(self, *exc: object) -> None:
+        prev = self._prev
+        for device, enabled, dtype in reversed(prev[1:]):
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()  # leaving the outermost autocast region, as torch.autocast does
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+        torch.set_autocast_cache_enabled(prev[0])
 
 
 def region_active() -> bool:

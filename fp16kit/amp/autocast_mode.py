@@ -455,6 +455,15 @@ def is_autocast_enabled() -> bool:
     return mode is not None and mode.enabled
 
 
+def _dispatch_region(dtype: torch.dtype, enabled: bool, cache_enabled: bool) -> Any:
+    """Enter a region of the dispatcher engine; returns what to ``__exit__``."""
+    if _is_compiling() or torch._C._is_torch_function_mode_enabled():
+        region = _dispatch.region(dtype, enabled, cache_enabled)
+        region.__enter__()
+        return region
+    return _dispatch.EagerRegion(dtype, enabled, cache_enabled)
+
+
 class autocast:
     """Run the ops of a region under the cast policy table, in ``dtype`` (``torch.float16`` or ``torch.bfloat16``).
 
@@ -487,8 +496,7 @@ class autocast:
     def __enter__(self) -> autocast:
         if _engine[0] == "dispatch":
             _dispatch.install(cast_args)
-            region = _dispatch.region(self.dtype, self.enabled, self.cache_enabled)
-            region.__enter__()
+            region = _dispatch_region(self.dtype, self.enabled, self.cache_enabled)
             counted = self.enabled or getattr(_tls, "depth", 0) > 0  # a disabled outermost region opens none
             _tls.depth = getattr(_tls, "depth", 0) + counted
             self._saved.append((region, counted))
@@ -542,8 +550,7 @@ class disable_casts:
 
     def __enter__(self) -> disable_casts:
         if _engine[0] == "dispatch":
-            region = _dispatch.region(torch.get_autocast_dtype(_dispatch.MARKER), enabled=False)
-            region.__enter__()
+            region = _dispatch_region(torch.get_autocast_dtype(_dispatch.MARKER), False, True)
             self._saved.append(region)
             return self
         mode = active_mode()
