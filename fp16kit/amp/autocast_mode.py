@@ -4,9 +4,14 @@ The table itself is data in :mod:`fp16kit.amp.policy`; this module subscribes to
 and is the only place that casts. Its sibling modules reach the mechanism through the public names below
 (:func:`active_mode`, :func:`cast_all`, :func:`cast_args`, :func:`rule_wrapper`, :func:`table_wrapper`).
 
-Mechanism: one :class:`torch.overrides.TorchFunctionMode` per thread, pushed by the outermost active region.
-Every torch function, Tensor method and operator reaches its ``__torch_function__``; the op's row is found
-with one dict lookup (``_DISPATCH``, built from ``policy.RESOLVED``) and the eligible inputs are cast with
+Two engines apply the table (docs/autocast.md): this module's ``TorchFunctionMode`` (``"mode"``, the default) and
+the dispatcher engine of :mod:`fp16kit.amp._dispatch` (``"dispatch"``: torch's C++ autocast plus ``torch.library``
+kernels on the Autocast keys for the ops where the table differs from torch), chosen by ``FP16KIT_AUTOCAST_ENGINE``
+or :func:`set_engine`. Both share :func:`cast_args`, so each rule and its error messages are written once.
+
+Mechanism of the mode engine: one :class:`torch.overrides.TorchFunctionMode` per thread, pushed by the outermost
+active region. Every torch function, Tensor method and operator reaches its ``__torch_function__``; the op's row is
+found with one dict lookup (``_DISPATCH``, built from ``policy.RESOLVED``) and the eligible inputs are cast with
 ``Tensor.to`` (a differentiable op, so gradients come back in each input's own dtype). The op itself then runs
 with the mode popped, exactly as if the user had cast the inputs by hand and called it with casting disabled,
 which is what makes the result bit-identical to that manual cast. Nested regions do not stack modes: they
@@ -40,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 from . import _bytecode, _dispatch, policy
 from .policy import Rule
 
-__all__ = ["autocast", "disable_casts", "is_autocast_enabled"]
+__all__ = ["autocast", "disable_casts", "engine", "is_autocast_enabled", "set_engine"]
 
 _T = TypeVar("_T", bound=Callable[..., Any])
 
