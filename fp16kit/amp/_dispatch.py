@@ -267,6 +267,7 @@ def _make_kernel(key: str, name: str) -> Callable[..., Any]:
     # the fallthrough; any other op runs with the key excluded. (Not op.redispatch(keyset - key): under Dynamo's
     # fake-tensor propagation that came back to this kernel, forever.)
     composite = torch_kernel is None and _torch_has_kernel(name, "CompositeImplicitAutograd")
+    call = op._op  # what OpOverload.__call__ calls, without its Python frame (this is the hot path)
     cast_args = _CAST_ARGS[0]
     enabled = torch.is_autocast_enabled
     guard = torch._C._ExcludeDispatchKeyGuard
@@ -279,14 +280,14 @@ def _make_kernel(key: str, name: str) -> Callable[..., Any]:
                 if entry is not AS_CALLED:
                     args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
                 with guard(excluded):
-                    return op(*args, **kwargs)
+                    return call(*args, **kwargs)
         # torch's own behaviour on this key (outside an fp16kit region, or an op that now agrees)
         if torch_kernel is not None:
             return torch_kernel.call_boxed(keyset, *args, **kwargs)
         if composite:
             return op.decompose(*args, **kwargs)
         with guard(excluded):
-            return op(*args, **kwargs)
+            return call(*args, **kwargs)
 
     return kernel
 
