@@ -8,7 +8,13 @@ are in use) under each autocast, plus the forward + backward step. Timings are t
 minimum over ``--repeats`` interleaved rounds of ``--iters`` calls each (the ratio of medians is shown too); the
 ratio is fp16kit / torch (1.00 = same speed). Targets (issue 11): eager <= 1.10, under torch.compile <= 1.02.
 
-A third column, "bare mode", times torch.autocast with an empty ``TorchFunctionMode`` pushed on top (its
+The dispatcher engine (``FP16KIT_AUTOCAST_ENGINE=dispatch``, fp16kit/amp/_dispatch.py: torch's C++ autocast plus
+``torch.library`` kernels on the Autocast keys for the ops where fp16kit's table differs) is timed in the same
+rounds ("dispatch" columns). Its kernels are removed (``_dispatch.uninstall``) before every round of the other
+columns, so torch.autocast is timed pristine; the last column times torch.autocast *with* them installed: what plain
+torch.autocast code pays in a process that also uses the engine (a Python hop on each overridden op).
+
+A further column, "bare mode", times torch.autocast with an empty ``TorchFunctionMode`` pushed on top (its
 ``__torch_function__`` only calls the op): the floor of any design that intercepts ops with a Python mode, which
 fp16kit's autocast does. Its ratio shows how much of fp16kit's overhead is the interception itself.
 
@@ -34,6 +40,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from fp16kit.amp import _dispatch, autocast_mode
 from fp16kit.amp import autocast as fp16kit_autocast
 
 RESULTS = Path(__file__).resolve().parent / "results" / "autocast.md"
@@ -56,15 +63,18 @@ def transformer_block(d_model: int = 64) -> nn.Module:
 def _paired(fns: dict[str, Callable[[], object]], iters: int, repeats: int) -> dict[str, float]:
     """Seconds per call of each fn: the minimum over ``repeats`` rounds of ``iters`` calls, rounds interleaved
     (A B B A ...) so that load drift on a shared machine hits both sides alike. On a busy machine interference
-    only ever adds time, so the minimum is the estimate of the intrinsic cost; the median is reported beside it."""
+    only ever adds time, so the minimum is the estimate of the intrinsic cost; the median is reported beside it.
+    Before each round (untimed) the engine state its column needs is set (:func:`_setup`)."""
     names = list(fns)
-    for fn in fns.values():
+    for n, fn in fns.items():
+        _setup(n)
         for _ in range(3):
             fn()
     rounds: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
         for n in names if r % 2 == 0 else reversed(names):
             fn = fns[n]
+            _setup(n)
             t0 = _clock()
             for _ in range(iters):
                 fn()
@@ -94,11 +104,32 @@ class _BareModeOverAutocast:
         self.autocast.__exit__(*exc)
 
 
+#: column -> (fp16kit engine, dispatcher kernels installed) set before its rounds
+_STATE = {
+    "torch.autocast": ("mode", False),
+    "fp16kit.amp.autocast": ("mode", False),
+    "dispatch": ("dispatch", True),
+    "bare mode": ("mode", False),
+    "torch.autocast, kernels installed": ("mode", True),
+}
+
+
+def _setup(name: str) -> None:
+    engine, installed = _STATE[name]
+    autocast_mode.set_engine(engine)
+    if installed:
+        _dispatch.install(autocast_mode.cast_args)
+    else:
+        _dispatch.uninstall()
+
+
 def _contexts(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
     return {
         "torch.autocast": lambda: torch.autocast("cpu", dtype=dtype),
         "fp16kit.amp.autocast": lambda: fp16kit_autocast(dtype=dtype),
+        "dispatch": lambda: fp16kit_autocast(dtype=dtype),  # the same class; _setup selects the engine
         "bare mode": lambda: _BareModeOverAutocast(dtype),
+        "torch.autocast, kernels installed": lambda: torch.autocast("cpu", dtype=dtype),
     }
 
 
@@ -106,6 +137,7 @@ def measure(model: nn.Module, x: torch.Tensor, dtype: torch.dtype, compiled: boo
             iters: int, repeats: int) -> dict[str, float]:
     steps: dict[str, Callable[[], object]] = {}
     for name, ctx in _contexts(dtype).items():
+        _setup(name)
         run = model
         if compiled:
             torch._dynamo.reset()
@@ -175,11 +207,18 @@ def _runtime_interceptions(model: nn.Module, x: torch.Tensor, dtype: torch.dtype
 def compile_diagnosis(label: str, model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> str:
     ctxs = _contexts(dtype)
     ours, ref = ctxs["fp16kit.amp.autocast"], ctxs["torch.autocast"]
-    same = _aten_forward(model, x, ours) == _aten_forward(model, x, ref)
+    _setup("torch.autocast")
+    ref_graph = _aten_forward(model, x, ref)
+    same = _aten_forward(model, x, ours) == ref_graph
     guards = (_guard_count(model, x, ref), _guard_count(model, x, ours), _guard_count(model, x, ctxs["bare mode"]))
     calls = _runtime_interceptions(model, x, dtype)
+    _setup("dispatch")
+    same_dispatch = _aten_forward(model, x, ctxs["dispatch"]) == ref_graph
+    guards_dispatch = _guard_count(model, x, ctxs["dispatch"])
+    _setup("torch.autocast")
     return (
-        f"| {label} | {str(dtype).removeprefix('torch.')} | {'yes' if same else 'NO'} | {guards[0]} | {guards[1]} "
+        f"| {label} | {str(dtype).removeprefix('torch.')} | {'yes' if same else 'NO'} "
+        f"| {'yes' if same_dispatch else 'NO'} | {guards[0]} | {guards[1]} | {guards_dispatch} "
         f"| {guards[2]} | {calls} |"
     )
 
@@ -209,12 +248,14 @@ def main() -> None:
         f"start (1, 5, 15 min) {', '.join(f'{v:.2f}' for v in os.getloadavg())}, "
         f"{torch.get_num_threads()} thread, thread CPU time, {args.repeats} interleaved rounds x {args.iters} calls. "
         "Per call: minimum over interleaved rounds (the median beside it); ratio = fp16kit / torch "
-        "(targets: eager <= 1.10, compile <= 1.02). 'bare mode' = torch.autocast plus an empty TorchFunctionMode, "
-        "the floor of any Python-mode design. Shared, noisy machine (other jobs running): compare ratios, not times.",
+        "(targets: eager <= 1.10, compile <= 1.02). fp16kit = the mode engine (default); dispatch = the dispatcher "
+        "engine (FP16KIT_AUTOCAST_ENGINE=dispatch). 'bare mode' = torch.autocast plus an empty TorchFunctionMode, "
+        "the floor of any Python-mode design. 'torch, kernels in' = torch.autocast with the dispatcher engine's "
+        "kernels installed. Shared, noisy machine (other jobs running): compare ratios, not times.",
         "",
         "| model | dtype | mode | step | torch.autocast (ms) | fp16kit (ms) | ratio | ratio of medians "
-        "| bare mode ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| dispatch (ms) | dispatch ratio | dispatch ratio of medians | bare mode ratio | torch, kernels in ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     if args.only:
         cases = [c for c in cases if any(c[0].startswith(p) for p in args.only.split(","))]
@@ -227,9 +268,13 @@ def main() -> None:
                     ref, ours = t["torch.autocast"], t["fp16kit.amp.autocast"]
                     med = t["fp16kit.amp.autocast median"] / t["torch.autocast median"]
                     bare = t["bare mode"] / ref
+                    disp = t["dispatch"]
+                    disp_med = t["dispatch median"] / t["torch.autocast median"]
+                    kernels_in = t["torch.autocast, kernels installed"] / ref
                     row = (f"| {label} | {str(dtype).removeprefix('torch.')} | {'compile' if compiled else 'eager'} "
                            f"| {'fwd+bwd' if backward else 'fwd'} | {ref * 1e3:.3f} | {ours * 1e3:.3f} "
-                           f"| {ours / ref:.2f} | {med:.2f} | {bare:.2f} |")
+                           f"| {ours / ref:.2f} | {med:.2f} | {disp * 1e3:.3f} | {disp / ref:.2f} | {disp_med:.2f} "
+                           f"| {bare:.2f} | {kernels_in:.2f} |")
                     print(row, flush=True)
                     lines.append(row)
     if not args.no_compile:
@@ -239,9 +284,9 @@ def main() -> None:
             "op, dtype by dtype)? Guards Dynamo installs; `__torch_function__` calls fp16kit's mode still gets while "
             "the compiled forward runs (the bare mode receives the same ones).",
             "",
-            "| model | dtype | same aten forward graph | guards torch.autocast | guards fp16kit | guards bare mode "
-            "| mode calls per compiled forward |",
-            "|---|---|---|---|---|---|---|",
+            "| model | dtype | same aten forward graph | same, dispatch engine | guards torch.autocast "
+            "| guards fp16kit | guards dispatch | guards bare mode | mode calls per compiled forward |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for label, model, x, compile_too in cases:
             if compile_too:

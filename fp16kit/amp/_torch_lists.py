@@ -42,11 +42,12 @@ def _source_path() -> Path | None:
     return Path(spec.origin)
 
 
-def parse_lists(source: str) -> dict[str, list[str]]:
-    """``{list attribute: [op names in order, duplicates removed]}`` of class ``AutocastTestLists`` in ``source``."""
+def parse_lists(source: str, class_name: str = "AutocastTestLists") -> dict[str, list[str]]:
+    """``{list attribute: [op names in order, duplicates removed]}`` of class ``class_name`` in ``source``
+    (``AutocastTestLists``: CUDA; ``AutocastCPUTestLists``: CPU)."""
     out: dict[str, list[str]] = {}
     for cls in ast.parse(source).body:
-        if not (isinstance(cls, ast.ClassDef) and cls.name == "AutocastTestLists"):
+        if not (isinstance(cls, ast.ClassDef) and cls.name == class_name):
             continue
         for fn in cls.body:
             if not (isinstance(fn, ast.FunctionDef) and fn.name == "__init__"):
@@ -69,13 +70,14 @@ def parse_lists(source: str) -> dict[str, list[str]]:
 
 
 @functools.cache
-def torch_cuda_lists() -> dict[str, list[str]]:
-    """The installed torch's CUDA autocast lists (``{}`` when its test-lists file is not installed)."""
+def torch_cuda_lists(class_name: str = "AutocastTestLists") -> dict[str, list[str]]:
+    """The installed torch's CUDA autocast lists (``{}`` when its test-lists file is not installed); with
+    ``class_name="AutocastCPUTestLists"``, its CPU lists."""
     path = _source_path()
     if path is None or not path.is_file():
         return {}
     try:
-        return parse_lists(path.read_text(encoding="utf-8"))
+        return parse_lists(path.read_text(encoding="utf-8"), class_name)
     except (OSError, SyntaxError, UnicodeDecodeError):
         return {}
 

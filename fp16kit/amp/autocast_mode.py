@@ -4,9 +4,14 @@ The table itself is data in :mod:`fp16kit.amp.policy`; this module subscribes to
 and is the only place that casts. Its sibling modules reach the mechanism through the public names below
 (:func:`active_mode`, :func:`cast_all`, :func:`cast_args`, :func:`rule_wrapper`, :func:`table_wrapper`).
 
-Mechanism: one :class:`torch.overrides.TorchFunctionMode` per thread, pushed by the outermost active region.
-Every torch function, Tensor method and operator reaches its ``__torch_function__``; the op's row is found
-with one dict lookup (``_DISPATCH``, built from ``policy.RESOLVED``) and the eligible inputs are cast with
+Two engines apply the table (docs/autocast.md): this module's ``TorchFunctionMode`` (``"mode"``, the default) and
+the dispatcher engine of :mod:`fp16kit.amp._dispatch` (``"dispatch"``: torch's C++ autocast plus ``torch.library``
+kernels on the Autocast keys for the ops where the table differs from torch), chosen by ``FP16KIT_AUTOCAST_ENGINE``
+or :func:`set_engine`. Both share :func:`cast_args`, so each rule and its error messages are written once.
+
+Mechanism of the mode engine: one :class:`torch.overrides.TorchFunctionMode` per thread, pushed by the outermost
+active region. Every torch function, Tensor method and operator reaches its ``__torch_function__``; the op's row is
+found with one dict lookup (``_DISPATCH``, built from ``policy.RESOLVED``) and the eligible inputs are cast with
 ``Tensor.to`` (a differentiable op, so gradients come back in each input's own dtype). The op itself then runs
 with the mode popped, exactly as if the user had cast the inputs by hand and called it with casting disabled,
 which is what makes the result bit-identical to that manual cast. Nested regions do not stack modes: they
@@ -29,6 +34,7 @@ none: absent composites then run as called).
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -36,10 +42,10 @@ from typing import Any, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _bytecode, policy
+from . import _bytecode, _dispatch, policy
 from .policy import Rule
 
-__all__ = ["autocast", "disable_casts", "is_autocast_enabled"]
+__all__ = ["autocast", "disable_casts", "engine", "is_autocast_enabled", "set_engine"]
 
 _T = TypeVar("_T", bound=Callable[..., Any])
 
@@ -57,6 +63,27 @@ _LOW, _FP32, _PROMOTE, _BANNED = Rule.LOW, Rule.FP32, Rule.PROMOTE, Rule.BANNED
 _Tensor = torch.Tensor
 _tls = threading.local()
 _NO_KWARGS: dict[str, Any] = {}  # shared, never mutated
+
+#: the engines that can apply the table: "mode" (a TorchFunctionMode, this module) or "dispatch" (override kernels
+#: on torch's Autocast dispatch keys, ``_dispatch``). Chosen by FP16KIT_AUTOCAST_ENGINE, or by :func:`set_engine`.
+ENGINES = ("mode", "dispatch")
+_engine = [os.environ.get("FP16KIT_AUTOCAST_ENGINE", "mode").strip().lower() or "mode"]
+if _engine[0] not in ENGINES:
+    raise ValueError(f"FP16KIT_AUTOCAST_ENGINE={_engine[0]!r}: use one of {ENGINES}.")
+
+
+def engine() -> str:
+    """The engine new regions use: ``"mode"`` or ``"dispatch"`` (see docs/autocast.md, "The dispatcher engine")."""
+    return _engine[0]
+
+
+def set_engine(name: str) -> None:
+    """Select the engine of regions entered from now on (``"mode"`` or ``"dispatch"``); not inside a region."""
+    if name not in ENGINES:
+        raise ValueError(f"set_engine({name!r}): use one of {ENGINES}.")
+    if getattr(_tls, "depth", 0) or getattr(_tls, "mode", None) is not None:
+        raise RuntimeError("set_engine: cannot switch engines inside an autocast region; leave it first.")
+    _engine[0] = name
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -384,8 +411,11 @@ class _AutocastMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def active_mode() -> _AutocastMode | None:
-    """This thread's autocast mode (its state: ``enabled``, ``dtype``), or None outside every region."""
+def active_mode() -> Any:
+    """This thread's region state (``enabled``, ``dtype``; under the mode engine its :class:`_AutocastMode`), or
+    None outside every region."""
+    if _engine[0] == "dispatch":
+        return _dispatch.STATE if getattr(_tls, "depth", 0) else None
     return getattr(_tls, "mode", None)
 
 
@@ -424,8 +454,19 @@ def table_wrapper(fn: _T) -> _T:
 
 def is_autocast_enabled() -> bool:
     """True inside an enabled :class:`autocast` region on this thread (and not inside :func:`disable_casts`)."""
+    if _engine[0] == "dispatch":
+        return _dispatch.region_active()
     mode = active_mode()
     return mode is not None and mode.enabled
+
+
+def _dispatch_region(dtype: torch.dtype, enabled: bool, cache_enabled: bool) -> Any:
+    """Enter a region of the dispatcher engine; returns what to ``__exit__``."""
+    if _is_compiling() or torch._C._is_torch_function_mode_enabled():
+        region = _dispatch.region(dtype, enabled, cache_enabled)
+        region.__enter__()
+        return region
+    return _dispatch.EagerRegion(dtype, enabled, cache_enabled)
 
 
 class autocast:
@@ -455,9 +496,16 @@ class autocast:
         self.dtype = dtype
         self.enabled = bool(enabled)
         self.cache_enabled = bool(cache_enabled)
-        self._saved: list[tuple[_AutocastMode | None, bool, torch.dtype, bool]] = []
+        self._saved: list[Any] = []
 
     def __enter__(self) -> autocast:
+        if _engine[0] == "dispatch":
+            _dispatch.install(cast_args)
+            region = _dispatch_region(self.dtype, self.enabled, self.cache_enabled)
+            counted = self.enabled or getattr(_tls, "depth", 0) > 0  # a disabled outermost region opens none
+            _tls.depth = getattr(_tls, "depth", 0) + counted
+            self._saved.append((region, counted))
+            return self
         mode = active_mode()
         if mode is None:
             if not self.enabled:
@@ -473,7 +521,12 @@ class autocast:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pushed, enabled, dtype, cache_enabled = self._saved.pop()
+        saved = self._saved.pop()
+        if len(saved) == 2:  # the dispatch engine's (region, counted)
+            _tls.depth -= saved[1]
+            saved[0].__exit__(*exc)
+            return
+        pushed, enabled, dtype, cache_enabled = saved
         mode = active_mode()
         if pushed is not None:
             pushed.cache.clear()
@@ -498,9 +551,13 @@ class disable_casts:
     """
 
     def __init__(self) -> None:
-        self._saved: list[bool | None] = []
+        self._saved: list[Any] = []
 
     def __enter__(self) -> disable_casts:
+        if _engine[0] == "dispatch":
+            region = _dispatch_region(torch.get_autocast_dtype(_dispatch.MARKER), False, True)
+            self._saved.append(region)
+            return self
         mode = active_mode()
         self._saved.append(None if mode is None else mode.enabled)
         if mode is not None:
@@ -509,6 +566,9 @@ class disable_casts:
 
     def __exit__(self, *exc: object) -> None:
         enabled = self._saved.pop()
+        if enabled is not None and enabled.__class__ is not bool:  # the dispatch engine's region
+            enabled.__exit__(*exc)
+            return
         mode = active_mode()
         if mode is not None and enabled is not None:
             mode.enabled = enabled

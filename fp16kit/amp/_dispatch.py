@@ -1,0 +1,399 @@
+"""The dispatcher engine of ``fp16kit.amp.autocast``: the policy table applied below Python (issue 11, item 5).
+
+An fp16kit region is ``torch.autocast(device, dtype)`` for CPU (and CUDA when available) plus a *marker*:
+``torch.autocast(MARKER, dtype)``, the autocast state of a device type through which no CPU or CUDA tensor
+dispatches, so turning it on changes nothing by itself; it only tells the kernels below "this is an fp16kit region".
+
+* torch's own C++ autocast kernels (``AutocastCPU`` / ``AutocastCUDA`` dispatch keys) do every op where they
+  already agree with fp16kit's table on that key (``linear``, ``addmm``, ``mm``, ``conv*``, ``bmm``: LOW on both;
+  the CPU fp32 losses ...): no Python runs for them.
+* For exactly the aten ops whose fp16kit rule differs from torch's kernel on that key, a Python kernel is registered
+  on that key (``torch.library.Library("aten", "IMPL").impl(op, kernel, "AutocastCPU")``). Inside an fp16kit region
+  it applies fp16kit's rule (``autocast_mode.cast_args``, the same function the mode engine uses, so the rules and
+  their error messages are written once) and runs the op with the key excluded (the op's internals run as called,
+  as under the mode engine); outside one it reproduces torch: it calls torch's own kernel for that key
+  (``torch.library.get_kernel``), or, where torch has none (a fallthrough), redispatches below the key. So code
+  that uses plain ``torch.autocast`` outside an fp16kit region sees torch's behaviour.
+
+Which ops differ (:func:`plan`): every aten op an entry of ``policy.RESOLVED`` names (all overloads but ``out=``
+ones; ``exp`` also gives ``exp_``), compared with torch's rule for that key, read from the installed torch's
+autocast test lists (``_torch_lists``: ``AutocastCPUTestLists`` for CPU, ``AutocastTestLists`` for CUDA) for the
+ops that have a kernel there. They agree when the rule is the same, the op is not in-place (torch has no kernel
+for in-place forms) and, on CUDA, torch's kernel does not pass ``dtype=`` instead of casting
+(``_CUDA_SET_DTYPE``: the bits of ``sum(x, dtype=float32)`` need not be ``sum(x.float())``'s). An op with a torch
+kernel on the key and no fp16kit row runs as called (the table says absent). The plan is recomputed on every
+change of the table (``policy.add_listener``); kernels, once registered, stay and read the live plan.
+
+Rows without an aten op (Python composites: ``F.normalize``, ``F.softmin``, ``F.interpolate``, user functions)
+are not applied by this engine; :func:`composite_rows` lists them (docs/autocast.md says which of them still get
+the row's dtype through their aten constituents).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from . import _torch_lists, policy
+from .policy import Rule
+
+__all__ = [
+    "MARKER",
+    "EagerRegion",
+    "composite_rows",
+    "install",
+    "installed_ops",
+    "plan",
+    "region",
+    "region_active",
+    "uninstall",
+]
+
+#: the autocast device type whose enabled state marks an fp16kit region (no CPU/CUDA tensor dispatches through it)
+MARKER = "mtia"
+_DK = torch._C.DispatchKey
+#: dispatch key -> the device type of torch.autocast that drives it
+KEYS: dict[str, str] = {"AutocastCPU": "cpu", "AutocastCUDA": "cuda"}
+#: a dispatch key's torch lists: (class in autocast_test_lists.py, list attribute -> rule)
+_LISTS: dict[str, tuple[str, dict[str, Rule]]] = {
+    "AutocastCPU": (
+        "AutocastCPUTestLists",
+        {"torch_16": Rule.LOW, "nn_16": Rule.LOW, "torch_fp32": Rule.FP32, "nn_fp32": Rule.FP32},
+    ),
+    "AutocastCUDA": (
+        "AutocastTestLists",
+        {attr: Rule[rule] for attr, (rule, _spelling) in _torch_lists.LIST_RULES.items() if rule in ("LOW", "FP32")},
+    ),
+}
+# PROMOTE never agrees: torch's promote kernels raise on fp16 mixed with bf16 ("Unexpected floating ScalarType in
+# at::autocast::prioritize"), where fp16kit meets in fp32. BANNED never agrees: torch's CUDA kernel always raises,
+# fp16kit only on low-precision inputs.
+#: ops torch's CUDA autocast runs as ``op(x, dtype=float32)`` (``fp32_set_opt_dtype`` / ``fp32_append_dtype`` in
+#: aten/src/ATen/autocast_mode.cpp) rather than ``op(x.float())``: fp16kit's contract is the latter's bits, which
+#: cannot be checked without a GPU, so they are overridden
+_CUDA_SET_DTYPE = frozenset(
+    {"prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm", "linalg_matrix_norm", "sum", "norm",
+     "nansum"}
+)
+#: callable ``__name__`` -> aten op, where they differ
+_ATEN_NAME = {
+    "__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow", "__ipow__": "pow_",
+    "cross_entropy": "cross_entropy_loss",
+}
+#: marker of an op torch has a kernel for and fp16kit's table leaves absent: run it as called
+AS_CALLED = (None, False, "")
+
+_Entry = tuple[Any, bool, str]
+
+
+class _State:
+    """What ``cast_args`` reads from the region: its dtype (the marker's, read at call time) and no weight cache
+    (torch's own C++ cache serves the LOW ops torch does; fp16kit's overrides cast with ``Tensor.to``)."""
+
+    cache_enabled = False
+    #: always empty: torch's C++ weight cache (``torch.clear_autocast_cache``) is the one in use
+    cache: ClassVar[dict[int, Any]] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.get_autocast_dtype(MARKER)
+
+    @property
+    def enabled(self) -> bool:
+        return torch.is_autocast_enabled(MARKER)
+
+    def _cached_cast(self, a: torch.Tensor, to: torch.dtype) -> torch.Tensor:
+        return a.to(to)
+
+
+STATE = _State()
+
+
+@functools.cache
+def _aten_ops() -> dict[str, list[str]]:
+    """aten base name -> its overload names (``""`` for the default), ``out=`` overloads left out."""
+    out: dict[str, list[str]] = {}
+    for full in torch._C._dispatch_get_all_op_names():
+        if not full.startswith("aten::"):
+            continue
+        base, _, overload = full[len("aten::"):].partition(".")
+        packet = getattr(torch.ops.aten, base, None)
+        if packet is None:
+            continue
+        try:
+            schema = getattr(packet, overload or "default")._schema
+        except (AttributeError, RuntimeError):
+            continue
+        if any(a.is_out for a in schema.arguments):
+            continue
+        out.setdefault(base, []).append(overload)
+    return out
+
+
+def _aten_bases(fn: Callable[..., Any]) -> list[str]:
+    """The aten base names a torch callable reaches directly (``torch.Tensor.exp`` -> exp; ``torch.exp_`` -> exp_)."""
+    name = getattr(fn, "__name__", None)
+    module = getattr(fn, "__module__", None) or ""
+    if not isinstance(name, str) or not (module.startswith("torch") or getattr(fn, "__self__", None) is not None
+                                         or isinstance(fn, (type(torch.exp), type(torch.Tensor.exp)))):
+        return []
+    name = _ATEN_NAME.get(name, name)
+    if fn is getattr(torch.linalg, name, None) and not name.startswith("linalg_"):
+        name = "linalg_" + name
+    return [name] if name in _aten_ops() else []
+
+
+def composite_rows() -> dict[str, list[str]]:
+    """Rows of the live table with a callable that reaches no aten op of its own name: ``{row: [callables]}``.
+    This engine does not apply them (their aten constituents run under their own rules)."""
+    out: dict[str, list[str]] = {}
+    for fn, (_rule, _inplace, row) in policy.RESOLVED.items():
+        if not _aten_bases(fn):
+            out.setdefault(row, []).append(policy.display_name(fn, repr(fn)))
+    return out
+
+
+_SOURCE_RANK = {"torch": 0, "default": 1, "registered": 2, "override": 3}
+
+
+def _rank(fn: Any, inplace: bool) -> int:
+    """Which callable of a row names an aten op in messages: the Tensor method for in-place forms (``x.exp_()``),
+    else the public function (``torch.nn.functional.binary_cross_entropy``, not its ``torch._C._nn`` binding)."""
+    qual = policy.display_name(fn, "")
+    if qual.startswith("torch.Tensor."):
+        return 0 if inplace else 1
+    return 2 if qual.startswith("torch._C.") else 1
+
+
+def _desired() -> dict[str, tuple[_Entry, Any]]:
+    """aten ``base.overload`` -> (fp16kit's entry, the callable named in its error messages)."""
+    out: dict[str, tuple[_Entry, Any]] = {}
+    # Several callables can reach one aten op (F.binary_cross_entropy and torch._C._nn.binary_cross_entropy); when
+    # their rules differ (a registration or an override changed one of them) the later source wins, as in the table.
+    source = {name: _SOURCE_RANK[info["source"]] for name, info in policy.policy_table().items()}
+    ranked = sorted(policy.RESOLVED.items(), key=lambda item: source.get(policy.display_name(item[0], ""), 0))
+    for fn, (rule, _inplace, row) in ranked:
+        for base in _aten_bases(fn):
+            inplace = base.endswith("_")
+            for overload in _aten_ops()[base]:
+                name = f"{base}.{overload}" if overload else base
+                old = out.get(name)
+                shown = fn
+                if old is not None and old[0][2] == row and _rank(old[1], inplace) <= _rank(fn, inplace):
+                    shown = old[1]  # the row's best-known callable names it in error messages
+                out[name] = ((rule, inplace, row), shown)
+    return out
+
+
+@functools.cache
+def _torch_rules(key: str) -> dict[str, Rule]:
+    """aten base name -> the rule of torch's kernel on ``key``, from the installed torch's autocast test lists."""
+    class_name, attrs = _LISTS[key]
+    rules: dict[str, Rule] = {}
+    for attr, names in _torch_lists.torch_cuda_lists(class_name).items():
+        rule = attrs.get(attr)
+        if rule is None:
+            continue
+        for name in names:
+            rules.setdefault(_ATEN_NAME.get(name, name), rule)
+    return rules
+
+
+def _torch_has_kernel(op: str, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
+
+
+@functools.cache
+def _torch_kernel_ops(key: str) -> tuple[str, ...]:
+    """The aten ops (``base.overload``) with a non-fallthrough kernel of torch's own on ``key`` (taken before any
+    registration of ours)."""
+    ops = []
+    for base, overloads in _aten_ops().items():
+        for overload in overloads:
+            name = f"{base}.{overload}" if overload else base
+            if _torch_has_kernel(name, key):
+                ops.append(name)
+    return tuple(ops)
+
+
+def plan(key: str) -> dict[str, tuple[_Entry, Any]]:
+    """The ops whose fp16kit rule differs from torch's kernel on ``key``: ``{"softmax.int": (entry, callable)}``.
+
+    ``entry`` is ``(rule, inplace, row)`` as in ``policy.RESOLVED``, or :data:`AS_CALLED` for an op torch casts
+    and fp16kit's table leaves absent."""
+    desired = _desired()
+    torch_ops = set(_torch_kernel_ops(key))
+    rules = _torch_rules(key)
+    out: dict[str, tuple[_Entry, Any]] = {}
+    for name, (entry, fn) in desired.items():
+        base = name.partition(".")[0]
+        agrees = (
+            name in torch_ops
+            and not entry[1]
+            and rules.get(base) is entry[0]
+            and not (key == "AutocastCUDA" and base in _CUDA_SET_DTYPE)
+        )
+        if not agrees:
+            out[name] = (entry, fn)
+    for name in torch_ops - desired.keys():
+        out[name] = (AS_CALLED, None)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+#: key -> {op: (entry, callable)}: the live plan the registered kernels read (mutated in place on table changes)
+_LIVE: dict[str, dict[str, tuple[_Entry, Any]]] = {key: {} for key in KEYS}
+_LIBS: dict[str, torch.library.Library] = {}
+_REGISTERED: dict[str, set[str]] = {key: set() for key in KEYS}
+_CAST_ARGS: list[Callable[..., Any]] = []
+
+
+def _make_kernel(key: str, name: str) -> Callable[..., Any]:
+    base, _, overload = name.partition(".")
+    op = getattr(getattr(torch.ops.aten, base), overload or "default")
+    dk = getattr(_DK, key)
+    excluded = torch._C.DispatchKeySet(dk)
+    live = _LIVE[key]
+    torch_kernel = torch.library.get_kernel(op, key) if _torch_has_kernel(name, key) else None
+    # torch has no kernel here (the key falls through): a composite op decomposes with autocast still on, as under
+    # the fallthrough; any other op runs with the key excluded. (Not op.redispatch(keyset - key): under Dynamo's
+    # fake-tensor propagation that came back to this kernel, forever.)
+    composite = torch_kernel is None and _torch_has_kernel(name, "CompositeImplicitAutograd")
+    call = op._op  # what OpOverload.__call__ calls, without its Python frame (this is the hot path)
+    cast_args = _CAST_ARGS[0]
+    enabled = torch.is_autocast_enabled
+    guard = torch._C._ExcludeDispatchKeyGuard
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if enabled(MARKER):
+            hit = live.get(name)
+            if hit is not None:
+                entry, fn = hit
+                if entry is not AS_CALLED:
+                    args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
+                with guard(excluded):
+                    return call(*args, **kwargs)
+        # torch's own behaviour on this key (outside an fp16kit region, or an op that now agrees)
+        if torch_kernel is not None:
+            return torch_kernel.call_boxed(keyset, *args, **kwargs)
+        if composite:
+            return op.decompose(*args, **kwargs)
+        with guard(excluded):
+            return call(*args, **kwargs)
+
+    return kernel
+
+
+def _refresh() -> None:
+    """Recompute the plan of every key and register kernels for ops that gained an override."""
+    if not _CAST_ARGS:
+        return
+    for key in KEYS:
+        new = plan(key)
+        lib = _LIBS.get(key)
+        if lib is None:
+            lib = _LIBS[key] = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
+            for name in new.keys() - _REGISTERED[key]:
+                lib.impl(name, _make_kernel(key, name), key, with_keyset=True)
+                _REGISTERED[key].add(name)
+        _LIVE[key].clear()
+        _LIVE[key].update(new)
+
+
+_LISTENING: list[bool] = []
+
+
+def install(cast_args: Callable[..., Any]) -> None:
+    """Register the override kernels (once; later calls do nothing). ``cast_args`` is
+    ``autocast_mode.cast_args``, handed in so that this module does not import the mode engine."""
+    if _CAST_ARGS:
+        return
+    for key in KEYS:
+        _torch_kernel_ops(key)  # read torch's kernels before ours replace any
+    _CAST_ARGS.append(cast_args)
+    if _LISTENING:
+        _refresh()
+    else:
+        _LISTENING.append(True)
+        policy.add_listener(_refresh)  # calls it now
+
+
+def uninstall() -> None:
+    """Remove every override kernel: torch's own kernels are back on their keys (plain ``torch.autocast`` code
+    then pays nothing for this engine). The next region of this engine installs them again."""
+    for lib in _LIBS.values():
+        lib._destroy()
+    _LIBS.clear()
+    for key in KEYS:
+        _REGISTERED[key].clear()
+        _LIVE[key].clear()
+    _CAST_ARGS.clear()
+
+
+def installed_ops(key: str = "AutocastCPU") -> dict[str, tuple[_Entry, Any]]:
+    """The live plan for ``key`` (empty before :func:`install`)."""
+    return dict(_LIVE[key])
+
+
+_CUDA = torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def region(dtype: torch.dtype, enabled: bool = True, cache_enabled: bool = True) -> Iterator[None]:
+    """An fp16kit region of this engine: ``torch.autocast`` on CPU (and CUDA when available) plus the marker.
+    A generator context manager of plain ``with`` blocks, so Dynamo traces it inside compiled code."""
+    with (
+        torch.autocast("cpu", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled),
+        torch.autocast(MARKER, dtype=dtype, enabled=enabled),
+    ):
+        if _CUDA:
+            with torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled):
+                yield
+        else:
+            yield
+
+
+_DEVICES = ("cpu", "cuda", MARKER) if _CUDA else ("cpu", MARKER)
+
+
+class EagerRegion:
+    """:func:`region`'s state changes made directly (what ``torch.autocast.__enter__``/``__exit__`` do for each
+    device, without building three context managers): ~3 us per region instead of ~8. Eager only: under
+    ``torch.compile`` (or when a torch-function mode is active, e.g. ``torch.export``'s pre-dispatch tracing, to
+    which ``torch.autocast`` reports itself) the caller uses :func:`region`, which Dynamo traces."""
+
+    __slots__ = ("_prev",)
+
+    def __init__(self, dtype: torch.dtype, enabled: bool, cache_enabled: bool) -> None:
+        prev = [torch.is_autocast_cache_enabled()]
+        for device in _DEVICES:
+            prev.append((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+            torch.autocast_increment_nesting()
+        torch.set_autocast_cache_enabled(cache_enabled)
+        self._prev = prev
+
+    def __exit__(self, *exc: object) -> None:
+        prev = self._prev
+        for device, enabled, dtype in reversed(prev[1:]):
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()  # leaving the outermost autocast region, as torch.autocast does
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+        torch.set_autocast_cache_enabled(prev[0])
+
+
+def region_active() -> bool:
+    """True inside an enabled fp16kit region of this engine."""
+    return torch.is_autocast_enabled(MARKER)
