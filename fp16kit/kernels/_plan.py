@@ -36,7 +36,7 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, pairwise
 from typing import Any
 
 import torch
@@ -302,7 +302,7 @@ def _loose_spans(spec: Spec, rows: Sequence[Sequence[torch.Tensor | None]], made
                 start = t.data_ptr()
                 spans.append((start, start + _extent(t) * t.element_size()))
     spans.sort()
-    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+    if any(a[1] > b[0] for a, b in pairwise(spans)):
         return None
     starts, ends = [s for s, _ in spans], [e for _, e in spans]
     extents = tuple(tuple(_extent(t) * t.element_size() if t.numel() else 0 for t in rows[r]) for r in spec.loose)

@@ -87,7 +87,7 @@ def test_a_grad_moved_into_written_memory_is_rejected_after_hits(backend, n, whe
     grads = _fresh(n)
     grads[-1] = {"exact": params[0], "partial": buf[2:6], "moment": vs[0]}[where]
     before = [t.clone() for t in params + ms + vs]
-    with pytest.raises(ValueError, match="adam_update .*overlaps|adam_update .*is .*in memory"):
+    with pytest.raises(ValueError, match=r"adam_update .*overlaps|adam_update .*is .*in memory"):
         adam_update(params, grads, ms, vs, [None] * n, HP, torch.zeros(1), weight_decay=0.0, adam_w_mode=True)
     assert all(torch.equal(a, b) for a, b in zip(params + ms + vs, before))
 
