@@ -32,6 +32,7 @@ CPU, measured in ``benchmarks/results/kernels_cpu.md``) plus O(groups) Python: n
 from __future__ import annotations
 
 import operator
+import threading
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -45,7 +46,7 @@ from ._checks import KERNEL_DTYPES, _extent, check_pairs, check_tensor_list, che
 from ._table import Tape
 from .backend import Backend, select_backend
 
-__all__ = ["CACHE_SIZE", "Group", "Plan", "Spec", "clear", "plan", "stats"]
+__all__ = ["CACHE_SIZE", "Group", "Plan", "Spec", "clear", "plan", "stats", "vouched"]
 
 #: Plans kept by the LRU cache (one per distinct list of a model's call sites: a few dozen in practice).
 CACHE_SIZE = 256
@@ -193,10 +194,42 @@ class _Entry:
     """A cached plan, its guard (None until the key is seen again) and, for specs with loose rows, the loose
     rows' addresses at the last hit and what the overlap test needs (:func:`_loose_spans`)."""
 
-    __slots__ = ("guard", "loose", "made", "spans")
+    __slots__ = ("guard", "loose", "made", "spans", "token")
 
-    def __init__(self, made: Plan, guard: Any, loose: tuple | None, spans: tuple | None) -> None:
-        self.made, self.guard, self.loose, self.spans = made, guard, loose, spans
+    def __init__(self, made: Plan, guard: Any, loose: tuple | None, spans: tuple | None, token: object) -> None:
+        self.made, self.guard, self.loose, self.spans, self.token = made, guard, loose, spans, token
+
+
+_local = threading.local()
+
+
+class vouched:
+    """``with vouched(token, lists):`` the caller vouches that, in this thread and until the block ends, the
+    tensors in ``lists`` (the very list objects, compared by identity) have the metadata (dtype, shape, strides,
+    device, dispatch keys) that ``token`` stands for: it has just checked them with its own guard (an
+    optimizer's per-group verdict, ``fp16kit/optim/_base.py``). A plan for exactly those lists whose entry was
+    made or last guard-checked under the same token then skips its own metadata guard (the same tensors' metadata
+    checked twice per step); the address key and the loose-row test still run. ``token`` must be an object that
+    changes whenever the metadata it stands for changes (a new verdict object per full check)."""
+
+    __slots__ = ("lists", "prev", "token")
+
+    def __init__(self, token: object, lists: Sequence[Sequence[torch.Tensor | None]]) -> None:
+        self.token, self.lists = token, tuple(lists)
+
+    def __enter__(self) -> None:
+        self.prev = getattr(_local, "vouch", None)
+        _local.vouch = self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.vouch = self.prev
+
+
+def _vouch_token(rows: Sequence[Sequence[torch.Tensor | None]]) -> object:
+    v = getattr(_local, "vouch", None)
+    if v is None or len(rows) > len(v.lists) or not all(map(operator.is_, rows, v.lists)):
+        return None
+    return v.token
 
 
 def plan(
@@ -245,7 +278,12 @@ def plan(
     backend = select_backend(device).backend
     key = (spec, backend, extra, aux_key, ptrs)
     entry = _cache.get(key)
-    if entry is not None and entry.guard is not None and entry.guard.check(*_flat(rows, opt, ptrs), *aux):
+    token = None if aux else _vouch_token(rows)
+    if entry is not None and entry.guard is not None and (
+        (token is not None and entry.token is token) or entry.guard.check(*_flat(rows, opt, ptrs), *aux)
+    ):
+        if token is not None:
+            entry.token = token  # the guard passed, or vouched for by the same token: the metadata is the token's
         if not loose:
             stats["hits"] += 1
             return entry.made
@@ -264,9 +302,9 @@ def plan(
     # back (grads re-allocated at new addresses every step) pay the validation only.
     guard = None if entry is None else make_guard([*_flat(rows, opt, ptrs), *aux])
     if loose:
-        _cache[key] = _Entry(made, guard, _loose_ptrs(rows, loose), _loose_spans(spec, rows, made))
+        _cache[key] = _Entry(made, guard, _loose_ptrs(rows, loose), _loose_spans(spec, rows, made), token)
     else:
-        _cache[key] = _Entry(made, guard, None, None)
+        _cache[key] = _Entry(made, guard, None, None, token)
     _cache.move_to_end(key)
     while len(_cache) > CACHE_SIZE:
         _cache.popitem(last=False)
