@@ -279,22 +279,13 @@ def plan(
     key = (spec, backend, extra, aux_key, ptrs)
     entry = _cache.get(key)
     token = None if aux else _vouch_token(rows)
-    if entry is not None and entry.guard is not None and (
-        (token is not None and entry.token is token) or entry.guard.check(*_flat(rows, opt, ptrs), *aux)
-    ):
-        if token is not None:
-            entry.token = token  # the guard passed, or vouched for by the same token: the metadata is the token's
-        if not loose:
-            stats["hits"] += 1
-            return entry.made
-        now = _loose_ptrs(rows, loose)
-        if now == entry.loose or _apart(entry.spans, now):
-            if now != entry.loose:
-                entry.loose = now
-                for g in entry.made.kernel:  # the recorded tables hold the old addresses: record anew
-                    g.tape = Tape()
-            stats["hits"] += 1
-            return entry.made
+    if entry is not None and entry.guard is not None:
+        try:
+            if _hit(entry, rows, opt, ptrs, aux, loose, token):
+                stats["hits"] += 1
+                return entry.made
+        except (TypeError, AttributeError, RuntimeError):
+            pass  # a loose row or an aux argument that is not a tensor (the portable guard raises): the full checks
     made = _make(spec, rows, extra, backend)
     if check_aux is not None:
         check_aux(made.device)
@@ -309,6 +300,26 @@ def plan(
     while len(_cache) > CACHE_SIZE:
         _cache.popitem(last=False)
     return made
+
+
+def _hit(entry: _Entry, rows: Sequence, opt: int | None, ptrs: tuple, aux: tuple, loose: tuple, token: object) -> bool:
+    """Does the cached entry (its key matched) hold for this call? The guard, or the caller's vouch under the
+    entry's token, for the metadata; for loose rows, their addresses unchanged or apart from every written span."""
+    if not ((token is not None and entry.token is token) or entry.guard.check(*_flat(rows, opt, ptrs), *aux)):
+        return False
+    if token is not None:
+        entry.token = token  # the guard passed, or vouched for by the same token: the metadata is the token's
+    if not loose:
+        return True
+    now = _loose_ptrs(rows, loose)
+    if now == entry.loose:
+        return True
+    if not _apart(entry.spans, now):
+        return False
+    entry.loose = now
+    for g in entry.made.kernel:  # the recorded tables hold the old addresses: record anew
+        g.tape = Tape()
+    return True
 
 
 def _checked(made: Plan, check_aux: Callable[[torch.device | None], None] | None) -> Plan:

@@ -105,3 +105,13 @@ def test_direct_path_matches_the_fallback(dtype, out_dtype, inv):
         assert found.item() == float(not all(bool(t.isfinite().all()) for t in ref_out))  # flagged iff written inf
         for got, want in zip(dst, ref_out):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("guard", ["torch", "python"])
+def test_a_norm_accumulator_that_is_not_a_tensor_after_hits(monkeypatch, guard):
+    if guard == "python":
+        monkeypatch.setattr(_plan, "make_guard", _plan._PyGuard)
+    grads = [torch.ones(4), torch.ones(4)]
+    _armed(grads, 0.5, torch.zeros(1), sq_norm=torch.zeros(1))
+    with pytest.raises(TypeError, match="sq_norm must be a one-element"):
+        unscale_and_check(grads, 0.5, torch.zeros(1), sq_norm=1.0)

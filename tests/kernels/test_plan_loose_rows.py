@@ -114,3 +114,15 @@ def test_grads_that_are_their_own_params_stay_correct(backend):
         _plan.clear()
     for got, want in zip(params + ms + vs, ref_p + ref_m + ref_v):
         assert torch.equal(got, want)
+
+
+def test_a_grad_that_is_not_a_tensor_after_hits_gets_the_full_check(backend):
+    """The loose row is not read for addresses before the guard: a non-tensor there (the portable guard raises on
+    it) still gets the validation's TypeError."""
+    _, params, ms, vs = _rows(3)
+    for _ in range(3):
+        lamb_update(params, _fresh(3), ms, vs, [None] * 3, HP, torch.zeros(1), **KW)
+    grads = _fresh(3)
+    grads[2] = 0.5
+    with pytest.raises(TypeError, match=r"grads\[2\] is a float, not a torch.Tensor"):
+        lamb_update(params, grads, ms, vs, [None] * 3, HP, torch.zeros(1), **KW)
