@@ -24,9 +24,14 @@ tensor of another shape or dtype fails the guard. Entries hold integers, dtypes 
 never a user's tensor.
 
 The guard is built when a key is seen the second time (the second call validates again), so lists that never
-come back (gradients re-allocated at new addresses every step) do not pay for it. From then on a repeated call
-costs one ``data_ptr`` pass and one guard check per row (about 0.1-0.15 us per tensor on a
-CPU, measured in ``benchmarks/results/kernels_cpu.md``) plus O(groups) Python: no per-tensor Python loop.
+come back do not pay for it. From then on a repeated call costs one ``data_ptr`` pass and one guard check per row
+(about 0.1 us per tensor on a CPU, measured in ``benchmarks/results/kernels_cpu.md``) plus O(groups) Python: no
+per-tensor Python loop.
+
+Three refinements (docs/kernels.md, "Planner and plan cache"): ``aux`` tensors (a call's flag and scale) are checked
+on a miss and pinned by the guard; ``Spec.loose`` rows (an optimizer's grads, re-allocated every step) are left out
+of the key, and a hit re-checks only that they share no byte with a written tensor (:func:`_apart`); and inside
+:class:`vouched` a caller that has just checked the same lists' metadata with its own guard spares the planner's.
 """
 
 from __future__ import annotations
