@@ -77,7 +77,16 @@ __all__ = [
     "sgd_update",
     "unscale_and_check",
     "use_backend",
+    "vouched_rows",
 ]
+
+
+def vouched_rows(token: object, lists: list) -> object:
+    """``with vouched_rows(token, lists):``: the caller has just checked these lists' tensors against the guard
+    that ``token`` stands for, so the planner may skip its own (``fp16kit/kernels/_plan.py``, ``vouched``)."""
+    from . import _plan
+
+    return _plan.vouched(token, lists)
 
 
 def metadata_guard(tensors: list) -> object:

@@ -24,27 +24,34 @@ tensor of another shape or dtype fails the guard. Entries hold integers, dtypes 
 never a user's tensor.
 
 The guard is built when a key is seen the second time (the second call validates again), so lists that never
-come back (gradients re-allocated at new addresses every step) do not pay for it. From then on a repeated call
-costs one ``data_ptr`` pass and one guard check per row (about 0.1-0.15 us per tensor on a
-CPU, measured in ``benchmarks/results/kernels_cpu.md``) plus O(groups) Python: no per-tensor Python loop.
+come back do not pay for it. From then on a repeated call costs one ``data_ptr`` pass and one guard check per row
+(about 0.1 us per tensor on a CPU, measured in ``benchmarks/results/kernels_cpu.md``) plus O(groups) Python: no
+per-tensor Python loop.
+
+Three refinements (docs/kernels.md, "Planner and plan cache"): ``aux`` tensors (a call's flag and scale) are checked
+on a miss and pinned by the guard; ``Spec.loose`` rows (an optimizer's grads, re-allocated every step) are left out
+of the key, and a hit re-checks only that they share no byte with a written tensor (:func:`_apart`); and inside
+:class:`vouched` a caller that has just checked the same lists' metadata with its own guard spares the planner's.
 """
 
 from __future__ import annotations
 
 import operator
+import threading
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, pairwise
 from typing import Any
 
 import torch
 
-from ._checks import KERNEL_DTYPES, check_pairs, check_tensor_list, check_writes, common_device
+from ._checks import KERNEL_DTYPES, _extent, check_pairs, check_tensor_list, check_writes, common_device
 from ._table import Tape
 from .backend import Backend, select_backend
 
-__all__ = ["CACHE_SIZE", "Group", "Plan", "Spec", "clear", "plan", "stats"]
+__all__ = ["CACHE_SIZE", "Group", "Plan", "Spec", "clear", "plan", "stats", "vouched"]
 
 #: Plans kept by the LRU cache (one per distinct list of a model's call sites: a few dozen in practice).
 CACHE_SIZE = 256
@@ -65,7 +72,9 @@ class Spec:
     ``state_rows``: rows that must be fp32 for the kernels (optimizer state); ``optional``: a row that may hold
     ``None`` entries (model copies); ``keep_empty``: empty tensors go to the fallback (optimizer rows, a no-op
     there) instead of being dropped; ``math_key``: fallback groups are keyed by the math dtype of row 0 (float64
-    or float32) instead of the key rows' dtypes."""
+    or float32) instead of the key rows' dtypes; ``loose``: read rows whose addresses are not part of the cache
+    key (an optimizer's grads, re-allocated every step): a hit re-checks only that they overlap no written
+    tensor (the one fact of the validation that depends on their addresses; see the module docstring)."""
 
     fn: str
     names: tuple[str, ...]
@@ -75,6 +84,7 @@ class Spec:
     optional: int | None = None
     keep_empty: bool = False
     math_key: bool = False
+    loose: tuple[int, ...] = ()
 
 
 class Group:
@@ -169,7 +179,7 @@ def _pick_guard() -> Callable[[Sequence[torch.Tensor]], Any]:
 #: How guards are made (tests switch it to ``_PyGuard`` to cover the portable path too).
 make_guard: Callable[[Sequence[torch.Tensor]], Any] = _pick_guard()
 
-_cache: OrderedDict[tuple, tuple[Plan, Any]] = OrderedDict()
+_cache: OrderedDict[tuple, Any] = OrderedDict()
 
 
 def clear() -> None:
@@ -185,47 +195,207 @@ def _present(row: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
     return [t for t in row if t is not None]
 
 
-def plan(spec: Spec, rows: Sequence[Sequence[torch.Tensor | None]], extra: tuple | None = None) -> Plan:
+class _Entry:
+    """A cached plan, its guard (None until the key is seen again) and, for specs with loose rows, the loose
+    rows' addresses at the last hit and what the overlap test needs (:func:`_loose_spans`)."""
+
+    __slots__ = ("guard", "loose", "made", "spans", "token")
+
+    def __init__(self, made: Plan, guard: Any, loose: tuple | None, spans: tuple | None, token: object) -> None:
+        self.made, self.guard, self.loose, self.spans, self.token = made, guard, loose, spans, token
+
+
+_local = threading.local()
+
+
+class vouched:
+    """``with vouched(token, lists):`` the caller vouches that, in this thread and until the block ends, the
+    tensors in ``lists`` (the very list objects, compared by identity) have the metadata (dtype, shape, strides,
+    device, dispatch keys) that ``token`` stands for: it has just checked them with its own guard (an
+    optimizer's per-group verdict, ``fp16kit/optim/_base.py``). A plan for exactly those lists whose entry was
+    made or last guard-checked under the same token then skips its own metadata guard (the same tensors' metadata
+    checked twice per step); the address key and the loose-row test still run. ``token`` must be an object that
+    changes whenever the metadata it stands for changes (a new verdict object per full check)."""
+
+    __slots__ = ("lists", "prev", "token")
+
+    def __init__(self, token: object, lists: Sequence[Sequence[torch.Tensor | None]]) -> None:
+        self.token, self.lists = token, tuple(lists)
+
+    def __enter__(self) -> None:
+        self.prev = getattr(_local, "vouch", None)
+        _local.vouch = self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.vouch = self.prev
+
+
+def _vouch_token(rows: Sequence[Sequence[torch.Tensor | None]]) -> object:
+    v = getattr(_local, "vouch", None)
+    if v is None or len(rows) > len(v.lists) or not all(map(operator.is_, rows, v.lists)):
+        return None
+    return v.token
+
+
+def plan(
+    spec: Spec,
+    rows: Sequence[Sequence[torch.Tensor | None]],
+    extra: tuple | None = None,
+    aux: tuple[torch.Tensor, ...] = (),
+    aux_key: object = None,
+    check_aux: Callable[[torch.device | None], None] | None = None,
+) -> Plan:
     """The validated plan for ``rows`` (cached; see the module docstring).
 
     ``extra``: an optional per-position key (e.g. SGD's "first use of the momentum buffer" flags) that splits
     groups further; it is part of the cache key. Raises the validation errors of ``_checks`` on a miss; a list
     that is not a list or tuple is validated (and converted) every call.
+
+    ``aux``: the call's other tensor arguments (flags, scales), validated by ``check_aux(device)`` whenever the
+    plan is not a hit; their metadata joins the hit's guard, so a hit means they passed that check with the
+    same dtype, shape and device (``aux_key`` tells apart calls whose ``aux`` mean different arguments).
     """
     opt = spec.optional
     for r, row in enumerate(rows):
         if row.__class__ is not list and row.__class__ is not tuple and r != opt:
             check_tensor_list(spec.fn, spec.names[r], row)  # raises for a single tensor
-            return _make(spec, [list(x) for x in rows], extra)
+            return _checked(_make(spec, [list(x) for x in rows], extra), check_aux)
     first = rows[0]
     if not first and all(not row for row in rows):
-        return _EMPTY
+        return _checked(_EMPTY, check_aux)
+    loose = spec.loose
     try:
-        ptrs = tuple(
-            tuple(map(_data_ptr, row)) if r != opt else tuple(map(_ptr_or_none, row)) for r, row in enumerate(rows)
-        )
+        if loose:
+            ptrs = tuple(
+                len(row) if r in loose else tuple(map(_data_ptr, row) if r != opt else map(_ptr_or_none, row))
+                for r, row in enumerate(rows)
+            )
+        else:
+            ptrs = tuple(
+                tuple(map(_data_ptr, row)) if r != opt else tuple(map(_ptr_or_none, row))
+                for r, row in enumerate(rows)
+            )
         device = first[0].device
     except (TypeError, AttributeError, IndexError, RuntimeError):
         # Not tensors, unpaired rows, tensors without storage (sparse): the full checks say what is wrong
         # (and a valid list that has no addresses is planned every call, uncached).
-        return _make(spec, rows, extra)
+        return _checked(_make(spec, rows, extra), check_aux)
     backend = select_backend(device).backend
-    key = (spec, backend, extra, ptrs)
+    key = (spec, backend, extra, aux_key, ptrs)
     entry = _cache.get(key)
-    if entry is not None:
-        made, guard = entry
-        if guard is not None and guard.check(*_flat(rows, opt, ptrs)):
-            stats["hits"] += 1
-            return made
+    token = None if aux else _vouch_token(rows)
+    if entry is not None and entry.guard is not None:
+        try:
+            if _hit(entry, rows, opt, ptrs, aux, loose, token):
+                stats["hits"] += 1
+                return entry.made
+        except (TypeError, AttributeError, RuntimeError):
+            pass  # a loose row or an aux argument that is not a tensor (the portable guard raises): the full checks
     made = _make(spec, rows, extra, backend)
+    if check_aux is not None:
+        check_aux(made.device)
     # The guard (about 1 us per tensor to build) is made on the second sighting of a key: lists that never come
     # back (grads re-allocated at new addresses every step) pay the validation only.
-    guard = None if entry is None else make_guard(list(_flat(rows, opt, ptrs)))
-    _cache[key] = (made, guard)
+    guard = None if entry is None else make_guard([*_flat(rows, opt, ptrs), *aux])
+    if loose:
+        _cache[key] = _Entry(made, guard, _loose_ptrs(rows, loose), _loose_spans(spec, rows, made), token)
+    else:
+        _cache[key] = _Entry(made, guard, None, None, token)
     _cache.move_to_end(key)
     while len(_cache) > CACHE_SIZE:
         _cache.popitem(last=False)
     return made
+
+
+def _hit(entry: _Entry, rows: Sequence, opt: int | None, ptrs: tuple, aux: tuple, loose: tuple, token: object) -> bool:
+    """Does the cached entry (its key matched) hold for this call? The guard, or the caller's vouch under the
+    entry's token, for the metadata; for loose rows, their addresses unchanged or apart from every written span."""
+    if not ((token is not None and entry.token is token) or entry.guard.check(*_flat(rows, opt, ptrs), *aux)):
+        return False
+    if token is not None:
+        entry.token = token  # the guard passed, or vouched for by the same token: the metadata is the token's
+    if not loose:
+        return True
+    now = _loose_ptrs(rows, loose)
+    if now == entry.loose:
+        return True
+    if not _apart(entry.spans, now):
+        return False
+    entry.loose = now
+    for g in entry.made.kernel:  # the recorded tables hold the old addresses: record anew
+        g.tape = Tape()
+    return True
+
+
+def _checked(made: Plan, check_aux: Callable[[torch.device | None], None] | None) -> Plan:
+    if check_aux is not None:
+        check_aux(made.device)
+    return made
+
+
+def _loose_ptrs(rows: Sequence[Sequence[torch.Tensor | None]], loose: tuple[int, ...]) -> tuple:
+    return tuple(tuple(map(_data_ptr, rows[r])) for r in loose)
+
+
+#: Above this many tensors in a loose row, the overlap test runs as torch ops (a fixed ~10 us) instead of a
+#: Python loop (~0.15 us per tensor).
+_VECTOR_MIN = 64
+
+
+def _loose_spans(spec: Spec, rows: Sequence[Sequence[torch.Tensor | None]], made: Plan) -> tuple | None:
+    """What :func:`_apart` needs, from a validated call: the written tensors' byte spans sorted by start
+    (``None`` when two of them interleave, e.g. ``x[0::2]`` and ``x[1::2]``: then the test cannot bisect and
+    new loose addresses mean a full validation) and each loose tensor's byte extent (0 when empty). Extents
+    follow from sizes, strides and dtype, which the guard pins, so they hold for every later hit."""
+    if made.device is None:
+        return None
+    spans = []
+    for r in spec.written:
+        for t in rows[r]:
+            if t is not None and t.numel():
+                start = t.data_ptr()
+                spans.append((start, start + _extent(t) * t.element_size()))
+    spans.sort()
+    if any(a[1] > b[0] for a, b in pairwise(spans)):
+        return None
+    starts, ends = [s for s, _ in spans], [e for _, e in spans]
+    extents = tuple(tuple(_extent(t) * t.element_size() if t.numel() else 0 for t in rows[r]) for r in spec.loose)
+    vectors = None
+    if any(len(e) > _VECTOR_MIN for e in extents):
+        vectors = (
+            torch.tensor(starts, dtype=torch.int64),
+            torch.tensor(ends, dtype=torch.int64),
+            [torch.tensor(e, dtype=torch.int64) for e in extents],
+        )
+    return starts, ends, extents, vectors
+
+
+def _apart(spans: tuple | None, loose_ptrs: tuple) -> bool:
+    """No loose tensor (at its new address, with the extent the guard pinned) shares a byte with a written
+    tensor. The written spans are sorted and disjoint, so for a loose span ``[s, e)`` only the last written span
+    starting before ``e`` can reach into it. ``False`` means "run the full validation" (which names the
+    problem, or finds e.g. an exact in-place pair that the span test alone cannot tell apart)."""
+    if spans is None:
+        return False
+    starts, ends, extents, vectors = spans
+    if not starts:
+        return True
+    for r, (ptrs, ext) in enumerate(zip(loose_ptrs, extents)):
+        if len(ptrs) > _VECTOR_MIN:
+            w_start, w_end, exts = vectors
+            s = torch.tensor(ptrs, dtype=torch.int64)
+            e = s + exts[r]
+            j = torch.searchsorted(w_start, e).sub_(1)
+            hit = (j >= 0) & (w_end[j.clamp_(min=0)] > s) & (exts[r] > 0)
+            if hit.any():
+                return False
+            continue
+        for s, n in zip(ptrs, ext):
+            if n:
+                j = bisect_left(starts, s + n) - 1
+                if j >= 0 and ends[j] > s:
+                    return False
+    return True
 
 
 def _flat(rows: Sequence[Sequence[torch.Tensor | None]], opt: int | None, ptrs: tuple) -> Any:

@@ -133,7 +133,7 @@ def select_backend(device: torch.device) -> BackendChoice:
     """Choose the backend for tensors on ``device`` (see the module docstring for the rules)."""
     forced = _forced()
     if forced == "torch":
-        return BackendChoice(Backend.TORCH, "forced by FP16KIT_BACKEND=torch / use_backend('torch')")
+        return _FORCED_TORCH
     # The automatic choice depends only on the device type and on what Triton did at import, both fixed once triton
     # is imported: cached on them (this runs on every kernel call; uncached it cost ~4 us per call).
     key = (device.type, os.environ.get("TRITON_INTERPRET"), "triton.language" in sys.modules)
@@ -150,6 +150,7 @@ def select_backend(device: torch.device) -> BackendChoice:
 
 
 _AUTOMATIC: dict[tuple, BackendChoice] = {}
+_FORCED_TORCH = BackendChoice(Backend.TORCH, "forced by FP16KIT_BACKEND=torch / use_backend('torch')")
 
 
 def _automatic(device: torch.device) -> BackendChoice:

@@ -52,11 +52,12 @@ def _scatter(dst: torch.Tensor, group: _plan.Group, values: torch.Tensor) -> Non
         dst[index_tensor(group.idx, dst.device)] = values  # cached: no copy, no host sync per call
 
 
-def _bump(written: list[torch.Tensor]) -> None:
-    """Record an in-place write for autograd and caches (e.g. autocast's weight cache), as torch's own in-place
-    ops do: the Triton kernels write raw memory, which torch cannot see. Bumping twice is harmless, so the
-    torch fallback's writes (which bump already) are not told apart."""
-    torch.autograd.graph.increment_version(written)
+#: Record an in-place write for autograd and caches (e.g. autocast's weight cache), as torch's own in-place ops do:
+#: the Triton kernels write raw memory, which torch cannot see, and torch's fused unscale
+#: (``_amp_foreach_non_finite_check_and_unscale_``, the fallback's) bumps nothing either. Bumping twice is
+#: harmless, so writes by ops that bump already (``_foreach_copy_``) are not told apart. (The C function behind
+#: ``torch.autograd.graph.increment_version``, without its Python frame.)
+_bump = torch._C._increment_version
 
 
 def unscale_and_check(
@@ -103,20 +104,41 @@ def unscale_and_check(
     """
     fn = "unscale_and_check"
     tensors = _seq(fn, "tensors", tensors)
-    if out is None:
-        plan = _plan.plan(_UNSCALE, (tensors,))
+    rows = (tensors,) if out is None else (tensors, _seq(fn, "out", out))
+    if isinstance(found_inf, torch.Tensor):
+        # The flag and the scale are checked with the lists, on a miss; on a hit the guard pins their metadata.
+        scale_t = inv_scale if isinstance(inv_scale, torch.Tensor) else None
+        aux = (found_inf,) if scale_t is None else (found_inf, scale_t)
+        if sq_norm is not None:
+            aux += (sq_norm,)
+        plan = _plan.plan(
+            _UNSCALE if out is None else _UNSCALE_OUT,
+            rows,
+            aux=aux,
+            aux_key=(scale_t is None, sq_norm is None),
+            check_aux=lambda device: _check_unscale_args(found_inf, inv_scale, sq_norm, device),
+        )
     else:
-        out = _seq(fn, "out", out)
-        plan = _plan.plan(_UNSCALE_OUT, (tensors, out))
+        check_flag(fn, found_inf, None)  # raises: not a tensor
     device = plan.device
-    check_flag(fn, found_inf, device)
-    if sq_norm is not None:
-        check_flag(fn, sq_norm, device, name="sq_norm", float64_ok=True)
     if device is None:
         return
     inputs = tensors
-    outputs = tensors if out is None else out
+    outputs = rows[-1]
     with_norm = sq_norm is not None
+    if not plan.kernel and not with_norm and len(plan.rest) == 1 and not plan.neg_inputs:
+        direct = plan.rest[0].memo.get("direct")
+        if direct is None:
+            direct = plan.rest[0].memo["direct"] = _direct_unscale(inputs, outputs)
+        if direct:  # the common torch-backend call: torch's own fused op, nothing else per tensor
+            scale32 = _scale32(inv_scale, device)
+            if direct == "widen":
+                torch._foreach_copy_(list(outputs), list(inputs))  # exact widening
+            torch._amp_foreach_non_finite_check_and_unscale_(list(outputs), found_inf, scale32)
+            if fallback._may_overflow(scale32):  # a finite input can still overflow after the multiply
+                fallback.flag_nonfinite_(outputs, found_inf)
+            _bump([found_inf, *outputs])  # torch's fused unscale bumps no version (it writes behind autograd)
+            return
     if plan.neg_inputs:  # resolved into temporaries (new addresses every call): no recorded tables for them
         inputs = resolve_inputs(list(inputs))
     scale = _device_scalar(fn, "inv_scale", inv_scale, device)
@@ -143,6 +165,39 @@ def unscale_and_check(
     if sq_norm is not None and partials:
         sq_norm.add_(torch.cat(partials).sum().reshape(sq_norm.shape))  # float64 sum, one rounding into sq_norm
     _bump([found_inf, *outputs] if sq_norm is None else [found_inf, sq_norm, *outputs])
+
+
+def _check_unscale_args(
+    found_inf: torch.Tensor, inv_scale: float | torch.Tensor, sq_norm: torch.Tensor | None, device: torch.device | None
+) -> None:
+    fn = "unscale_and_check"
+    check_flag(fn, found_inf, device)
+    if isinstance(inv_scale, torch.Tensor):
+        check_scalar_tensor(fn, "inv_scale", inv_scale, device)
+    if sq_norm is not None:
+        check_flag(fn, sq_norm, device, name="sq_norm", float64_ok=True)
+
+
+def _direct_unscale(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> str:
+    """Can one fallback group (one dtype pair) run as torch's fused unscale alone? ``"in_place"`` (every pair the
+    same view, one dtype: fp32 math, a single rounding, as ``fallback.unscale`` does it), ``"widen"`` (no pair in
+    place, fp32 destinations: an exact widening copy first), else ``""`` (``fallback.unscale``). Depends on
+    addresses, layouts and dtypes only, so the plan's group remembers it."""
+    if inputs[0].dtype == torch.float64:
+        return ""
+    in_place = fallback.in_place_pairs(inputs, outputs)
+    if all(in_place) and outputs[0].dtype == inputs[0].dtype:
+        return "in_place"
+    if not any(in_place) and outputs[0].dtype == torch.float32:
+        return "widen"
+    return ""
+
+
+def _scale32(inv_scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``fp32(inv_scale)`` as a one-element tensor (no copy when it already is one)."""
+    if isinstance(inv_scale, torch.Tensor):
+        return inv_scale if inv_scale.dtype == torch.float32 else inv_scale.to(torch.float32)
+    return torch.full((1,), float(inv_scale), dtype=torch.float32, device=device)
 
 
 def l2norm(

@@ -56,7 +56,8 @@ def _spec(fn: str, names: tuple[str, ...], state: tuple[int, ...], with_models: 
     """The planner's description of an optimizer's rows: params (0) and grads (1) first, state rows (written,
     fp32 for the kernels), then the optional model copies (written; ``None`` entries allowed). Kernel groups are
     keyed by the param, grad and model dtypes, fallback groups by the math dtype; empty tensors go to the
-    fallback (a no-op there)."""
+    fallback (a no-op there). The grads are loose rows: a step with new grad tensors (``zero_grad(set_to_none=True)``
+    and a backward pass) still hits the cached plan when they fit it (``_plan.Spec.loose``)."""
     models = len(names) if with_models else None
     extra = () if models is None else (models,)
     return _plan.Spec(
@@ -68,6 +69,7 @@ def _spec(fn: str, names: tuple[str, ...], state: tuple[int, ...], with_models: 
         optional=models,
         keep_empty=True,
         math_key=True,
+        loose=(1,),
     )
 
 

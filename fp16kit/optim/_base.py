@@ -46,6 +46,7 @@ from fp16kit.kernels import (
     metadata_guard,
     new_found_inf,
     unscale_and_check,
+    vouched_rows,
 )
 
 from . import _checkpoint, _sharding
@@ -493,10 +494,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         unchecked_steps = [s.to(device, torch.float64) for s in unchecked_steps]
         bad_hp = F.bad_lr_flag([g["lr"] for g in self.param_groups] + unchecked_steps, device)
         skip = found_inf if bad_hp is None else torch.maximum(found_inf.reshape(1), bad_hp)
+        # The rows' tensors passed their group verdict's guard in _collect this step (eager, unsharded): the
+        # planner may take that for its own metadata guard on the same lists (fp16kit.kernels.vouched_rows).
+        verdicts = self.__dict__.get("_verdicts", {}) if shards is None and not torch.compiler.is_compiling() else {}
         for group, rows in zip(self.param_groups, all_rows):
             step = self._own_step(group, device)
             F.advance_step(step, skip)
-            self._update_group(group, rows, step, inv64, skip, grad_norm)
+            verdict = verdicts.get(id(group))
+            if verdict is None:
+                self._update_group(group, rows, step, inv64, skip, grad_norm)
+                continue
+            with vouched_rows(verdict, (rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models)):
+                self._update_group(group, rows, step, inv64, skip, grad_norm)
         if shards is not None:
             shards.finish(skip)
         if self.unscale_grads and getattr(self, "grad_scale", None) is not None:

@@ -108,9 +108,14 @@ def test_scale_below_one_flags_values_that_overflow_after_unscaling():
 
 # ----------------------------------------------------------------------------- the fast path is taken
 class Spy:
+    """Counts torch's op calls, general-path calls and checks of new gradients: a full check
+    (``_fast_path_grads``, also counted in ``full``) or a guard re-check of new addresses that passed
+    (``_ParamSet.refit``; the same addresses as last time are no re-check)."""
+
     def __init__(self, monkeypatch):
-        self.op_calls, self.general_calls, self.checks = 0, 0, 0
+        self.op_calls, self.general_calls, self.checks, self.full = 0, 0, 0, 0
         real_op, real_general, real_check = getattr(torch, OP), gs_module.unscale_and_check, gs_module._fast_path_grads
+        real_refit = gs_module._ParamSet.refit
 
         def op(*args, **kw):
             self.op_calls += 1
@@ -122,11 +127,19 @@ class Spy:
 
         def check(grads, pset):
             self.checks += 1
+            self.full += 1
             return real_check(grads, pset)
+
+        def refit(pset, grads):
+            before = pset.ptrs
+            ok = real_refit(pset, grads)
+            self.checks += ok and pset.ptrs is not before  # new addresses passed the span test (a re-check)
+            return ok
 
         monkeypatch.setattr(torch, OP, op)
         monkeypatch.setattr(gs_module, "unscale_and_check", general)
         monkeypatch.setattr(gs_module, "_fast_path_grads", check)
+        monkeypatch.setattr(gs_module._ParamSet, "refit", refit)
 
     def counts(self):
         out = (self.op_calls, self.general_calls, self.checks)
@@ -160,14 +173,53 @@ def test_fast_path_checks_once_then_reuses_the_plan(monkeypatch):
 
 
 def test_new_gradients_are_checked_and_stay_on_the_fast_path(monkeypatch):
+    """New gradients of the kinds that passed the full checks are re-checked by the guard (metadata in one call,
+    plus the no-shared-byte test on the new pointers), not property by property."""
     params, opt, scaler = setup()
+    unscale(scaler, opt)  # the first gradients get the full checks
     spy = Spy(monkeypatch)
     for _ in range(3):
         opt.zero_grad(set_to_none=True)  # new gradient tensors each iteration
         for p in params:
             p.grad = torch.full_like(p, 8.0)
         unscale(scaler, opt)
+        assert spy.full == 0
         assert spy.counts() == (1, 0, 1)
+    assert all(bool((p.grad == 1.0).all()) for p in params)
+
+
+@pytest.mark.parametrize("kind", ["alias", "partial", "dtype", "subclass", "neg"])
+def test_new_gradients_of_another_kind_get_the_full_check(monkeypatch, kind):
+    """After guard re-checks of new gradients, new ones that share memory (exactly or partly), have another dtype,
+    are a tensor subclass or a negative-bit view are not let through by the guard: the full check runs, and what
+    it rejects goes to the general path (with its error)."""
+    params, opt, scaler = setup()
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.full_like(p, 8.0)
+        unscale(scaler, opt)
+    spy = Spy(monkeypatch)
+    grads = [torch.full_like(p, 8.0) for p in params]
+    if kind == "alias":
+        grads[1] = grads[0]
+    elif kind == "partial":  # same shape and strides, one element shared
+        buf = torch.full((grads[0].numel() * 2,), 8.0)
+        grads[0], grads[1] = buf[: grads[0].numel()].view_as(grads[0]), buf[1 : grads[0].numel() + 1].view_as(grads[0])
+    elif kind == "subclass":
+        grads[0] = torch.nn.Parameter(grads[0], requires_grad=False)
+    elif kind == "neg":
+        grads[0] = torch.zeros(grads[0].shape, dtype=torch.complex64).conj().imag
+    for p, g in zip(params, grads):
+        p.grad = g
+    if kind == "dtype":  # (torch refuses a grad of another dtype by assignment, not through .data)
+        params[0].grad.data = grads[0].double()
+    if kind in ("alias", "partial", "neg"):
+        with pytest.raises(ValueError, match=r"same memory|overlap|negative-bit"):
+            unscale(scaler, opt)
+    else:
+        unscale(scaler, opt)
+        assert all(bool((p.grad == 1.0).all()) for p in params)
+    assert spy.full == 1  # (the negative bit is left to torch's op, which refuses it: then the general path)
 
 
 @pytest.mark.parametrize("change", ["dtype", "storage", "device", "strides", "alias", "expanded", "param_set"])
