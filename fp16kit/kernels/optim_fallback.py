@@ -635,17 +635,22 @@ def _grads_for(pb: list[torch.Tensor], grads: list[torch.Tensor], inv_scale: flo
     if inv_scale == 1.0 and clip == 1.0 and same:
         return grads
     flat, out = _scratch_views("grad", pb)
-    factor = inv_scale / clip
-    if same and factor != 1.0:
-        # One op per tensor (each op over a large tensor is a parallel region; on a loaded machine waking the
-        # worker threads costs more than the pass itself).
-        for dst, g in zip(out, grads):
-            torch.mul(g, factor, out=dst)
-        return out
-    torch._foreach_copy_(out, grads)  # exact widening conversion / gather of a non-contiguous layout
+    _scaled_into(flat, out, grads, inv_scale / clip)
+    return out
+
+
+def _scaled_into(flat: torch.Tensor, out: list[torch.Tensor], srcs: Sequence[torch.Tensor], factor: float) -> None:
+    """``out[i] = srcs[i] * factor`` rounded to the scratch dtype (``out`` are views tiling ``flat``), the same bits
+    either way: a lone tensor of that dtype in one op (each op over a large tensor is a parallel region; on a
+    loaded machine waking the worker threads costs more than the pass itself), else one ``_foreach_copy_`` (exact:
+    a widening conversion, or a gather of a non-contiguous layout) and one multiply over ``flat`` (a batch of many
+    small tensors: two calls instead of one per tensor)."""
+    if len(out) == 1 and factor != 1.0 and srcs[0].dtype == out[0].dtype:
+        torch.mul(srcs[0], factor, out=out[0])
+        return
+    torch._foreach_copy_(out, list(srcs))
     if factor != 1.0:
         flat.mul_(factor)
-    return out
 
 
 def _write_models(models: Sequence[torch.Tensor | None], rows: list[int], pb: list[torch.Tensor]) -> None:
@@ -720,8 +725,7 @@ def _lamb_fused(
             continue
         flat, buf = _scratch_views("update", pb)
         if wd != 0.0:
-            for b, q in zip(buf, pb):
-                torch.mul(q, -wd, out=b)
+            _scaled_into(flat, buf, pb, -wd)
         else:
             flat.zero_()
         torch._fused_adam_(

@@ -151,3 +151,19 @@ def test_the_torch_check_agrees_with_the_triton_interpreter(spec, inv, seed):
             flag_nonfinite(grads, torch.tensor([inv], dtype=torch.float32), flag)
         flags.append(float(flag))
     assert flags[0] == flags[1] == float(reference_flag(grads, inv))
+
+
+@pytest.mark.parametrize("partner", [0.0, 1.0, -2.0, float("inf"), float("nan")])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 1.0e30])
+def test_grads_checked_in_pairs(value, partner):
+    """Equal-sized fp32 grads are checked two at a time (one ``dot``): an inf/NaN in either raises the flag whatever
+    the other holds at that place (``inf * 0`` is NaN), a product that overflows with finite factors does not."""
+    n = 20000
+    a, b, c = torch.randn(n), torch.randn(n), torch.randn(n)  # a, b paired; c alone
+    for where in (0, 4321, n - 1):
+        x, y = a.clone(), b.clone()
+        x[where], y[where] = value, partner
+        for grads in ([x, y, c], [y, x, c]):
+            flag = new_found_inf("cpu")
+            flag_nonfinite(grads, torch.ones(1), flag)
+            assert float(flag) == float(reference_flag(grads, 1.0))
