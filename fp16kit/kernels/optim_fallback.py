@@ -20,7 +20,8 @@ averaging is on and there is no L2 term: the kernel runs with lr = 1 on a scratc
 (or 0) in place of the param, which leaves ``-u = -wd p - (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`` there;
 the per-tensor norms and ``p += ratio * buf`` follow. Both run batch by batch (``_BATCH`` elements: a batch's
 p, scaled grads and buffer stay in L2 between its passes) and write the model copies of a batch while it is
-in cache. The kernel computes its bias corrections from the step counter in float64 (``1 - beta**t``)
+in cache; Adam with nothing to copy (the caller's grads read as they are, no model copies) makes one call over
+the whole list instead. The kernel computes its bias corrections from the step counter in float64 (``1 - beta**t``)
 exactly as ``functional.py`` does; the path is taken only where they agree with ``hp64`` (else bias
 correction is off) and ``beta3 == 1 - beta1``. It is never given ``grad_scale``: torch's CPU kernel writes
 the unscaled grads back into ``grad`` (fp16kit leaves grads untouched), so a loss scale and a clip are
