@@ -164,6 +164,8 @@ def _sumsq32(tensors: Sequence[torch.Tensor]) -> list[float]:
     in float64) for the rest. A tensor converted in pieces sums the pieces' fp32 sums in float64. float64
     tensors (LAMB's trust ratio on float64 params) get float64 norms."""
     f32 = torch.float32
+    if tensors and all(t.dtype is f32 and t.numel() >= _DOT_MIN and t.is_contiguous() for t in tensors):  # common
+        return torch.stack([torch.dot(f, f) for f in (t.view(-1) for t in tensors)]).tolist()
     big, small, low = [], [], []
     for i, t in enumerate(tensors):
         if t.numel() < _DOT_MIN or not t.is_contiguous() or t.dtype is torch.float64:
@@ -712,6 +714,7 @@ def _lamb_fused(
     the step is ``p -= lr u``: the kernel runs on ``p`` itself with the learning rate, no buffer, no norms.
     ``scaling = (inv_scale, clip)``. Model copies are written per batch, from cache."""
     lr64, beta1, beta2, _, _, eps, *_ = fused.hp64.tolist()
+    with_models = any(m is not None for m in models)
     for rows in _batches(p):
         pb, mb, vb = [p[i] for i in rows], [exp_avgs[i] for i in rows], [exp_avg_sqs[i] for i in rows]
         gb = _grads_for(pb, [grads[i] for i in rows], *scaling)
@@ -721,8 +724,8 @@ def _lamb_fused(
                 pb, gb, mb, vb, [], steps,
                 lr=lr64, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
             )  # fmt: skip
-            bump_versions(pb, mb, vb)
-            _write_models(models, rows, pb)
+            if with_models:
+                _write_models(models, rows, pb)
             continue
         flat, buf = _scratch_views("update", pb)
         if wd != 0.0:
@@ -733,8 +736,9 @@ def _lamb_fused(
             buf, gb, mb, vb, [], steps,
             lr=1.0, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
         )  # fmt: skip
-        bump_versions(mb, vb)
         sq = _sumsq32(pb + buf)
         for q, b, pp, uu in zip(pb, buf, sq[: len(pb)], sq[len(pb) :]):
             q.add_(b, alpha=lr * math.sqrt(pp / uu) if pp != 0 and uu != 0 else lr)
-        _write_models(models, rows, pb)
+        if with_models:
+            _write_models(models, rows, pb)
+    bump_versions(exp_avgs, exp_avg_sqs, [] if trust else p)  # once (``add_`` bumps ``p`` itself)
