@@ -20,7 +20,8 @@ averaging is on and there is no L2 term: the kernel runs with lr = 1 on a scratc
 (or 0) in place of the param, which leaves ``-u = -wd p - (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`` there;
 the per-tensor norms and ``p += ratio * buf`` follow. Both run batch by batch (``_BATCH`` elements: a batch's
 p, scaled grads and buffer stay in L2 between its passes) and write the model copies of a batch while it is
-in cache. The kernel computes its bias corrections from the step counter in float64 (``1 - beta**t``)
+in cache; Adam with nothing to copy (the caller's grads read as they are, no model copies) makes one call over
+the whole list instead. The kernel computes its bias corrections from the step counter in float64 (``1 - beta**t``)
 exactly as ``functional.py`` does; the path is taken only where they agree with ``hp64`` (else bias
 correction is off) and ``beta3 == 1 - beta1``. It is never given ``grad_scale``: torch's CPU kernel writes
 the unscaled grads back into ``grad`` (fp16kit leaves grads untouched), so a loss scale and a clip are
@@ -163,6 +164,8 @@ def _sumsq32(tensors: Sequence[torch.Tensor]) -> list[float]:
     in float64) for the rest. A tensor converted in pieces sums the pieces' fp32 sums in float64. float64
     tensors (LAMB's trust ratio on float64 params) get float64 norms."""
     f32 = torch.float32
+    if tensors and all(t.dtype is f32 and t.numel() >= _DOT_MIN and t.is_contiguous() for t in tensors):  # common
+        return torch.stack([torch.dot(f, f) for f in (t.view(-1) for t in tensors)]).tolist()
     big, small, low = [], [], []
     for i, t in enumerate(tensors):
         if t.numel() < _DOT_MIN or not t.is_contiguous() or t.dtype is torch.float64:
@@ -283,7 +286,8 @@ def _second_moment(
 
 
 def _math(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    return [t.to(dtype) for t in tensors]
+    """The tensors in ``dtype``: themselves where they have it (``t.to`` would return ``t`` too, at ~1 us a call)."""
+    return [t if t.dtype is dtype else t.to(dtype) for t in tensors]
 
 
 def lamb_(
@@ -565,7 +569,7 @@ def _fused_takes(
     if p[0].device.type != "cpu" or dtype not in (torch.float32, torch.float64):
         return False
     tensors = (*p, *exp_avgs, *exp_avg_sqs)  # on one device: the callers validate that (functional.py)
-    return all(t.dtype is dtype for t in tensors) and all(map(torch.Tensor.is_contiguous, tensors))
+    return all(t.dtype is dtype and t.is_contiguous() for t in tensors)
 
 
 def bump_versions(*lists: Sequence[torch.Tensor | None]) -> None:
@@ -620,26 +624,36 @@ def _scratch_views(
     return flat, views
 
 
+def _reads_grads_as_they_are(p: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
+    """Can torch's fused kernel read these grads in place (the params' dtype, contiguous)?"""
+    return all(g.dtype == q.dtype and g.is_contiguous() for g, q in zip(grads, p))
+
+
 def _grads_for(pb: list[torch.Tensor], grads: list[torch.Tensor], inv_scale: float, clip: float) -> list[torch.Tensor]:
     """The kernel's grads for one batch: the caller's own where nothing is to be done (the kernel only reads
     them), else ``g * (inv_scale / clip)`` in the math dtype, in a scratch buffer (in cache): one rounding of
     the float64 factor to the math dtype and one of the product, the same count as the foreach path's
     ``(g * inv_scale) / clip`` (exact for a power-of-two scale, then a rounded divisor and the quotient)."""
-    same = all(g.dtype == q.dtype and g.is_contiguous() for g, q in zip(grads, pb))
+    same = _reads_grads_as_they_are(pb, grads)
     if inv_scale == 1.0 and clip == 1.0 and same:
         return grads
     flat, out = _scratch_views("grad", pb)
-    factor = inv_scale / clip
-    if same and factor != 1.0:
-        # One op per tensor (each op over a large tensor is a parallel region; on a loaded machine waking the
-        # worker threads costs more than the pass itself).
-        for dst, g in zip(out, grads):
-            torch.mul(g, factor, out=dst)
-        return out
-    torch._foreach_copy_(out, grads)  # exact widening conversion / gather of a non-contiguous layout
+    _scaled_into(flat, out, grads, inv_scale / clip)
+    return out
+
+
+def _scaled_into(flat: torch.Tensor, out: list[torch.Tensor], srcs: Sequence[torch.Tensor], factor: float) -> None:
+    """``out[i] = srcs[i] * factor`` rounded to the scratch dtype (``out`` are views tiling ``flat``), the same bits
+    either way: a lone tensor of that dtype in one op (each op over a large tensor is a parallel region; on a
+    loaded machine waking the worker threads costs more than the pass itself), else one ``_foreach_copy_`` (exact:
+    a widening conversion, or a gather of a non-contiguous layout) and one multiply over ``flat`` (a batch of many
+    small tensors: two calls instead of one per tensor)."""
+    if len(out) == 1 and factor != 1.0 and srcs[0].dtype == out[0].dtype:
+        torch.mul(srcs[0], factor, out=out[0])
+        return
+    torch._foreach_copy_(out, list(srcs))
     if factor != 1.0:
         flat.mul_(factor)
-    return out
 
 
 def _write_models(models: Sequence[torch.Tensor | None], rows: list[int], pb: list[torch.Tensor]) -> None:
@@ -662,10 +676,13 @@ def _adam_fused(
     decoupled: bool,
 ) -> None:
     """Adam/AdamW in torch's fused CPU kernel (``p`` contiguous, in place), batch by batch: a batch's scaled
-    grads (when they need a copy) and its model copies are written while its data is in cache."""
+    grads (when they need a copy) and its model copies are written while its data is in cache. With neither
+    (the kernel reads the caller's grads, no model copies) one call takes the whole list: batches would only
+    add per-call host work (74 calls instead of 1 on a BERT-base-shaped list)."""
     lr, beta1, beta2, _, _, eps, wd = fused.hp64.tolist()[:7]
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    for rows in _batches(p):
+    whole = inv_scale == 1.0 and _reads_grads_as_they_are(p, grads) and all(m is None for m in models)
+    for rows in [range(len(p))] if whole else _batches(p):
         pb, mb, vb = [p[i] for i in rows], [exp_avgs[i] for i in rows], [exp_avg_sqs[i] for i in rows]
         gb = _grads_for(pb, [grads[i] for i in rows], inv_scale, 1.0)
         kernel(
@@ -697,6 +714,7 @@ def _lamb_fused(
     the step is ``p -= lr u``: the kernel runs on ``p`` itself with the learning rate, no buffer, no norms.
     ``scaling = (inv_scale, clip)``. Model copies are written per batch, from cache."""
     lr64, beta1, beta2, _, _, eps, *_ = fused.hp64.tolist()
+    with_models = any(m is not None for m in models)
     for rows in _batches(p):
         pb, mb, vb = [p[i] for i in rows], [exp_avgs[i] for i in rows], [exp_avg_sqs[i] for i in rows]
         gb = _grads_for(pb, [grads[i] for i in rows], *scaling)
@@ -706,21 +724,21 @@ def _lamb_fused(
                 pb, gb, mb, vb, [], steps,
                 lr=lr64, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
             )  # fmt: skip
-            bump_versions(pb, mb, vb)
-            _write_models(models, rows, pb)
+            if with_models:
+                _write_models(models, rows, pb)
             continue
         flat, buf = _scratch_views("update", pb)
         if wd != 0.0:
-            for b, q in zip(buf, pb):
-                torch.mul(q, -wd, out=b)
+            _scaled_into(flat, buf, pb, -wd)
         else:
             flat.zero_()
         torch._fused_adam_(
             buf, gb, mb, vb, [], steps,
             lr=1.0, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
         )  # fmt: skip
-        bump_versions(mb, vb)
         sq = _sumsq32(pb + buf)
         for q, b, pp, uu in zip(pb, buf, sq[: len(pb)], sq[len(pb) :]):
             q.add_(b, alpha=lr * math.sqrt(pp / uu) if pp != 0 and uu != 0 else lr)
-        _write_models(models, rows, pb)
+        if with_models:
+            _write_models(models, rows, pb)
+    bump_versions(exp_avgs, exp_avg_sqs, [] if trust else p)  # once (``add_`` bumps ``p`` itself)

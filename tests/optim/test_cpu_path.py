@@ -342,3 +342,46 @@ def test_native_build_name_is_keyed_by_cpu_features(monkeypatch):
     monkeypatch.setattr(_cpu_native, "cpu_features", lambda: "x86_64|other cpu|avx avx2 avx512f")
     assert _cpu_native.build_name() != name
     assert _cpu_native.build_name().startswith("fp16kit_cpu_lamb_v")
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("master", [False, True])
+def test_adam_reads_the_caller_grads_in_one_kernel_call(scaled, master, monkeypatch):
+    """FusedAdam's fast path calls torch's kernel once per group when it reads the caller's grads as they are
+    and writes no model copies (batches would only add host work); with a scaled-grad copy or model copies to
+    write from cache it goes batch by batch. Within the float64-reference budgets either way."""
+    monkeypatch.setattr(optim_fallback, "_BATCH", 128)
+    dtype = torch.bfloat16 if master else torch.float32
+    params = make_params([(300,), (40, 9), (7,), (130,), (200,)], dtype, 3)
+    set_grads(params, 4)
+    opt = FusedAdam(two_groups(params), master_weights=master)
+    for k in range(2):
+        if scaled:
+            opt.grad_scale = torch.full((), 3.0)
+            opt.found_inf = torch.zeros(())
+        with kernel_calls() as calls:
+            adam_step_and_check(opt, adam_w_mode=True, inv_scale=1 / 3.0 if scaled else 1.0)
+        assert len(calls) == 2 if not (scaled or master) else len(calls) > 2
+        set_grads(params, 5 + k)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([1, 5, 64, 300]), min_size=1, max_size=5),
+    src_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    factor=st.sampled_from([1.0, -0.01, 2.0**-10, 1 / 3000.0, 0.3]),
+    transposed=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_scaled_scratch_copies_round_once(sizes, src_dtype, factor, transposed, seed):
+    """``_scaled_into`` (the scaled grads and LAMB's ``-wd p`` in scratch, one op per lone tensor, one copy and
+    one multiply for a batch of many): bit for bit ``fp32(src) * fp32(factor)`` rounded once, whichever way ran."""
+    gen = torch.Generator().manual_seed(seed)
+    srcs = [torch.randn(n, 2, generator=gen).to(src_dtype) for n in sizes]
+    if transposed:
+        srcs = [s.t().contiguous().t() for s in srcs]
+    flat, out = optim_fallback._scratch_views("test_scaled", [torch.empty(s.shape) for s in srcs])
+    optim_fallback._scaled_into(flat, out, srcs, factor)
+    f32 = torch.tensor(factor, dtype=torch.float32).double()
+    for o, s in zip(out, srcs):
+        assert torch.equal(o, (s.double() * f32).float()), "not one rounding of the exact product"
