@@ -190,11 +190,22 @@ def _desired() -> dict[str, tuple[_Entry, Any]]:
     return out
 
 
+#: key -> {aten base name: rule} of torch kernels that its autocast test lists leave out (read off
+#: aten/src/ATen/autocast_mode.cpp's CPU ``lower_precision_fp`` list; tests/amp/test_dispatch_engine.py checks each
+#: against torch's behaviour): without them an op where torch already agrees gets a Python kernel it does not need
+#: (scaled_dot_product_attention: one hop per attention call)
+_RULES_MISSING_FROM_TEST_LISTS: dict[str, dict[str, Rule]] = {
+    "AutocastCPU": {"scaled_dot_product_attention": Rule.LOW, "linalg_vecdot": Rule.LOW, "_convolution": Rule.LOW},
+    "AutocastCUDA": {},
+}
+
+
 @functools.cache
 def _torch_rules(key: str) -> dict[str, Rule]:
-    """aten base name -> the rule of torch's kernel on ``key``, from the installed torch's autocast test lists."""
+    """aten base name -> the rule of torch's kernel on ``key``, from the installed torch's autocast test lists (and
+    :data:`_RULES_MISSING_FROM_TEST_LISTS`)."""
     class_name, attrs = _LISTS[key]
-    rules: dict[str, Rule] = {}
+    rules: dict[str, Rule] = dict(_RULES_MISSING_FROM_TEST_LISTS[key])
     for attr, names in _torch_lists.torch_cuda_lists(class_name).items():
         rule = attrs.get(attr)
         if rule is None:

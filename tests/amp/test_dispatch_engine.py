@@ -60,6 +60,37 @@ def test_overrides_only_where_fp16kit_differs_from_torch():
     assert _kernel_source("aten::relu") == "fallthrough"  # an op neither casts is not touched
 
 
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_torch_cpu_kernels_missing_from_its_test_lists_are_known(low):
+    """The rules ``_dispatch`` adds to torch's test lists are torch's real behaviour (fp32 inputs come out in the
+    region's dtype, bit for bit the manual cast), so those ops keep torch's C++ kernel and no Python hop."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    a, b = torch.randn(4, 16), torch.randn(4, 16)
+    x, w = torch.randn(1, 2, 9), torch.randn(3, 2, 3)
+    calls = {
+        "scaled_dot_product_attention": (lambda: F.scaled_dot_product_attention(q, k, v),
+                                         lambda: F.scaled_dot_product_attention(q.to(low), k.to(low), v.to(low))),
+        "linalg_vecdot": (lambda: torch.linalg.vecdot(a, b), lambda: torch.linalg.vecdot(a.to(low), b.to(low))),
+        "_convolution": (
+            lambda: torch._convolution(x, w, None, [1], [0], [1], False, [0], 1, False, False, True),
+            lambda: torch._convolution(x.to(low), w.to(low), None, [1], [0], [1], False, [0], 1, False, False, True),
+        ),
+    }
+    assert set(calls) == set(D._RULES_MISSING_FROM_TEST_LISTS["AutocastCPU"])
+    D.uninstall()  # torch's own kernels only
+    for name, (call, manual) in calls.items():
+        with torch.autocast("cpu", dtype=low):
+            got = call()
+        assert got.dtype == low, name
+        assert torch.equal(got, manual()), name
+    with autocast(dtype=low):
+        pass  # installs the engine again
+    cpu = D.installed_ops("AutocastCPU")
+    assert "scaled_dot_product_attention" not in cpu and "linalg_vecdot" not in cpu
+    assert "_convolution.deprecated" not in cpu
+
+
 def test_rows_without_an_aten_op_are_listed():
     # Python composites: this engine sees their aten constituents only (docs/autocast.md says which still match)
     assert set(D.composite_rows()) == {
