@@ -29,9 +29,12 @@ IDS = ["fp16", "bf16"]
 
 @pytest.fixture(autouse=True)
 def dispatch_engine():
-    """This engine for the test; afterwards the engine the session runs (and, under the mode engine, no kernels)."""
+    """This engine for the test, installed afresh (kernels registered for earlier tables stay registered until
+    ``uninstall``, which the kernel-source checks below would see); afterwards the engine the session runs (and,
+    under the mode engine, no kernels)."""
     before = autocast_mode.engine()
     autocast_mode.set_engine("dispatch")
+    D.uninstall()
     D.install(autocast_mode.cast_args)
     yield
     autocast_mode.set_engine(before)
