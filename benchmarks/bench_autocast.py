@@ -64,7 +64,8 @@ def _paired(fns: dict[str, Callable[[], object]], iters: int, repeats: int) -> d
     """Seconds per call of each fn: the minimum over ``repeats`` rounds of ``iters`` calls, rounds interleaved
     (A B B A ...) so that load drift on a shared machine hits both sides alike. On a busy machine interference
     only ever adds time, so the minimum is the estimate of the intrinsic cost; the median is reported beside it.
-    Before each round (untimed) the engine state its column needs is set (:func:`_setup`)."""
+    Before each round (untimed) the engine state its column needs is set (:func:`_setup`) and three calls warm
+    the caches."""
     names = list(fns)
     for n, fn in fns.items():
         _setup(n)
@@ -75,6 +76,11 @@ def _paired(fns: dict[str, Callable[[], object]], iters: int, repeats: int) -> d
         for n in names if r % 2 == 0 else reversed(names):
             fn = fns[n]
             _setup(n)
+            # untimed calls after the state switch: (un)registering the engine's ~200 kernels leaves the caches
+            # cold, which the first calls of a short round would otherwise pay (measured: ~3% on the compiled MLP,
+            # whose forward hits none of the kernels)
+            for _ in range(3):
+                fn()
             t0 = _clock()
             for _ in range(iters):
                 fn()
