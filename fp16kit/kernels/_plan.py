@@ -265,16 +265,10 @@ def plan(
         return _checked(_EMPTY, check_aux)
     loose = spec.loose
     try:
-        if loose:
-            ptrs = tuple(
-                len(row) if r in loose else tuple(map(_data_ptr, row) if r != opt else map(_ptr_or_none, row))
-                for r, row in enumerate(rows)
-            )
-        else:
-            ptrs = tuple(
-                tuple(map(_data_ptr, row)) if r != opt else tuple(map(_ptr_or_none, row))
-                for r, row in enumerate(rows)
-            )
+        ptrs = tuple(
+            len(row) if r in loose else tuple(map(_data_ptr, row) if r != opt else map(_ptr_or_none, row))
+            for r, row in enumerate(rows)
+        )
         device = first[0].device
     except (TypeError, AttributeError, IndexError, RuntimeError):
         # Not tensors, unpaired rows, tensors without storage (sparse): the full checks say what is wrong
@@ -291,16 +285,12 @@ def plan(
                 return entry.made
         except (TypeError, AttributeError, RuntimeError):
             pass  # a loose row or an aux argument that is not a tensor (the portable guard raises): the full checks
-    made = _make(spec, rows, extra, backend)
-    if check_aux is not None:
-        check_aux(made.device)
+    made = _checked(_make(spec, rows, extra, backend), check_aux)
     # The guard (about 1 us per tensor to build) is made on the second sighting of a key: lists that never come
     # back (grads re-allocated at new addresses every step) pay the validation only.
     guard = None if entry is None else make_guard([*_flat(rows, opt, ptrs), *aux])
-    if loose:
-        _cache[key] = _Entry(made, guard, _loose_ptrs(rows, loose), _loose_spans(spec, rows, made), token)
-    else:
-        _cache[key] = _Entry(made, guard, None, None, token)
+    spans = _loose_spans(spec, rows, made) if loose else None
+    _cache[key] = _Entry(made, guard, _loose_ptrs(rows, loose) if loose else None, spans, token)
     _cache.move_to_end(key)
     while len(_cache) > CACHE_SIZE:
         _cache.popitem(last=False)

@@ -98,24 +98,47 @@ def _unscale_group(
     rounds once; into an fp32 destination, an exact widening copy then that in-place multiply. Otherwise
     (narrowing, float64 math whose scale must not be rounded to fp32, or when the unrounded squares are
     needed) the products are formed in the math dtype, then copied out."""
-    math = _math_dtype(inputs[0].dtype)
-    if in_place and outputs[0].dtype != inputs[0].dtype:
-        in_place = False  # e.g. a bf16 view of fp16 grads: the products must be formed before anything is written
-        widening = False
-    else:
-        widening = outputs[0].dtype == torch.float32 and math == torch.float32
-    if not with_norm and math == torch.float32 and (in_place or widening):
-        scale32 = inv_scale.to(torch.float32)
-        if not in_place:
-            torch._foreach_copy_(list(outputs), list(inputs))  # exact widening
-        torch._amp_foreach_non_finite_check_and_unscale_(list(outputs), found_inf, scale32)
-        if _may_overflow(scale32):  # a finite input can still overflow after the multiply
-            flag_nonfinite_(outputs, found_inf)
+    mode = "" if with_norm else fused_unscale_mode(inputs, outputs, [in_place])
+    if mode:
+        fused_unscale_(inputs, outputs, mode == "widen", inv_scale.to(torch.float32), found_inf)
         return None
     ys = scaled(inputs, inv_scale)
     torch._foreach_copy_(list(outputs), _narrowable(ys, outputs[0].dtype))
     flag_nonfinite_(outputs, found_inf)
     return sumsq_per_tensor(ys).sum().reshape(1) if with_norm else None
+
+
+def fused_unscale_mode(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], in_place: list[bool]) -> str:
+    """Can these pairs (one dtype pair; ``in_place``: :func:`in_place_pairs`) run as torch's fused unscale
+    (:func:`fused_unscale_`)? ``"in_place"`` (every pair the same view, one dtype, fp32 math), ``"widen"`` (no pair
+    in place, fp32 math into fp32 destinations), else ``""``: a mixed list, a narrowing (a bf16 view of fp16 grads:
+    the products must be formed before anything is written) or float64 math, whose scale must not be rounded to
+    fp32. Depends on addresses, layouts and dtypes only, so a caller may remember it with its plan."""
+    if _math_dtype(inputs[0].dtype) != torch.float32:
+        return ""
+    if all(in_place) and outputs[0].dtype == inputs[0].dtype:
+        return "in_place"
+    if not any(in_place) and outputs[0].dtype == torch.float32:
+        return "widen"
+    return ""
+
+
+def fused_unscale_(
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    widen: bool,
+    scale32: torch.Tensor,
+    found_inf: torch.Tensor,
+) -> None:
+    """The pairs :func:`fused_unscale_mode` accepts: ``_amp_foreach_non_finite_check_and_unscale_`` multiplies in
+    fp32 (opmath) and rounds once, after an exact widening copy when ``widen``; the flag also rises where a finite
+    input overflows only after the multiply. ``scale32``: fp32, one element. Bumps no version (torch's op does
+    not)."""
+    if widen:
+        torch._foreach_copy_(list(outputs), list(inputs))  # exact widening
+    torch._amp_foreach_non_finite_check_and_unscale_(list(outputs), found_inf, scale32)
+    if _may_overflow(scale32):  # a finite input can still overflow after the multiply
+        flag_nonfinite_(outputs, found_inf)
 
 
 def sumsq_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

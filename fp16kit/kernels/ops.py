@@ -129,14 +129,10 @@ def unscale_and_check(
     if not plan.kernel and not with_norm and len(plan.rest) == 1 and not plan.neg_inputs:
         direct = plan.rest[0].memo.get("direct")
         if direct is None:
-            direct = plan.rest[0].memo["direct"] = _direct_unscale(inputs, outputs)
+            in_place = fallback.in_place_pairs(inputs, outputs)
+            direct = plan.rest[0].memo["direct"] = fallback.fused_unscale_mode(inputs, outputs, in_place)
         if direct:  # the common torch-backend call: torch's own fused op, nothing else per tensor
-            scale32 = _scale32(inv_scale, device)
-            if direct == "widen":
-                torch._foreach_copy_(list(outputs), list(inputs))  # exact widening
-            torch._amp_foreach_non_finite_check_and_unscale_(list(outputs), found_inf, scale32)
-            if fallback._may_overflow(scale32):  # a finite input can still overflow after the multiply
-                fallback.flag_nonfinite_(outputs, found_inf)
+            fallback.fused_unscale_(inputs, outputs, direct == "widen", _scale32(inv_scale, device), found_inf)
             _bump([found_inf, *outputs])  # torch's fused unscale bumps no version (it writes behind autograd)
             return
     if plan.neg_inputs:  # resolved into temporaries (new addresses every call): no recorded tables for them
@@ -176,21 +172,6 @@ def _check_unscale_args(
         check_scalar_tensor(fn, "inv_scale", inv_scale, device)
     if sq_norm is not None:
         check_flag(fn, sq_norm, device, name="sq_norm", float64_ok=True)
-
-
-def _direct_unscale(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> str:
-    """Can one fallback group (one dtype pair) run as torch's fused unscale alone? ``"in_place"`` (every pair the
-    same view, one dtype: fp32 math, a single rounding, as ``fallback.unscale`` does it), ``"widen"`` (no pair in
-    place, fp32 destinations: an exact widening copy first), else ``""`` (``fallback.unscale``). Depends on
-    addresses, layouts and dtypes only, so the plan's group remembers it."""
-    if inputs[0].dtype == torch.float64:
-        return ""
-    in_place = fallback.in_place_pairs(inputs, outputs)
-    if all(in_place) and outputs[0].dtype == inputs[0].dtype:
-        return "in_place"
-    if not any(in_place) and outputs[0].dtype == torch.float32:
-        return "widen"
-    return ""
 
 
 def _scale32(inv_scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
