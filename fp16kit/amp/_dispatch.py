@@ -95,8 +95,9 @@ class _State:
     """What ``cast_args`` reads from the region: its dtype (the marker's, read at call time) and no weight cache
     (torch's own C++ cache serves the LOW ops torch does; fp16kit's overrides cast with ``Tensor.to``)."""
 
+    #: torch's C++ weight cache (``torch.clear_autocast_cache``) is the one in use, so ``cast_all`` never asks this
+    #: state for a cached cast, and the region state's ``cache`` (what ``active_mode().cache`` shows) stays empty
     cache_enabled = False
-    #: always empty: torch's C++ weight cache (``torch.clear_autocast_cache``) is the one in use
     cache: ClassVar[dict[int, Any]] = {}
 
     @property
@@ -106,9 +107,6 @@ class _State:
     @property
     def enabled(self) -> bool:
         return torch.is_autocast_enabled(MARKER)
-
-    def _cached_cast(self, a: torch.Tensor, to: torch.dtype) -> torch.Tensor:
-        return a.to(to)
 
 
 STATE = _State()
