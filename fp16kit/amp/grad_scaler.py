@@ -170,7 +170,7 @@ class _ParamSet:
         ptrs = list(map(_DATA_PTR, grads))
         if ptrs == self.ptrs:
             return True
-        if not all(map(operator.le, sorted(map(operator.add, ptrs, self.sizes)), sorted(ptrs)[1:])):
+        if not _spans_disjoint(ptrs, self.sizes):
             return False  # shared memory: the full checks (then the general path) decide
         self.ptrs = ptrs
         return True
@@ -190,6 +190,13 @@ def _cpu_scalar_at_most_one(t: torch.Tensor) -> bool:
     return abs(float(t)) <= 1.0
 
 
+def _spans_disjoint(ptrs: list[int], sizes: list[int]) -> bool:
+    """Are the non-empty byte spans ``[ptrs[i], ptrs[i] + sizes[i])`` pairwise disjoint? Without building pairs: they
+    are iff the i-th smallest end is at most the (i+1)-th smallest start for every i (at any address, at most one
+    span has started and not ended). C-level passes only."""
+    return all(map(operator.le, sorted(map(operator.add, ptrs, sizes)), sorted(ptrs)[1:]))
+
+
 def _fast_path_grads(grads: list[torch.Tensor], pset: _ParamSet) -> bool:
     """Do the gradients qualify for the fast path? If so, record them in ``pset``. They qualify when they are plain
     strided (see below) CPU tensors of a fast dtype, contiguous (no internal overlap), non-empty, no two sharing a
@@ -200,7 +207,7 @@ def _fast_path_grads(grads: list[torch.Tensor], pset: _ParamSet) -> bool:
     fast"), and the negative bit (torch's op refuses such a list before writing anything, and the caller then takes
     the general path, whose error names it). Disjointness without building pairs: the spans ``[start, end)``
     (non-empty) are pairwise disjoint iff the i-th smallest end is at most the (i+1)-th smallest start for every i
-    (at any address, at most one span has started and not ended).
+    (:func:`_spans_disjoint`).
     """
     if set(map(type, grads)) != {_TENSOR}:
         return False  # (checked first: a wrapper subclass has no data pointer)
@@ -210,7 +217,7 @@ def _fast_path_grads(grads: list[torch.Tensor], pset: _ParamSet) -> bool:
     ptrs, sizes = list(map(_DATA_PTR, grads)), list(map(_NBYTES, grads))
     if 0 in sizes:
         return False  # an empty tensor has no span to compare (it may sit inside another's): the general path
-    if not all(map(operator.le, sorted(map(operator.add, ptrs, sizes)), sorted(ptrs)[1:])):
+    if not _spans_disjoint(ptrs, sizes):
         return False  # shared memory: the general path decides (and raises)
     pset.grad_ids, pset.ptrs, pset.sizes, pset.dtypes = list(map(id, grads)), ptrs, sizes, dtypes
     pset.saw_fp16 = _F16 in dtypes
