@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -52,11 +53,13 @@ __all__ = [
     "region",
     "region_active",
     "uninstall",
+    "wrapped_functions",
 ]
 
 #: the autocast device type whose enabled state marks an fp16kit region (no CPU/CUDA tensor dispatches through it)
 MARKER = "mtia"
 _DK = torch._C.DispatchKey
+_CUDA = torch.cuda.is_available()
 #: dispatch key -> the device type of torch.autocast that drives it
 KEYS: dict[str, str] = {"AutocastCPU": "cpu", "AutocastCUDA": "cuda"}
 #: a dispatch key's torch lists: (class in autocast_test_lists.py, list attribute -> rule)
@@ -301,8 +304,112 @@ def _make_kernel(key: str, name: str) -> Callable[..., Any]:
     return kernel
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Python-level rows: the functions of torch.nn.functional the engine wraps
+# ----------------------------------------------------------------------------------------------------------------
+
+#: every autocast key this engine drives, excluded while a wrapped function runs under its row
+_ALL_KEYS = torch._C.DispatchKeySet(_DK.AutocastCPU) | torch._C.DispatchKeySet(_DK.AutocastCUDA)
+#: name in ``torch.nn.functional`` -> the original function, for each function wrapped by :func:`_wrap_functional`
+_WRAPPED: dict[str, Callable[..., Any]] = {}
+#: id(original function) -> its live row ``(rule, inplace, row)``, for the wrapped functions that have one
+_FUNCTIONAL_ROWS: dict[int, tuple[Any, bool, str]] = {}
+_is_compiling = torch.compiler.is_compiling
+
+
+def _functional_rows() -> list[Callable[..., Any]]:
+    """The rows of the live table to apply at the Python level: Python functions of ``torch.nn.functional`` (what
+    ``nn`` modules call, by attribute) that either reach no aten op of their own name (composites: ``F.interpolate``,
+    ``F.local_response_norm``; the aten level cannot give the row's dtype and bits) or whose aten op has an override
+    kernel on some key (``F.layer_norm``, ``F.softmax``: the call would cost a C++ -> Python hop there, 5-25 us in a
+    model's forward, where the wrapper costs one Python call)."""
+    F = torch.nn.functional
+    overridden = {name.partition(".")[0] for live in _LIVE.values() for name, (entry, _fn) in live.items()
+                  if entry is not AS_CALLED}
+    out = []
+    for fn in policy.RESOLVED:
+        name = getattr(fn, "__name__", None)
+        if not isinstance(fn, types.FunctionType) or not isinstance(name, str):
+            continue
+        current = getattr(F, name, None)
+        if getattr(current, "__fp16kit_wrapped__", current) is not fn:
+            continue
+        bases = _aten_bases(fn)
+        if not bases or any(base in overridden for base in bases):
+            out.append(fn)
+    return out
+
+
+@contextlib.contextmanager
+def _autocast_off() -> Iterator[None]:
+    """Torch's autocast off on the engine's devices (the marker stays on): under ``torch.compile`` the traceable form of
+    excluding the autocast keys, so that a wrapped function's internals run as called there too."""
+    with torch.autocast("cpu", enabled=False):
+        if _CUDA:
+            with torch.autocast("cuda", enabled=False):
+                yield
+        else:
+            yield
+
+
+def _functional_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under its live row inside an fp16kit region: the inputs cast by ``cast_args`` (as the mode engine does
+    for this callable), then ``fn`` run with torch's autocast keys excluded (eager) or its autocast off (compiled, which
+    Dynamo traces), so its internals run as called and no override kernel is hopped through. Outside a region, or in
+    a disabled one, ``fn`` runs as called. The row is read from :data:`_FUNCTIONAL_ROWS` by ``id``: under compile
+    Dynamo then guards one int key (the mode engine's ``_DISPATCH`` does the same, for the same reason)."""
+    cast_args = _CAST_ARGS[0]
+    rows = _FUNCTIONAL_ROWS
+    key = id(fn)
+    enabled = torch.is_autocast_enabled
+    guard = torch._C._ExcludeDispatchKeyGuard
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if enabled(MARKER):
+            entry = rows.get(key)
+            if entry is not None:
+                args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
+                if _is_compiling():
+                    with _autocast_off():
+                        return fn(*args, **kwargs)
+                with guard(_ALL_KEYS):
+                    return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    wrapper.__fp16kit_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_functional() -> None:
+    """Wrap the functions :func:`_functional_rows` names (once each) and refresh the rows the wrappers read."""
+    F = torch.nn.functional
+    for fn in _functional_rows():
+        if fn.__name__ not in _WRAPPED:
+            _WRAPPED[fn.__name__] = fn
+            setattr(F, fn.__name__, _functional_wrapper(fn))
+    _FUNCTIONAL_ROWS.clear()
+    _FUNCTIONAL_ROWS.update((id(fn), policy.RESOLVED[fn]) for fn in _WRAPPED.values() if fn in policy.RESOLVED)
+
+
+def _unwrap_functional() -> None:
+    """Put the original functions back (where the attribute is still our wrapper)."""
+    F = torch.nn.functional
+    for name, fn in _WRAPPED.items():
+        if getattr(getattr(F, name, None), "__fp16kit_wrapped__", None) is fn:
+            setattr(F, name, fn)
+    _WRAPPED.clear()
+    _FUNCTIONAL_ROWS.clear()
+
+
+def wrapped_functions() -> list[str]:
+    """The names in ``torch.nn.functional`` this engine has wrapped (empty before :func:`install`)."""
+    return sorted(_WRAPPED)
+
+
 def _refresh() -> None:
-    """Recompute the plan of every key and register kernels for ops that gained an override."""
+    """Recompute the plan of every key, register kernels for ops that gained an override, and wrap the Python-level
+    rows that need it."""
     if not _CAST_ARGS:
         return
     for key in KEYS:
@@ -317,6 +424,7 @@ def _refresh() -> None:
                 _REGISTERED[key].add(name)
         _LIVE[key].clear()
         _LIVE[key].update(new)
+    _wrap_functional()
 
 
 _LISTENING: list[bool] = []
@@ -340,6 +448,7 @@ def install(cast_args: Callable[..., Any]) -> None:
 def uninstall() -> None:
     """Remove every override kernel: torch's own kernels are back on their keys (plain ``torch.autocast`` code
     then pays nothing for this engine). The next region of this engine installs them again."""
+    _unwrap_functional()
     for lib in _LIBS.values():
         lib._destroy()
     _LIBS.clear()
@@ -353,8 +462,6 @@ def installed_ops(key: str = "AutocastCPU") -> dict[str, tuple[_Entry, Any]]:
     """The live plan for ``key`` (empty before :func:`install`)."""
     return dict(_LIVE[key])
 
-
-_CUDA = torch.cuda.is_available()
 
 
 @contextlib.contextmanager

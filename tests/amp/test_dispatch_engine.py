@@ -178,6 +178,104 @@ def test_uninstall_gives_torch_its_kernels_back():
         assert torch.softmax(torch.randn(2, 2).bfloat16(), -1).dtype == torch.float32
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Python-level rows: the wrapped functions of torch.nn.functional
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _composites(y: torch.Tensor) -> list[torch.Tensor]:
+    """The four rows whose aten constituents do not give the row's dtype and bits (all FP32), on ``y`` (32 values)."""
+    img = y.reshape(1, 2, 4, 4)
+    grid = (y[:18] / 4).reshape(1, 3, 3, 2)
+    return [
+        F.interpolate(img, scale_factor=2, mode="bilinear"),
+        F.grid_sample(img, grid, align_corners=False),
+        F.local_response_norm(img, 2),
+        F.multilabel_soft_margin_loss(y.reshape(4, 8), (y.reshape(4, 8) > 0).to(y.dtype)),
+    ]
+
+
+def test_python_level_rows_are_wrapped_while_installed():
+    originals = {name: getattr(F, name) for name in D.wrapped_functions()}
+    assert {"interpolate", "grid_sample", "local_response_norm", "multilabel_soft_margin_loss", "layer_norm",
+            "softmax"} <= set(originals)
+    assert "linear" not in originals and "relu" not in originals  # a builtin; a function without a row
+    for name, wrapper in originals.items():
+        assert getattr(wrapper.__fp16kit_wrapped__, "__name__", None) == name
+    D.uninstall()
+    assert D.wrapped_functions() == []
+    for name, wrapper in originals.items():
+        assert getattr(F, name) is wrapper.__fp16kit_wrapped__  # the original is back
+
+
+@pytest.mark.parametrize("low", LOW, ids=IDS)
+def test_composite_rows_follow_the_table(low):
+    torch.manual_seed(0)
+    y = torch.randn(32).to(low)
+    with autocast(dtype=low):
+        got = _composites(y)
+        with disable_casts():
+            manual = _composites(y.float())
+    for g, m in zip(got, manual):
+        assert_bitwise_equal(g, m)  # dtype fp32 and the fp32 computation's bits
+    with torch.autocast("cpu", dtype=low):  # outside an fp16kit region: torch's behaviour (as called)
+        assert _composites(y)[0].dtype == low
+
+
+def test_a_wrapped_function_hops_through_no_kernel():
+    live = D._LIVE["AutocastCPU"]
+    real = live["layer_norm"]
+    hops: list[int] = []
+
+    class Spy:  # the kernel unpacks its live entry: count that
+        def __iter__(self):
+            hops.append(1)
+            return iter(real)
+
+    live["layer_norm"] = Spy()
+    try:
+        y = torch.randn(4, 8).bfloat16()
+        with autocast(dtype=torch.bfloat16):
+            assert F.layer_norm(y, (8,)).dtype == torch.float32
+            assert torch.nn.LayerNorm(8)(y).dtype == torch.float32
+            assert not hops
+            assert torch.layer_norm(y, (8,)).dtype == torch.float32  # the builtin reaches the aten kernel
+            assert hops
+    finally:
+        live["layer_norm"] = real
+
+
+def test_a_wrapped_function_reads_the_live_row():
+    y = torch.randn(4, 8).bfloat16()
+    with autocast(dtype=torch.bfloat16):
+        with policy_override({"layer_norm": None, "interpolate": "low"}):
+            assert F.layer_norm(y, (8,)).dtype == torch.bfloat16  # absent: as called
+            assert F.interpolate(y.float().reshape(1, 4, 8), scale_factor=2).dtype == torch.bfloat16
+        assert F.layer_norm(y, (8,)).dtype == torch.float32
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("low", LOW, ids=IDS)
+def test_wrapped_functions_compiled_equal_eager(low):
+    torch.manual_seed(0)
+    y = torch.randn(32).to(low)
+
+    def inside(y):
+        with autocast(dtype=low):
+            return _composites(y), F.layer_norm(y.reshape(4, 8), (8,))
+
+    def bare(y):
+        return _composites(y), F.layer_norm(y.reshape(4, 8), (8,))
+
+    eager = inside(y)
+    compiled = torch.compile(inside, backend="aot_eager", fullgraph=True)(y)
+    with autocast(dtype=low):
+        compiled_outside = torch.compile(bare, backend="aot_eager", fullgraph=True)(y)
+    for got in (compiled, compiled_outside):
+        for g, e in zip([*got[0], got[1]], [*eager[0], eager[1]]):
+            assert_bitwise_equal(g, e)
+
+
 def test_set_engine_refuses_inside_a_region():
     with autocast(dtype=torch.float16), pytest.raises(RuntimeError, match="cannot switch engines"):
         autocast_mode.set_engine("mode")
