@@ -355,26 +355,34 @@ def _autocast_off() -> Iterator[None]:
 def _functional_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` under its live row inside an fp16kit region: the inputs cast by ``cast_args`` (as the mode engine does
     for this callable), then ``fn`` run with torch's autocast keys excluded (eager) or its autocast off (compiled, which
-    Dynamo traces), so its internals run as called and no override kernel is hopped through. Outside a region, or in
-    a disabled one, ``fn`` runs as called. The row is read from :data:`_FUNCTIONAL_ROWS` by ``id``: under compile
-    Dynamo then guards one int key (the mode engine's ``_DISPATCH`` does the same, for the same reason)."""
+    Dynamo traces), so its internals run as called and no override kernel is hopped through. Outside a region, in a
+    disabled one, or inside another wrapped function's call (its internals run as called, wrapped functions among
+    them, as under the mode engine), ``fn`` runs as called. The row is read from :data:`_FUNCTIONAL_ROWS` by ``id``:
+    under compile Dynamo then guards one int key (the mode engine's ``_DISPATCH`` does the same, for the same
+    reason)."""
     cast_args = _CAST_ARGS[0]
     rows = _FUNCTIONAL_ROWS
     key = id(fn)
     enabled = torch.is_autocast_enabled
     guard = torch._C._ExcludeDispatchKeyGuard
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+    cpu_key = _DK.AutocastCPU
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if enabled(MARKER):
+        # an fp16kit region turns CPU autocast on with the marker; inside a wrapped call it is off (compiled) or its
+        # key excluded (eager)
+        if enabled(MARKER) and enabled("cpu"):
             entry = rows.get(key)
             if entry is not None:
-                args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
                 if _is_compiling():
+                    args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
                     with _autocast_off():
                         return fn(*args, **kwargs)
-                with guard(_ALL_KEYS):
-                    return fn(*args, **kwargs)
+                if not excluded(cpu_key):
+                    args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
+                    with guard(_ALL_KEYS):
+                        return fn(*args, **kwargs)
         return fn(*args, **kwargs)
 
     wrapper.__fp16kit_wrapped__ = fn  # type: ignore[attr-defined]

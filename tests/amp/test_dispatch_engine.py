@@ -255,6 +255,26 @@ def test_a_wrapped_function_reads_the_live_row():
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
+def test_a_wrapped_function_inside_another_runs_as_called():
+    # F.interpolate(mode="area") calls F.adaptive_avg_pool2d: with a LOW row of its own that one is wrapped too, but
+    # inside interpolate's FP32 call it runs as called (fp32), as under the mode engine
+    y = torch.randn(1, 2, 4, 4).bfloat16()
+
+    def area(y):
+        return F.interpolate(y, size=(2, 2), mode="area"), F.adaptive_avg_pool2d(y.float(), 2)
+
+    with autocast(dtype=torch.bfloat16), policy_override({"torch.nn.functional.adaptive_avg_pool2d": "low"}):
+        assert "adaptive_avg_pool2d" in D.wrapped_functions()
+        got, alone = area(y)
+        compiled, compiled_alone = torch.compile(area, backend="aot_eager", fullgraph=True)(y)
+        with disable_casts():
+            manual = F.interpolate(y.float(), size=(2, 2), mode="area")
+    assert_bitwise_equal(got, manual)
+    assert_bitwise_equal(compiled, manual)
+    assert alone.dtype == compiled_alone.dtype == torch.bfloat16  # called alone, its own row applies
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("low", LOW, ids=IDS)
 def test_wrapped_functions_compiled_equal_eager(low):
     torch.manual_seed(0)
