@@ -359,34 +359,49 @@ def _functional_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
     disabled one, or inside another wrapped function's call (its internals run as called, wrapped functions among
     them, as under the mode engine), ``fn`` runs as called. The row is read from :data:`_FUNCTIONAL_ROWS` by ``id``:
     under compile Dynamo then guards one int key (the mode engine's ``_DISPATCH`` does the same, for the same
-    reason)."""
-    cast_args = _CAST_ARGS[0]
-    rows = _FUNCTIONAL_ROWS
-    key = id(fn)
-    enabled = torch.is_autocast_enabled
-    guard = torch._C._ExcludeDispatchKeyGuard
-    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
-    cpu_key = _DK.AutocastCPU
+    reason).
 
-    @functools.wraps(fn)
+    TorchScript: ``torch.jit.script`` compiles a function it meets from its source (``inspect`` follows
+    ``__wrapped__`` to ``fn``'s) and resolves the source's free names in the function's globals and closure. So the
+    wrapper is made with ``fn``'s globals, and its body reads only closure variables named ``_fp16kit_*``, which
+    no torch source uses: scripting then compiles ``fn`` itself, as it would without the engine."""
+    return _wrapper_factory(
+        _fp16kit_fn=fn, _fp16kit_cast_args=_CAST_ARGS[0], _fp16kit_rows=_FUNCTIONAL_ROWS, _fp16kit_key=id(fn),
+        _fp16kit_enabled=torch.is_autocast_enabled, _fp16kit_marker=MARKER, _fp16kit_compiling=_is_compiling,
+        _fp16kit_state=STATE, _fp16kit_off=_autocast_off, _fp16kit_guard=torch._C._ExcludeDispatchKeyGuard,
+        _fp16kit_keys=_ALL_KEYS, _fp16kit_excluded=torch._C._dispatch_tls_is_dispatch_key_excluded,
+        _fp16kit_cpu_key=_DK.AutocastCPU,
+    )
+
+
+def _wrapper_factory(
+    _fp16kit_fn: Any, _fp16kit_cast_args: Any, _fp16kit_rows: Any, _fp16kit_key: int, _fp16kit_enabled: Any,
+    _fp16kit_marker: str, _fp16kit_compiling: Any, _fp16kit_state: Any, _fp16kit_off: Any, _fp16kit_guard: Any,
+    _fp16kit_keys: Any, _fp16kit_excluded: Any, _fp16kit_cpu_key: Any,
+) -> Callable[..., Any]:
+    """The body of :func:`_functional_wrapper` (closure variables only; see there)."""
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # an fp16kit region turns CPU autocast on with the marker; inside a wrapped call it is off (compiled) or its
         # key excluded (eager)
-        if enabled(MARKER) and enabled("cpu"):
-            entry = rows.get(key)
+        if _fp16kit_enabled(_fp16kit_marker) and _fp16kit_enabled("cpu"):
+            entry = _fp16kit_rows.get(_fp16kit_key)
             if entry is not None:
-                if _is_compiling():
-                    args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
-                    with _autocast_off():
-                        return fn(*args, **kwargs)
-                if not excluded(cpu_key):
-                    args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
-                    with guard(_ALL_KEYS):
-                        return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
+                if _fp16kit_compiling():
+                    args, kwargs = _fp16kit_cast_args(_fp16kit_state, entry, _fp16kit_fn, args, kwargs)
+                    with _fp16kit_off():
+                        return _fp16kit_fn(*args, **kwargs)
+                if not _fp16kit_excluded(_fp16kit_cpu_key):
+                    args, kwargs = _fp16kit_cast_args(_fp16kit_state, entry, _fp16kit_fn, args, kwargs)
+                    with _fp16kit_guard(_fp16kit_keys):
+                        return _fp16kit_fn(*args, **kwargs)
+        return _fp16kit_fn(*args, **kwargs)
 
-    wrapper.__fp16kit_wrapped__ = fn  # type: ignore[attr-defined]
-    return wrapper
+    fn = _fp16kit_fn
+    made = types.FunctionType(wrapper.__code__, fn.__globals__, fn.__name__, None, wrapper.__closure__)
+    functools.update_wrapper(made, fn)
+    made.__fp16kit_wrapped__ = fn  # type: ignore[attr-defined]
+    return made
 
 
 def _wrap_functional() -> None:

@@ -78,11 +78,15 @@ def engine() -> str:
 
 
 def set_engine(name: str) -> None:
-    """Select the engine of regions entered from now on (``"mode"`` or ``"dispatch"``); not inside a region."""
+    """Select the engine of regions entered from now on (``"mode"`` or ``"dispatch"``); not inside a region.
+    Leaving the dispatcher engine uninstalls it (its kernels and ``torch.nn.functional`` wrappers), so that neither
+    plain ``torch.autocast`` code nor the mode engine meets them."""
     if name not in ENGINES:
         raise ValueError(f"set_engine({name!r}): use one of {ENGINES}.")
     if getattr(_tls, "depth", 0) or getattr(_tls, "mode", None) is not None:
         raise RuntimeError("set_engine: cannot switch engines inside an autocast region; leave it first.")
+    if name != "dispatch":
+        _dispatch.uninstall()
     _engine[0] = name
 
 

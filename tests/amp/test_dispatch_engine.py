@@ -254,6 +254,25 @@ def test_a_wrapped_function_reads_the_live_row():
         assert F.layer_norm(y, (8,)).dtype == torch.float32
 
 
+def test_torchscript_compiles_through_the_wrappers():
+    # torch.jit.script compiles F.* from their source, resolving names in the function's globals: the wrapper must
+    # lead it to the original (docs/autocast.md, "The dispatcher engine")
+    wrapped = F.layer_norm
+    assert wrapped.__globals__ is F.layer_norm.__fp16kit_wrapped__.__globals__
+    assert not set(wrapped.__code__.co_names) - {"get"}  # the body reads closure variables only
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Softmax(-1))
+    scripted = torch.jit.script(net)
+
+    def up(x: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(x, scale_factor=2.0)
+
+    x = torch.randn(2, 4)
+    assert_bitwise_equal(scripted(x), net(x))
+    assert torch.jit.script(up)(x.reshape(1, 2, 4)).shape == (1, 2, 8)
+    with autocast(dtype=torch.bfloat16):  # scripted code reaches the aten ops: the override kernels apply the rows
+        assert scripted(x).dtype == torch.float32
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_a_wrapped_function_inside_another_runs_as_called():
     # F.interpolate(mode="area") calls F.adaptive_avg_pool2d: with a LOW row of its own that one is wrapped too, but
@@ -294,6 +313,18 @@ def test_wrapped_functions_compiled_equal_eager(low):
     for got in (compiled, compiled_outside):
         for g, e in zip([*got[0], got[1]], [*eager[0], eager[1]]):
             assert_bitwise_equal(g, e)
+
+
+def test_leaving_the_engine_uninstalls_it():
+    y = torch.randn(4, 8).bfloat16()
+    with autocast(dtype=torch.bfloat16):
+        F.layer_norm(y, (8,))
+    assert D.wrapped_functions() and D.installed_ops()
+    autocast_mode.set_engine("mode")
+    assert not D.wrapped_functions() and not D.installed_ops()
+    assert not hasattr(F.layer_norm, "__fp16kit_wrapped__")
+    with autocast(dtype=torch.bfloat16):  # the mode engine sees F.layer_norm itself: its FP32 row applies
+        assert F.layer_norm(y, (8,)).dtype == torch.float32
 
 
 def test_set_engine_refuses_inside_a_region():
