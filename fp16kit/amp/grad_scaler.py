@@ -573,6 +573,7 @@ class GradScaler:
         # The one host sync of the non-fused path: Python must know whether to call step().
         if not flag.item():
             retval = optimizer.step(*args, **kwargs)
+            state["clean"] = True  # update() need not read this flag again
         state["stage"] = OptState.STEPPED
         return retval
 
@@ -677,11 +678,15 @@ class GradScaler:
                     raise AssertionError(reason)
             scaler.set_scale(new_scale, name="new_scale")
         else:
-            found_infs = [f for s in self._per_optimizer_states.values() for f in s["found_inf_per_device"].values()]
-            if len(found_infs) == 0:
-                raise AssertionError("No inf checks were recorded prior to update.")
-            # One flag (one optimizer, one device) is its own max: LossScaler.update takes it on any device.
-            scaler.update(found_infs[0] if len(found_infs) == 1 else merge_found_inf(found_infs, scaler.device))
+            states = self._per_optimizer_states
+            if all(s.get("clean") for s in states.values()) and states:
+                scaler.update_clean()  # every flag was read as 0 by step(): no flag to merge or read again
+            else:
+                found_infs = [f for s in states.values() for f in s["found_inf_per_device"].values()]
+                if len(found_infs) == 0:
+                    raise AssertionError("No inf checks were recorded prior to update.")
+                # One flag (one optimizer, one device) is its own max: LossScaler.update takes it on any device.
+                scaler.update(found_infs[0] if len(found_infs) == 1 else merge_found_inf(found_infs, scaler.device))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # ------------------------------------------------------------------ getters / setters

@@ -432,6 +432,21 @@ class LossScaler:
                     torch.minimum(scale, prev, out=scale)
         self._count_update()
 
+    def update_clean(self) -> None:
+        """``update`` for a step whose flag is known on the host to be 0 (e.g. ``GradScaler.step`` read it to decide
+        whether to step): the same state as ``update(zero flag)``, without the flag's validation and read. On the
+        CPU with torch's options that is the single op of :meth:`_clean_cpu_update`."""
+        if (
+            self.scale.is_cpu
+            and self.dynamic
+            and self.hysteresis == 1
+            and self.min_scale is None
+            and self.max_scale is None
+        ):
+            self._clean_cpu_update()
+        else:
+            self.update(self._zero)
+
     def _count_update(self) -> None:
         """Host side of the skip warning after each update: take a snapshot every ``warn_after_skips`` updates."""
         self._updates_in_window += 1

@@ -154,3 +154,36 @@ def test_grad_scaler_trajectory_equals_torch_through_the_fast_path():
             scaler.update()
         assert ours.get_scale() == ref.get_scale()
         assert ours._get_growth_tracker() == ref._get_growth_tracker()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(hysteresis=2), dict(min_scale=1.0), dict(max_scale=2.0**20), dict(dynamic=False)],
+    ids=["torch", "hysteresis", "floor", "cap", "static"],
+)
+def test_update_clean_is_update_with_a_zero_flag(options):
+    """``update_clean`` (GradScaler's path when step() already read every flag as 0) leaves the state that
+    ``update(zero flag)`` leaves, after any history, with every option set."""
+    kwargs = {"max_scale": None, "strict_bounds": False, "device": "cpu", "growth_interval": 2, **options}
+    clean, ref = LossScaler(**kwargs), LossScaler(**kwargs)
+    for v in (0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0):
+        if v:
+            clean.update(torch.ones(1))
+        else:
+            clean.update_clean()
+        ref.update(torch.tensor([v]))
+        assert _state(clean) == _state(ref), v
+
+
+def test_grad_scaler_update_skips_flags_step_read_as_clean():
+    """After a plain optimizer's step read its flag as 0 there is nothing left to read: update takes
+    ``update_clean``; after a skipped step (or a fused optimizer, whose flag is never read on the host) it does not."""
+    w = torch.nn.Parameter(torch.ones(3))
+    scaler, opt = GradScaler("cpu"), torch.optim.SGD([w], lr=0.0)
+    for bad, expect in ((0.0, 1), (math.inf, 0), (0.0, 1)):
+        scaler.scale(torch.ones(()))
+        w.grad = torch.full((3,), bad or 1.0)
+        scaler.step(opt)
+        with mock.patch.object(LossScaler, "update_clean", autospec=True, side_effect=LossScaler.update_clean) as m:
+            scaler.update()
+        assert m.call_count == expect, bad
