@@ -363,23 +363,14 @@ def _functional_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     TorchScript: ``torch.jit.script`` compiles a function it meets from its source (``inspect`` follows
     ``__wrapped__`` to ``fn``'s) and resolves the source's free names in the function's globals and closure. So the
-    wrapper is made with ``fn``'s globals, and its body reads only closure variables named ``_fp16kit_*``, which
-    no torch source uses: scripting then compiles ``fn`` itself, as it would without the engine."""
-    return _wrapper_factory(
-        _fp16kit_fn=fn, _fp16kit_cast_args=_CAST_ARGS[0], _fp16kit_rows=_FUNCTIONAL_ROWS, _fp16kit_key=id(fn),
-        _fp16kit_enabled=torch.is_autocast_enabled, _fp16kit_marker=MARKER, _fp16kit_compiling=_is_compiling,
-        _fp16kit_state=STATE, _fp16kit_off=_autocast_off, _fp16kit_guard=torch._C._ExcludeDispatchKeyGuard,
-        _fp16kit_keys=_ALL_KEYS, _fp16kit_excluded=torch._C._dispatch_tls_is_dispatch_key_excluded,
-        _fp16kit_cpu_key=_DK.AutocastCPU,
-    )
-
-
-def _wrapper_factory(
-    _fp16kit_fn: Any, _fp16kit_cast_args: Any, _fp16kit_rows: Any, _fp16kit_key: int, _fp16kit_enabled: Any,
-    _fp16kit_marker: str, _fp16kit_compiling: Any, _fp16kit_state: Any, _fp16kit_off: Any, _fp16kit_guard: Any,
-    _fp16kit_keys: Any, _fp16kit_excluded: Any, _fp16kit_cpu_key: Any,
-) -> Callable[..., Any]:
-    """The body of :func:`_functional_wrapper` (closure variables only; see there)."""
+    wrapper is made with ``fn``'s globals, and its body reads only the closure variables below, named ``_fp16kit_*``,
+    which no torch source uses: scripting then compiles ``fn`` itself, as it would without the engine."""
+    _fp16kit_fn = fn
+    _fp16kit_cast_args = _CAST_ARGS[0]
+    _fp16kit_rows, _fp16kit_key, _fp16kit_state = _FUNCTIONAL_ROWS, id(fn), STATE
+    _fp16kit_enabled, _fp16kit_marker, _fp16kit_compiling = torch.is_autocast_enabled, MARKER, _is_compiling
+    _fp16kit_off, _fp16kit_guard, _fp16kit_keys = _autocast_off, torch._C._ExcludeDispatchKeyGuard, _ALL_KEYS
+    _fp16kit_excluded, _fp16kit_cpu_key = torch._C._dispatch_tls_is_dispatch_key_excluded, _DK.AutocastCPU
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # an fp16kit region turns CPU autocast on with the marker; inside a wrapped call it is off (compiled) or its
@@ -397,7 +388,6 @@ def _wrapper_factory(
                         return _fp16kit_fn(*args, **kwargs)
         return _fp16kit_fn(*args, **kwargs)
 
-    fn = _fp16kit_fn
     made = types.FunctionType(wrapper.__code__, fn.__globals__, fn.__name__, None, wrapper.__closure__)
     functools.update_wrapper(made, fn)
     made.__fp16kit_wrapped__ = fn  # type: ignore[attr-defined]
