@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from collections.abc import Iterator, Sequence
+from itertools import repeat
 from typing import NamedTuple
 
 import torch
@@ -569,7 +571,17 @@ def _fused_takes(
     if p[0].device.type != "cpu" or dtype not in (torch.float32, torch.float64):
         return False
     tensors = (*p, *exp_avgs, *exp_avg_sqs)  # on one device: the callers validate that (functional.py)
-    return all(t.dtype is dtype and t.is_contiguous() for t in tensors)
+    return _all_of(dtype, tensors)
+
+
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _all_of(dtype: torch.dtype, tensors: Sequence[torch.Tensor]) -> bool:
+    """Are all ``tensors`` contiguous tensors of ``dtype``? (C-level ``map`` passes: this runs on every step, over
+    every param, moment and grad; a generator costs ~3x as much per tensor.)"""
+    return all(map(_IS_CONTIGUOUS, tensors)) and all(map(operator.is_, map(_DTYPE, tensors), repeat(dtype)))
 
 
 def bump_versions(*lists: Sequence[torch.Tensor | None]) -> None:
@@ -625,8 +637,9 @@ def _scratch_views(
 
 
 def _reads_grads_as_they_are(p: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
-    """Can torch's fused kernel read these grads in place (the params' dtype, contiguous)?"""
-    return all(g.dtype == q.dtype and g.is_contiguous() for g, q in zip(grads, p))
+    """Can torch's fused kernel read these grads in place (the params' dtype, contiguous)? (The params are of one
+    dtype: ``_fused_takes`` checked them.)"""
+    return len(grads) == len(p) and _all_of(p[0].dtype, grads) if p else True
 
 
 def _grads_for(pb: list[torch.Tensor], grads: list[torch.Tensor], inv_scale: float, clip: float) -> list[torch.Tensor]:
