@@ -310,10 +310,14 @@ def _make_kernel(key: str, name: str) -> Callable[..., Any]:
 
 #: every autocast key this engine drives, excluded while a wrapped function runs under its row
 _ALL_KEYS = torch._C.DispatchKeySet(_DK.AutocastCPU) | torch._C.DispatchKeySet(_DK.AutocastCUDA)
-#: name in ``torch.nn.functional`` -> the original function, for each function wrapped by :func:`_wrap_functional`
-_WRAPPED: dict[str, Callable[..., Any]] = {}
-#: id(original function) -> its live row ``(rule, inplace, row)``, for the wrapped functions that have one
-_FUNCTIONAL_ROWS: dict[int, tuple[Any, bool, str]] = {}
+#: (owner, attribute name) -> the original function, for each function wrapped by :func:`_wrap_functional`
+_WRAPPED: dict[tuple[Any, str], Callable[..., Any]] = {}
+#: id(original function) -> its live row ``(rule, inplace, row)``, or :data:`AS_CALLED` for the native operators
+_FUNCTIONAL_ROWS: dict[int, Any] = {}
+#: Python operators of ``torch.Tensor`` that follow torch's native type promotion under autocast (as the mode engine
+#: runs them) but whose body reaches a table op: ``2 / x`` is ``x.reciprocal() * 2``, and ``reciprocal`` is an FP32
+#: row, so through the aten ops ``2 / x`` would come back in fp32. They are wrapped to run with nothing cast.
+_NATIVE_OPERATORS = ("__rdiv__", "__rtruediv__")
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -371,6 +375,7 @@ def _functional_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
     _fp16kit_enabled, _fp16kit_marker, _fp16kit_compiling = torch.is_autocast_enabled, MARKER, _is_compiling
     _fp16kit_off, _fp16kit_guard, _fp16kit_keys = _autocast_off, torch._C._ExcludeDispatchKeyGuard, _ALL_KEYS
     _fp16kit_excluded, _fp16kit_cpu_key = torch._C._dispatch_tls_is_dispatch_key_excluded, _DK.AutocastCPU
+    _fp16kit_as_called = AS_CALLED
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # an fp16kit region turns CPU autocast on with the marker; inside a wrapped call it is off (compiled) or its
@@ -379,11 +384,13 @@ def _functional_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
             entry = _fp16kit_rows.get(_fp16kit_key)
             if entry is not None:
                 if _fp16kit_compiling():
-                    args, kwargs = _fp16kit_cast_args(_fp16kit_state, entry, _fp16kit_fn, args, kwargs)
+                    if entry is not _fp16kit_as_called:
+                        args, kwargs = _fp16kit_cast_args(_fp16kit_state, entry, _fp16kit_fn, args, kwargs)
                     with _fp16kit_off():
                         return _fp16kit_fn(*args, **kwargs)
                 if not _fp16kit_excluded(_fp16kit_cpu_key):
-                    args, kwargs = _fp16kit_cast_args(_fp16kit_state, entry, _fp16kit_fn, args, kwargs)
+                    if entry is not _fp16kit_as_called:
+                        args, kwargs = _fp16kit_cast_args(_fp16kit_state, entry, _fp16kit_fn, args, kwargs)
                     with _fp16kit_guard(_fp16kit_keys):
                         return _fp16kit_fn(*args, **kwargs)
         return _fp16kit_fn(*args, **kwargs)
@@ -395,29 +402,40 @@ def _functional_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _wrap_functional() -> None:
-    """Wrap the functions :func:`_functional_rows` names (once each) and refresh the rows the wrappers read."""
-    F = torch.nn.functional
-    for fn in _functional_rows():
-        if fn.__name__ not in _WRAPPED:
-            _WRAPPED[fn.__name__] = fn
-            setattr(F, fn.__name__, _functional_wrapper(fn))
+    """Wrap the functions :func:`_functional_rows` names and the :data:`_NATIVE_OPERATORS` (once each), and refresh
+    the rows the wrappers read."""
+    targets = [(torch.nn.functional, fn.__name__, fn) for fn in _functional_rows()]
+    targets += [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in _NATIVE_OPERATORS
+                if isinstance(getattr(torch.Tensor, name, None), types.FunctionType)]
+    for owner, name, fn in targets:
+        if (owner, name) not in _WRAPPED:
+            fn = getattr(fn, "__fp16kit_wrapped__", fn)
+            _WRAPPED[owner, name] = fn
+            setattr(owner, name, _functional_wrapper(fn))
     _FUNCTIONAL_ROWS.clear()
-    _FUNCTIONAL_ROWS.update((id(fn), policy.RESOLVED[fn]) for fn in _WRAPPED.values() if fn in policy.RESOLVED)
+    for (owner, _name), fn in _WRAPPED.items():
+        if owner is torch.Tensor:
+            _FUNCTIONAL_ROWS[id(fn)] = AS_CALLED
+        elif fn in policy.RESOLVED:
+            _FUNCTIONAL_ROWS[id(fn)] = policy.RESOLVED[fn]
 
 
 def _unwrap_functional() -> None:
     """Put the original functions back (where the attribute is still our wrapper)."""
-    F = torch.nn.functional
-    for name, fn in _WRAPPED.items():
-        if getattr(getattr(F, name, None), "__fp16kit_wrapped__", None) is fn:
-            setattr(F, name, fn)
+    for (owner, name), fn in _WRAPPED.items():
+        if getattr(getattr(owner, name, None), "__fp16kit_wrapped__", None) is fn:
+            setattr(owner, name, fn)
     _WRAPPED.clear()
     _FUNCTIONAL_ROWS.clear()
 
 
 def wrapped_functions() -> list[str]:
-    """The names in ``torch.nn.functional`` this engine has wrapped (empty before :func:`install`)."""
-    return sorted(_WRAPPED)
+    """The qualified names this engine has wrapped (``torch.nn.functional.layer_norm``, ``torch.Tensor.__rdiv__``...;
+    empty before :func:`install`)."""
+    return sorted(f"{_OWNER_NAMES[owner]}.{name}" for owner, name in _WRAPPED)
+
+
+_OWNER_NAMES = {torch.nn.functional: "torch.nn.functional", torch.Tensor: "torch.Tensor"}
 
 
 def _refresh() -> None:

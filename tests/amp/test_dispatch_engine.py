@@ -195,17 +195,23 @@ def _composites(y: torch.Tensor) -> list[torch.Tensor]:
     ]
 
 
+def _attr(qual: str):
+    owner, _, name = qual.rpartition(".")
+    return (F if owner == "torch.nn.functional" else torch.Tensor), name
+
+
 def test_python_level_rows_are_wrapped_while_installed():
-    originals = {name: getattr(F, name) for name in D.wrapped_functions()}
+    originals = {qual: getattr(*_attr(qual)) for qual in D.wrapped_functions()}
+    names = {qual.rpartition(".")[2] for qual in originals}
     assert {"interpolate", "grid_sample", "local_response_norm", "multilabel_soft_margin_loss", "layer_norm",
-            "softmax"} <= set(originals)
-    assert "linear" not in originals and "relu" not in originals  # a builtin; a function without a row
-    for name, wrapper in originals.items():
-        assert getattr(wrapper.__fp16kit_wrapped__, "__name__", None) == name
+            "softmax", "__rtruediv__", "__rdiv__"} <= names
+    assert "linear" not in names and "relu" not in names  # a builtin; a function without a row
+    for qual, wrapper in originals.items():
+        assert getattr(wrapper.__fp16kit_wrapped__, "__name__", None) in (qual.rpartition(".")[2], "__rdiv__")
     D.uninstall()
     assert D.wrapped_functions() == []
-    for name, wrapper in originals.items():
-        assert getattr(F, name) is wrapper.__fp16kit_wrapped__  # the original is back
+    for qual, wrapper in originals.items():
+        assert getattr(*_attr(qual)) is wrapper.__fp16kit_wrapped__  # the original is back
 
 
 @pytest.mark.parametrize("low", LOW, ids=IDS)
@@ -254,6 +260,25 @@ def test_a_wrapped_function_reads_the_live_row():
         assert F.layer_norm(y, (8,)).dtype == torch.float32
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("low", LOW, ids=IDS)
+def test_reflected_division_follows_native_promotion(low):
+    # 2 / x is x.reciprocal() * 2 in torch's Python, and reciprocal is an FP32 row: the operator itself follows
+    # torch's native promotion (as under the mode engine), eager and compiled
+    y = torch.randn(8).to(low)
+
+    def ops(y):
+        return 2 / y, 2.0 / y, y.reciprocal()
+
+    with autocast(dtype=low):
+        eager = ops(y)
+        compiled = torch.compile(ops, backend="aot_eager", fullgraph=True)(y)
+    assert [t.dtype for t in eager] == [low, low, torch.float32]
+    assert_bitwise_equal(eager[0], y.reciprocal() * 2)  # the native computation, outside any region
+    for c, e in zip(compiled, eager):
+        assert_bitwise_equal(c, e)
+
+
 def test_torchscript_compiles_through_the_wrappers():
     # torch.jit.script compiles F.* from their source, resolving names in the function's globals: the wrapper must
     # lead it to the original (docs/autocast.md, "The dispatcher engine")
@@ -283,7 +308,7 @@ def test_a_wrapped_function_inside_another_runs_as_called():
         return F.interpolate(y, size=(2, 2), mode="area"), F.adaptive_avg_pool2d(y.float(), 2)
 
     with autocast(dtype=torch.bfloat16), policy_override({"torch.nn.functional.adaptive_avg_pool2d": "low"}):
-        assert "adaptive_avg_pool2d" in D.wrapped_functions()
+        assert "torch.nn.functional.adaptive_avg_pool2d" in D.wrapped_functions()
         got, alone = area(y)
         compiled, compiled_alone = torch.compile(area, backend="aot_eager", fullgraph=True)(y)
         with disable_casts():
