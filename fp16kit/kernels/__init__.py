@@ -30,6 +30,7 @@ from .found_inf import (
 from .histogram import exponent_histogram
 from .ops import copy_, l2norm, unscale_and_check
 from .optimizers import (
+    DeviceStep,
     LambStaged,
     adagrad_update,
     adam_update,
@@ -39,12 +40,14 @@ from .optimizers import (
     lamb_update,
     novograd_update,
     sgd_update,
+    step_check,
 )
 
 __all__ = [
     "KERNEL_DTYPES",
     "Backend",
     "BackendChoice",
+    "DeviceStep",
     "LambStaged",
     "adagrad_update",
     "adam_update",
@@ -75,6 +78,7 @@ __all__ = [
     "release_graph_tables",
     "select_backend",
     "sgd_update",
+    "step_check",
     "unscale_and_check",
     "use_backend",
     "vouched_rows",

@@ -77,10 +77,26 @@ class ChunkTable:
     block: int
     aligned: bool  # every address is a multiple of 16 bytes: kernels may use 16-byte vector loads
     host: torch.Tensor | None = None  # the pinned source of the (non-blocking) upload, alive as long as the table
+    #: Device buffers that live as long as the table (made at first use, never inside a step after that): the
+    #: ticket counter and per-tensor chunk counters of the kernels that finish a step on the device
+    #: (``fp16kit/kernels/_step_scalars.py``), which leave them zeroed after every launch.
+    scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
     def leading_args(self) -> tuple:
         """The table's kernel arguments, in the order every chunked kernel takes them first."""
         return (self.ptrs, self.num_tensors, self.numels, self.chunk_tensor, self.chunk_start, self.num_chunks)
+
+    def scratch_buffer(self, name: str, numel: int, dtype: torch.dtype, *, zero: bool = False) -> torch.Tensor:
+        """The table's buffer ``name`` (``numel`` elements of ``dtype`` on the table's device), made once."""
+        buf = self.scratch.get(name)
+        if buf is None:
+            make = torch.zeros if zero else torch.empty
+            buf = self.scratch[name] = make(numel, dtype=dtype, device=self.ptrs.device)
+        return buf
+
+    def scratch_ticket(self) -> torch.Tensor:
+        """The int32 ticket counter of the launches over this table (zero between launches)."""
+        return self.scratch_buffer("ticket", 1, torch.int32, zero=True)
 
 
 _tables: OrderedDict[tuple, ChunkTable] = OrderedDict()

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
+from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
 from ._table import chunk_table, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -50,6 +51,15 @@ def _adam_kernel(
     num_chunks,
     hp_ptr,
     found_inf_ptr,
+    step_ptr,
+    ticket_ptr,
+    lr_ptr,
+    scale_ptr,
+    lr_hi, lr_mid, lr_lo,
+    b1_hi, b1_mid, b1_lo,
+    b2_hi, b2_mid, b2_lo,
+    eps_hi, eps_mid, eps_lo,
+    wd_hi, wd_mid, wd_lo,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
@@ -58,18 +68,41 @@ def _adam_kernel(
     DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
+    HP_DEVICE: tl.constexpr,
+    LR_TENSOR: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+    ADVANCE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    beta2 = tl.load(hp_ptr + 2).to(tl.float32)
-    one_minus_beta1 = tl.load(hp_ptr + 3).to(tl.float32)
-    one_minus_beta2 = tl.load(hp_ptr + 4).to(tl.float32)
-    eps = tl.load(hp_ptr + 5).to(tl.float32)
-    wd = tl.load(hp_ptr + 6).to(tl.float32)
-    neg_step_size = tl.load(hp_ptr + 7).to(tl.float32)
-    bc2_sqrt = tl.load(hp_ptr + 8).to(tl.float32)
-    inv_scale = tl.load(hp_ptr + 9).to(tl.float32)
-    decay = tl.load(hp_ptr + 10).to(tl.float32)
-    stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
+    if HP_DEVICE:
+        # adam_hparams (fp16kit/optim/functional.py) on the device: float64 math, each value rounded once
+        t = next_step(step_ptr)
+        lr = lr64(lr_hi, lr_mid, lr_lo, lr_ptr, LR_TENSOR)
+        b1 = join3(b1_hi, b1_mid, b1_lo)
+        b2 = join3(b2_hi, b2_mid, b2_lo)
+        wd64 = join3(wd_hi, wd_mid, wd_lo)
+        beta2 = b2.to(tl.float32)
+        one_minus_beta1 = (1.0 - b1).to(tl.float32)
+        one_minus_beta2 = (1.0 - b2).to(tl.float32)
+        eps = join3(eps_hi, eps_mid, eps_lo).to(tl.float32)
+        wd = wd64.to(tl.float32)
+        neg_step_size = (-lr / bias_correction64(b1, t, BIAS_CORRECTION)).to(tl.float32)
+        bc2_sqrt = tl.sqrt(bias_correction64(b2, t, BIAS_CORRECTION)).to(tl.float32)
+        inv_scale = inv_scale64(scale_ptr, HAS_SCALE).to(tl.float32)
+        decay = (1.0 - lr * wd64).to(tl.float32)
+    else:
+        beta2 = tl.load(hp_ptr + 2).to(tl.float32)
+        one_minus_beta1 = tl.load(hp_ptr + 3).to(tl.float32)
+        one_minus_beta2 = tl.load(hp_ptr + 4).to(tl.float32)
+        eps = tl.load(hp_ptr + 5).to(tl.float32)
+        wd = tl.load(hp_ptr + 6).to(tl.float32)
+        neg_step_size = tl.load(hp_ptr + 7).to(tl.float32)
+        bc2_sqrt = tl.load(hp_ptr + 8).to(tl.float32)
+        inv_scale = tl.load(hp_ptr + 9).to(tl.float32)
+        decay = tl.load(hp_ptr + 10).to(tl.float32)
+    skip = tl.load(found_inf_ptr) != 0
+    stop = tl.where(skip, 0, num_chunks)
     for c in range(pid, stop, tl.num_programs(0)):
         t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
         p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
@@ -96,6 +129,8 @@ def _adam_kernel(
         if HAS_MODEL:
             model_ptr = row_pointer(ptrs, 4, num_tensors, t, MODEL_DTYPE, ALIGNED)
             store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
+    if not skip:
+        advance_step(step_ptr, ticket_ptr, ADVANCE)
 
 
 def launch_adam(
@@ -104,23 +139,28 @@ def launch_adam(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     models: Sequence[torch.Tensor] | None,
-    hp: torch.Tensor,
+    hp: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     *,
     l2_mode: bool,
     decoupled: bool,
 ) -> None:
-    """One Adam launch for contiguous, non-empty tensors of one dtype combination (fp32 m, v)."""
+    """One Adam launch for contiguous, non-empty tensors of one dtype combination (fp32 m, v).
+
+    ``hp``: the float32 vector of the module docstring, or a :class:`DeviceStep` (the hyper-parameters derived
+    in the kernel from the device step counter, which the launch advances when ``hp.advance``)."""
     table = chunk_table(
         [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
         written=(0, 2, 3) if models is None else (0, 2, 3, 4),
     )
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
+    hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, ("lr", "beta1", "beta2", "eps", "weight_decay"))
     _adam_kernel[(num_programs(device, table.num_chunks),)](
         *table.leading_args(),
-        hp,
+        hp_ptr,
         found_inf,
+        *scalars,
         P_DTYPE=p_dtype,
         G_DTYPE=triton_dtype(grads[0].dtype),
         MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
@@ -129,5 +169,6 @@ def launch_adam(
         DECOUPLED=decoupled,
         BLOCK=table.block,
         ALIGNED=table.aligned,
+        **flags,
         **LAUNCH["_adam_kernel"],
     )

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ._chunks import chunk_span, load_chunk, row_pointer
 from ._rounding import to_fp32
+from ._step_scalars import finish_ticket
 from ._table import ChunkTable, chunk_table, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -44,23 +45,57 @@ def _sumsq_kernel(
     pre_scale_ptr,
     found_inf_ptr,
     partials_ptr,
+    ticket_ptr,
+    bad_ptr,
+    norm_ptr,
+    count_ptr,
     IN_DTYPE: tl.constexpr,
     CHECK: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
+    FINISH: tl.constexpr = False,
+    NORM: tl.constexpr = True,
+    OWN_FLAG: tl.constexpr = False,
+    COUNT: tl.constexpr = False,
+    SCALE_IS_GRAD_SCALE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    pre_scale = tl.load(pre_scale_ptr).to(tl.float32)
+    if SCALE_IS_GRAD_SCALE:
+        pre_scale = (1.0 / tl.load(pre_scale_ptr).to(tl.float64)).to(tl.float32)
+    else:
+        pre_scale = tl.load(pre_scale_ptr).to(tl.float32)
     bad = tl.zeros((BLOCK,), dtype=tl.int32)
     for c in range(pid, num_chunks, tl.num_programs(0)):
         t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
         src = row_pointer(ptrs, 0, 0, t, IN_DTYPE, ALIGNED)
         x = to_fp32(load_chunk(src, offs, mask, full)) * pre_scale
-        x64 = x.to(tl.float64)
-        tl.store(partials_ptr + c, tl.sum(x64 * x64, axis=0))
+        if NORM:
+            x64 = x.to(tl.float64)
+            tl.store(partials_ptr + c, tl.sum(x64 * x64, axis=0))
         if CHECK:
             bad = tl.maximum(bad, (mask & ~(tl.abs(x) < float("inf"))).to(tl.int32))
-    if CHECK:
+    if FINISH:
+        # The step's check pass finishes on the device (fp16kit/kernels/_step_scalars.py): the last program
+        # writes the flag whole (an own flag needs no zero fill first) and the norm of the partials, summed
+        # in chunk order (deterministic whichever program finishes).
+        if CHECK:
+            tl.atomic_max(bad_ptr, tl.max(bad, axis=0), sem="acq_rel")
+        tl.debug_barrier()
+        if finish_ticket(ticket_ptr):
+            if CHECK:
+                found = tl.atomic_xchg(bad_ptr, 0, sem="acq_rel").to(tl.float32)
+                if not OWN_FLAG:
+                    found = tl.maximum(found, tl.load(found_inf_ptr, cache_modifier=".cg"))
+                tl.store(found_inf_ptr, found)
+                if COUNT:
+                    tl.store(count_ptr, tl.load(count_ptr) + (found != 0).to(tl.int64))
+            if NORM:
+                acc = tl.zeros((1024,), dtype=tl.float64)
+                for s in range(0, num_chunks, 1024):
+                    offs = s + tl.arange(0, 1024)
+                    acc += tl.load(partials_ptr + offs, mask=offs < num_chunks, other=0.0, cache_modifier=".cg")
+                tl.store(norm_ptr, tl.sqrt(tl.sum(acc, axis=0)).to(tl.float32))
+    elif CHECK:
         tl.atomic_max(found_inf_ptr, tl.max(bad, axis=0).to(tl.float32))
 
 
@@ -99,15 +134,9 @@ def launch_sumsq(
     device = tensors[0].device
     partials = torch.empty(table.num_chunks, dtype=torch.float64, device=device)
     grid = (num_programs(device, table.num_chunks),)
+    flag = found_inf if found_inf is not None else partials
     _sumsq_kernel[grid](
-        table.ptrs,
-        table.numels,
-        table.chunk_tensor,
-        table.chunk_start,
-        table.num_chunks,
-        pre_scale,
-        found_inf if found_inf is not None else partials,
-        partials,
+        *_sumsq_leading(table), pre_scale, flag, partials, partials, partials, partials, partials,
         IN_DTYPE=triton_dtype(tensors[0].dtype),
         CHECK=found_inf is not None,
         BLOCK=table.block,
@@ -115,3 +144,51 @@ def launch_sumsq(
         **LAUNCH["_sumsq_kernel"],
     )
     return partials, table
+
+
+def _sumsq_leading(table: ChunkTable) -> tuple:
+    return (table.ptrs, table.numels, table.chunk_tensor, table.chunk_start, table.num_chunks)
+
+
+def launch_step_check(
+    grads: Sequence[torch.Tensor],
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+    norm_out: torch.Tensor | None,
+    *,
+    own_flag: bool,
+    skip_count: torch.Tensor | None,
+) -> None:
+    """The check pass of a device-resident optimizer step, finished on the device in the same launch: one launch
+    over contiguous, non-empty ``grads`` of one dtype, unscaled by ``1 / grad_scale`` (float64, rounded once;
+    none without a scaler).
+
+    ``found_inf`` (float32 ``[1]``) is raised when an unscaled element is inf/NaN; with ``own_flag`` it is
+    written whole (no need to zero it first). ``norm_out`` (float32 ``[1]``, optional) receives the global L2 norm
+    (float64 squares and sums, rounded once). ``skip_count`` (int64 ``[1]``, optional) is increased by one when
+    the flag ends up raised."""
+    table = chunk_table([grads])
+    device = grads[0].device
+    norm = norm_out is not None
+    partials = table.scratch_buffer("check_partials", table.num_chunks if norm else 1, torch.float64)
+    bad = table.scratch_buffer("check_bad", 1, torch.int32, zero=True)
+    if grad_scale is None:  # unscale by 1: a constant of the table, filled once
+        scale = table.scratch.get("one")
+        if scale is None:
+            scale = table.scratch["one"] = torch.ones(1, dtype=torch.float32, device=device)
+    else:
+        scale = grad_scale
+    _sumsq_kernel[(num_programs(device, table.num_chunks),)](
+        *_sumsq_leading(table), scale, found_inf, partials, table.scratch_ticket(), bad,
+        norm_out if norm else partials, skip_count if skip_count is not None else partials,
+        IN_DTYPE=triton_dtype(grads[0].dtype),
+        CHECK=True,
+        BLOCK=table.block,
+        ALIGNED=table.aligned,
+        FINISH=True,
+        NORM=norm,
+        OWN_FLAG=own_flag,
+        COUNT=skip_count is not None,
+        SCALE_IS_GRAD_SCALE=grad_scale is not None,
+        **LAUNCH["_sumsq_kernel"],
+    )

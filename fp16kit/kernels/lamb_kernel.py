@@ -38,6 +38,7 @@ import triton.language as tl
 
 from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
+from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
 from ._table import ChunkTable, chunk_table, num_programs, triton_dtype
 from .l2norm_kernel import segment_sums
 
@@ -53,17 +54,70 @@ LAUNCH: dict[str, dict] = {
 
 
 @triton.jit
-def _lamb_update(m, v, p, mask, hp_ptr, DECOUPLED: tl.constexpr):
+def _lamb_update(m, v, p, mask, eps, wd, bc1, bc2, DECOUPLED: tl.constexpr):
     """``u`` from the new moments (identical arithmetic in both stages)."""
-    eps = tl.load(hp_ptr + 5).to(tl.float32)
-    wd = tl.load(hp_ptr + 6).to(tl.float32)
-    bc1 = tl.load(hp_ptr + 7).to(tl.float32)
-    bc2 = tl.load(hp_ptr + 8).to(tl.float32)
     u = tl.div_rn(tl.div_rn(m, bc1), tl.sqrt_rn(tl.div_rn(v, bc2)) + eps)
     if DECOUPLED:
         u = u + wd * p
     # Masked lanes hold m = v = 0: 0 / (0 + eps) is 0, but 0/0 when eps == 0.
     return tl.where(mask, u, 0.0)
+
+
+@triton.jit
+def _lamb_scalars(
+    hp_ptr, step_ptr, lr_ptr, scale_ptr, gnorm_ptr,
+    lr_hi, lr_mid, lr_lo, b1_hi, b1_mid, b1_lo, b2_hi, b2_mid, b2_lo, b3_hi, b3_mid, b3_lo,
+    eps_hi, eps_mid, eps_lo, wd_hi, wd_mid, wd_lo, mx_hi, mx_mid, mx_lo,
+    HP_DEVICE: tl.constexpr, LR_TENSOR: tl.constexpr, HAS_SCALE: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+):
+    """The float32 hyper-parameters ``(lr, b1, b2, beta3, 1 - b2, eps, wd, bc1, bc2, inv_scale, clip)``: read
+    from ``hp_ptr`` (the vector of the module docstring), or derived on the device as
+    ``fp16kit.optim.functional.lamb_hparams`` derives them (float64 math, each value rounded once; the clip
+    divisor ``gnorm / max_grad_norm`` when ``0 < max_grad_norm < gnorm``, else 1)."""
+    if HP_DEVICE:
+        t = next_step(step_ptr)
+        b1 = join3(b1_hi, b1_mid, b1_lo)
+        b2 = join3(b2_hi, b2_mid, b2_lo)
+        g = tl.load(gnorm_ptr).to(tl.float64)
+        mx = join3(mx_hi, mx_mid, mx_lo)
+        clip = tl.where((mx > 0) & (g > mx), g / mx, 1.0)
+        return (
+            lr64(lr_hi, lr_mid, lr_lo, lr_ptr, LR_TENSOR).to(tl.float32),
+            b1.to(tl.float32),
+            b2.to(tl.float32),
+            join3(b3_hi, b3_mid, b3_lo).to(tl.float32),
+            (1.0 - b2).to(tl.float32),
+            join3(eps_hi, eps_mid, eps_lo).to(tl.float32),
+            join3(wd_hi, wd_mid, wd_lo).to(tl.float32),
+            bias_correction64(b1, t, BIAS_CORRECTION).to(tl.float32),
+            bias_correction64(b2, t, BIAS_CORRECTION).to(tl.float32),
+            inv_scale64(scale_ptr, HAS_SCALE).to(tl.float32),
+            clip.to(tl.float32),
+        )
+    else:
+        return (
+            tl.load(hp_ptr).to(tl.float32),
+            tl.load(hp_ptr + 1).to(tl.float32),
+            tl.load(hp_ptr + 2).to(tl.float32),
+            tl.load(hp_ptr + 3).to(tl.float32),
+            tl.load(hp_ptr + 4).to(tl.float32),
+            tl.load(hp_ptr + 5).to(tl.float32),
+            tl.load(hp_ptr + 6).to(tl.float32),
+            tl.load(hp_ptr + 7).to(tl.float32),
+            tl.load(hp_ptr + 8).to(tl.float32),
+            tl.load(hp_ptr + 9).to(tl.float32),
+            tl.load(hp_ptr + 10).to(tl.float32),
+        )
+
+
+@triton.jit
+def _segment_total(partials_ptr, first, count):
+    """Sum of ``partials[first : first + count]`` in a fixed order (``_segment_sum_kernel``'s), read past L1."""
+    acc = tl.zeros((1024,), dtype=partials_ptr.dtype.element_ty)
+    for s in range(0, count, 1024):
+        offs = s + tl.arange(0, 1024)
+        acc += tl.load(partials_ptr + first + offs, mask=offs < count, other=0.0, cache_modifier=".cg")
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
@@ -76,23 +130,40 @@ def _lamb_stage1_kernel(
     num_chunks,
     hp_ptr,
     found_inf_ptr,
+    step_ptr,
+    ticket_ptr,
+    lr_ptr,
+    scale_ptr,
+    lr_hi, lr_mid, lr_lo, b1_hi, b1_mid, b1_lo, b2_hi, b2_mid, b2_lo, b3_hi, b3_mid, b3_lo,
+    eps_hi, eps_mid, eps_lo, wd_hi, wd_mid, wd_lo, mx_hi, mx_mid, mx_lo,
+    gnorm_ptr,
     u_partials,
     p_partials,
+    done_ptr,
+    chunk_counts,
+    first_chunk,
+    u_sumsq,
+    p_sumsq,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     L2_MODE: tl.constexpr,
     DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
+    HP_DEVICE: tl.constexpr,
+    LR_TENSOR: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+    ADVANCE: tl.constexpr,
+    FINISH_SUMS: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    beta1 = tl.load(hp_ptr + 1).to(tl.float32)
-    beta2 = tl.load(hp_ptr + 2).to(tl.float32)
-    beta3 = tl.load(hp_ptr + 3).to(tl.float32)
-    one_minus_beta2 = tl.load(hp_ptr + 4).to(tl.float32)
-    wd = tl.load(hp_ptr + 6).to(tl.float32)
-    inv_scale = tl.load(hp_ptr + 9).to(tl.float32)
-    clip = tl.load(hp_ptr + 10).to(tl.float32)
+    _, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = _lamb_scalars(
+        hp_ptr, step_ptr, lr_ptr, scale_ptr, gnorm_ptr,
+        lr_hi, lr_mid, lr_lo, b1_hi, b1_mid, b1_lo, b2_hi, b2_mid, b2_lo, b3_hi, b3_mid, b3_lo,
+        eps_hi, eps_mid, eps_lo, wd_hi, wd_mid, wd_lo, mx_hi, mx_mid, mx_lo,
+        HP_DEVICE, LR_TENSOR, HAS_SCALE, BIAS_CORRECTION,
+    )
     # found_inf set: zero iterations, nothing read or written.
     stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
     for c in range(pid, stop, tl.num_programs(0)):
@@ -112,9 +183,19 @@ def _lamb_stage1_kernel(
         v = v * beta2 + one_minus_beta2 * g * g
         store_chunk(m_ptr, offs, m, mask, full)
         store_chunk(v_ptr, offs, v, mask, full)
-        u = _lamb_update(m, v, p, mask, hp_ptr, DECOUPLED)
+        u = _lamb_update(m, v, p, mask, eps, wd, bc1, bc2, DECOUPLED)
         tl.store(u_partials + c, tl.sum(u * u, axis=0))
         tl.store(p_partials + c, tl.sum(p * p, axis=0))
+        if FINISH_SUMS:
+            # The program that completes tensor t's last chunk sums its partials (in chunk order), so the
+            # per-tensor sums need no launch of their own; it leaves the tensor's counter at zero.
+            tl.debug_barrier()
+            count = tl.load(chunk_counts + t).to(tl.int32)
+            if tl.atomic_add(done_ptr + t, 1, sem="acq_rel") == count - 1:
+                first = tl.load(first_chunk + t)
+                tl.store(u_sumsq + t, _segment_total(u_partials, first, count))
+                tl.store(p_sumsq + t, _segment_total(p_partials, first, count))
+                tl.atomic_xchg(done_ptr + t, 0, sem="acq_rel")
 
 
 @triton.jit
@@ -127,6 +208,13 @@ def _lamb_stage2_kernel(
     num_chunks,
     hp_ptr,
     found_inf_ptr,
+    step_ptr,
+    ticket_ptr,
+    lr_ptr,
+    scale_ptr,
+    lr_hi, lr_mid, lr_lo, b1_hi, b1_mid, b1_lo, b2_hi, b2_mid, b2_lo, b3_hi, b3_mid, b3_lo,
+    eps_hi, eps_mid, eps_lo, wd_hi, wd_mid, wd_lo, mx_hi, mx_mid, mx_lo,
+    gnorm_ptr,
     u_sumsq,
     p_sumsq,
     P_DTYPE: tl.constexpr,
@@ -136,10 +224,21 @@ def _lamb_stage2_kernel(
     TRUST: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
+    HP_DEVICE: tl.constexpr,
+    LR_TENSOR: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+    ADVANCE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    lr = tl.load(hp_ptr).to(tl.float32)
-    stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
+    lr, _, _, _, _, eps, wd, bc1, bc2, _, _ = _lamb_scalars(
+        hp_ptr, step_ptr, lr_ptr, scale_ptr, gnorm_ptr,
+        lr_hi, lr_mid, lr_lo, b1_hi, b1_mid, b1_lo, b2_hi, b2_mid, b2_lo, b3_hi, b3_mid, b3_lo,
+        eps_hi, eps_mid, eps_lo, wd_hi, wd_mid, wd_lo, mx_hi, mx_mid, mx_lo,
+        HP_DEVICE, LR_TENSOR, HAS_SCALE, BIAS_CORRECTION,
+    )
+    skip = tl.load(found_inf_ptr) != 0
+    stop = tl.where(skip, 0, num_chunks)
     for c in range(pid, stop, tl.num_programs(0)):
         t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
         p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
@@ -148,7 +247,7 @@ def _lamb_stage2_kernel(
         p = to_fp32(load_chunk(p_ptr, offs, mask, full))
         m = load_chunk(m_ptr, offs, mask, full)
         v = load_chunk(v_ptr, offs, mask, full)
-        u = _lamb_update(m, v, p, mask, hp_ptr, DECOUPLED)
+        u = _lamb_update(m, v, p, mask, eps, wd, bc1, bc2, DECOUPLED)
         ratio = lr
         if TRUST:
             pn = tl.sqrt_rn(tl.load(p_sumsq + t))
@@ -159,6 +258,11 @@ def _lamb_stage2_kernel(
         if HAS_MODEL:
             model_ptr = row_pointer(ptrs, 4, num_tensors, t, MODEL_DTYPE, ALIGNED)
             store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
+    if not skip:
+        advance_step(step_ptr, ticket_ptr, ADVANCE)
+
+
+_LAMB_HOST = ("lr", "beta1", "beta2", "beta3", "eps", "weight_decay", "max_grad_norm")
 
 
 def launch_lamb(
@@ -167,7 +271,7 @@ def launch_lamb(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     models: Sequence[torch.Tensor] | None,
-    hp: torch.Tensor,
+    hp: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     *,
     l2_mode: bool,
@@ -190,7 +294,7 @@ def launch_lamb_stage1(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     models: Sequence[torch.Tensor] | None,
-    hp: torch.Tensor,
+    hp: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     *,
     l2_mode: bool,
@@ -207,22 +311,44 @@ def launch_lamb_stage1(
         written=(0, 2, 3) if models is None else (0, 2, 3, 4),
     )
     device = params[0].device
-    u_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
-    p_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
+    hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, _LAMB_HOST)
+    finish = isinstance(hp, DeviceStep)
+    n = table.num_tensors
+    if finish:  # per-tensor sums finished in the launch: buffers of the table, made once
+        u_partials = table.scratch_buffer("u_partials", table.num_chunks, torch.float32)
+        p_partials = table.scratch_buffer("p_partials", table.num_chunks, torch.float32)
+        sums = table.scratch_buffer("lamb_sums", 2 * n, torch.float32)
+        done = table.scratch_buffer("lamb_done", n, torch.int32, zero=True)
+        gnorm = hp.gnorm if hp.gnorm is not None else hp.step
+    else:
+        u_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
+        p_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
+        sums = done = gnorm = u_partials
     _lamb_stage1_kernel[(num_programs(device, table.num_chunks),)](
         *table.leading_args(),
-        hp,
+        hp_ptr,
         found_inf,
+        *scalars,
+        gnorm,
         u_partials,
         p_partials,
+        done,
+        table.chunk_counts,
+        table.first_chunk,
+        sums[n:] if finish else sums,
+        sums[:n] if finish else sums,
         P_DTYPE=triton_dtype(params[0].dtype),
         G_DTYPE=triton_dtype(grads[0].dtype),
         L2_MODE=l2_mode,
         DECOUPLED=decoupled,
         BLOCK=table.block,
         ALIGNED=table.aligned,
+        FINISH_SUMS=finish,
+        **flags,
         **LAUNCH["_lamb_stage1_kernel"],
     )
+    if finish:
+        return table, sums[:n], sums[n:]
     return table, segment_sums(p_partials, table), segment_sums(u_partials, table)
 
 
@@ -230,7 +356,7 @@ def launch_lamb_stage2(
     table: ChunkTable,
     params: Sequence[torch.Tensor],
     models: Sequence[torch.Tensor] | None,
-    hp: torch.Tensor,
+    hp: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     u_sumsq: torch.Tensor,
     p_sumsq: torch.Tensor,
@@ -242,10 +368,14 @@ def launch_lamb_stage2(
     ratio from the completed sums; model copies written."""
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
+    hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, _LAMB_HOST)
+    gnorm = hp.gnorm if isinstance(hp, DeviceStep) and hp.gnorm is not None else hp_ptr
     _lamb_stage2_kernel[(num_programs(device, table.num_chunks),)](
         *table.leading_args(),
-        hp,
+        hp_ptr,
         found_inf,
+        *scalars,
+        gnorm,
         u_sumsq,
         p_sumsq,
         P_DTYPE=p_dtype,
@@ -255,6 +385,6 @@ def launch_lamb_stage2(
         TRUST=trust,
         BLOCK=table.block,
         ALIGNED=table.aligned,
+        **flags,
         **LAUNCH["_lamb_stage2_kernel"],
     )
-

@@ -22,6 +22,7 @@ hyper-parameters are the callers' (``fp16kit.optim``) to validate.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections.abc import Sequence
@@ -32,11 +33,13 @@ from typing import Any
 import torch
 
 from . import _plan, cpu_native, optim_fallback, optim_fallback_apex
+from ._step_scalars import DeviceStep
 from ._table import playing
 from .backend import Backend, select_backend
-from .ops import l2norm
+from .ops import _L2NORM, l2norm
 
 __all__ = [
+    "DeviceStep",
     "LambStaged",
     "adagrad_update",
     "adam_update",
@@ -46,6 +49,7 @@ __all__ = [
     "lamb_update",
     "novograd_update",
     "sgd_update",
+    "step_check",
 ]
 
 F64 = torch.float64
@@ -126,6 +130,36 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
     return optim_fallback.check_and_norm(grads, inv_scale64, found_inf)
 
 
+def step_check(
+    grads: Sequence[torch.Tensor],
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+    norm_out: torch.Tensor | None,
+    *,
+    own_flag: bool,
+    skip_count: torch.Tensor | None = None,
+) -> bool:
+    """The check pass of a device-resident step in one launch (``l2norm_kernel.launch_step_check``): raise
+    ``found_inf`` (float32 ``[1]``; written whole with ``own_flag``) when some ``fp32(g) / grad_scale`` is inf/NaN,
+    write the global norm of the unscaled grads into ``norm_out`` (float32 ``[1]``, optional), and add the skip to
+    ``skip_count`` (int64 ``[1]``, optional), all on the device.
+
+    Returns False, having done nothing, when the grads are not one Triton kernel group (several dtypes, layouts
+    the kernels do not take, the torch backend): the caller then runs ``check_and_norm``/``flag_nonfinite``."""
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return False
+    plan = _plan.plan(_L2NORM, (grads,))
+    if plan.rest or len(plan.kernel) != 1:
+        return False
+    from .l2norm_kernel import launch_step_check
+
+    (g,) = plan.kernel
+    with playing(g.tape):
+        launch_step_check(g.pick(grads), grad_scale, found_inf, norm_out, own_flag=own_flag, skip_count=skip_count)
+    return True
+
+
 def _lamb_or_adam(
     kind: str,
     params: Sequence[torch.Tensor],
@@ -133,7 +167,7 @@ def _lamb_or_adam(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     models: Sequence[torch.Tensor | None],
-    hp64: torch.Tensor,
+    hp64: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     modes: dict[str, bool],
     step: torch.Tensor | None,
@@ -146,17 +180,29 @@ def _lamb_or_adam(
     fn = f"{kind}_update"
     plan, with_models = _rows(fn, _ADAM_NAMES, (2, 3), (params, grads, exp_avgs, exp_avg_sqs), models)
     flag = found_inf.reshape(1)
+    device_step = hp64 if isinstance(hp64, DeviceStep) else None
+    if device_step is not None:
+        # Rows the kernels cannot take use the float64 vector of the same step (built before any launch
+        # advances the counter); the last kernel launch advances it, or, with no kernel group, a torch op.
+        hp64 = device_step.hp64() if plan.rest else None
+        if not plan.kernel:
+            device_step.step.add_((flag == 0).to(device_step.step.dtype))
     if plan.kernel:
         if kind == "lamb":
             from .lamb_kernel import launch_lamb as launch
         else:
             from .adam_kernel import launch_adam as launch
-        hp32 = hp64.float()
-        for g in plan.kernel:
+        last = len(plan.kernel) - 1
+        hp32 = hp64.float() if device_step is None else None
+        for i, g in enumerate(plan.kernel):
+            if device_step is None:
+                hp = hp32
+            else:
+                hp = dataclasses.replace(device_step, advance=i == last) if last else device_step
             lists = (g.pick(params), g.pick(grads), g.pick(exp_avgs), g.pick(exp_avg_sqs))
             chosen = _kernel_models(_models_of(g, models, with_models, len(g.idx)))
             with playing(g.tape):
-                launch(*lists, chosen, hp32, flag, **modes)
+                launch(*lists, chosen, hp, flag, **modes)
             # Done whether or not ``found_inf`` skipped the write on the device: a spurious bump is harmless.
             optim_fallback.bump_versions(lists[0], lists[2], lists[3], chosen or [])
     step_fn = optim_fallback.lamb_ if kind == "lamb" else optim_fallback.adam_

@@ -27,6 +27,7 @@ counter set by hand is checked on the device: one graph, no graph break (docs/op
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ import torch
 
 from fp16kit.distributed import is_dtensor
 from fp16kit.kernels import (
+    Backend,
+    DeviceStep,
     check_found_inf,
     common_device,
     flag_is_final,
@@ -45,6 +48,8 @@ from fp16kit.kernels import (
     library,
     metadata_guard,
     new_found_inf,
+    select_backend,
+    step_check,
     unscale_and_check,
     vouched_rows,
 )
@@ -56,6 +61,11 @@ from ._validate import check_param_tensor, check_row, check_step_value, naming_g
 __all__ = ["FusedOptimizer"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _capturing() -> bool:
+    """Is the current CUDA stream being captured into a graph? (Nothing may wait on the device then.)"""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 _POLICIES = ("skip", "warn", "raise")
 
 
@@ -456,7 +466,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not torch.compiler.is_compiling():  # the pending warnings are CUDA events of eager steps
+        if not torch.compiler.is_compiling() and not _capturing():  # pending warnings: CUDA events of eager steps
             self._flush_warnings()
         unchecked_steps = self._check_groups()
         all_rows = self._collect()
@@ -472,6 +482,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         if device is None and shards is not None:
             device = shards.device  # no grads here, but this rank must still join the collectives
         if device is None:
+            return loss
+        if shards is None and not unchecked_steps and self._on_device(device):
+            self._step_on_device(all_rows, device)
             return loss
         inv64 = F.inv_scale_from_grad_scale(getattr(self, "grad_scale", None), device)
         found_inf = getattr(self, "found_inf", None)
@@ -524,13 +537,113 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._report(found_inf, self._message())
         return loss
 
-    def _count(self, name: str, flag: torch.Tensor, device: torch.device) -> None:
-        """``self.<name> += flag`` on the device (a one-element int64 counter, made on first use)."""
-        counts = self.__dict__.setdefault("_skip_counts", {})  # a checkpoint pickled before it existed
+    # -- the device-resident step (docs/optim.md, "The step on the device") ---------------------------------
+
+    def _device_step(self, group: dict[str, Any], rows: _Rows, base: DeviceStep) -> DeviceStep | None:
+        """The group's step for kernels that derive their hyper-parameters on the device (``base`` with the
+        group's host numbers filled in), or None where the subclass has no such kernels."""
+        return None
+
+    def _on_device(self, device: torch.device) -> bool:
+        """Can this eager step run device-resident? Triton kernels on ``device``, a subclass with device-step
+        kernels, and a GradScaler's ``grad_scale`` (if any) a one-element float tensor on ``device``."""
+        if torch.compiler.is_compiling() or type(self)._device_step is FusedOptimizer._device_step:
+            return False
+        if select_backend(device).backend is Backend.TORCH:
+            return False
+        scale = getattr(self, "grad_scale", None)
+        return scale is None or (
+            isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.is_floating_point()
+            and scale.device == device
+        )
+
+    def _device_buffers(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The optimizer's own flag and gradient norm (float32 ``[1]`` each) on ``device``, made once: a step
+        writes them whole, so it needs no fill (and a captured graph replays into the same memory)."""
+        store = self.__dict__.setdefault("_skip_counts", {})
+        key = f"buffers:{device}"
+        bufs = store.get(key)
+        if bufs is None:
+            bufs = store[key] = torch.zeros(2, dtype=torch.float32, device=device)
+        return {"flag": bufs[0:1], "gnorm": bufs[1:2]}
+
+    def _step_on_device(self, all_rows: list[_Rows], device: torch.device) -> None:
+        """``step`` with nothing copied from the host and nothing read back (CUDA-graph capturable).
+
+        Launches per step and (device, dtype) group: the check pass (inf/NaN flag, the norm when the update uses
+        it, and the skip count, finished in the same launch) and the update kernels, which derive the
+        hyper-parameters from the device step counter and advance it (``fp16kit.kernels.DeviceStep``). A tensor
+        ``lr`` adds the device check of its value (a few torch ops); anything the kernels cannot take (several
+        grad dtypes, layouts the planner sends to the torch fallback) runs the torch passes for that part.
+        """
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        own_flag = found_inf is None
+        bufs = self._device_buffers(device)
+        if own_flag:
+            found_inf = bufs["flag"]
+        else:
+            check_found_inf(f"{self._name}.step", found_inf, device)
+        grads = [g for rows in all_rows for g in rows.grads]
+        norm = self._needs_grad_norm()
+        gnorm = bufs["gnorm"]
+        counter = self._counter("nonfinite_skips", device) if own_flag else None
+        counted = False
+        if own_flag or norm or not flag_is_final(self):
+            counted = step_check(grads, grad_scale, found_inf, gnorm if norm else None, own_flag=own_flag,
+                                 skip_count=counter)
+            if not counted:  # the torch passes (several grad dtypes, the fallback's layouts)
+                inv64 = F.inv_scale_from_grad_scale(grad_scale, device)
+                if own_flag:
+                    found_inf.zero_()
+                if norm:
+                    gnorm.copy_(F.check_and_norm(grads, inv64, found_inf).reshape(1))
+                else:
+                    flag_nonfinite(grads, inv64.float(), found_inf)
+        bad_hp = F.bad_lr_flag([g["lr"] for g in self.param_groups], device)
+        skip = found_inf if bad_hp is None else torch.maximum(found_inf.reshape(1), bad_hp)
+        verdicts = self.__dict__.get("_verdicts", {})
+        for group, rows in zip(self.param_groups, all_rows):
+            step = self._own_step(group, device)
+            if not rows.params:
+                F.advance_step(step, skip)
+                continue
+            base = DeviceStep(step, {}, scale=grad_scale, gnorm=gnorm)
+            ds = self._device_step(group, rows, base)
+            verdict = verdicts.get(id(group))
+            rows_t = (rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models)
+            with vouched_rows(verdict, rows_t) if verdict is not None else contextlib.nullcontext():
+                self._run_device_update(group, rows, ds, skip)
+        if self.unscale_grads and grad_scale is not None:
+            grads = [g for g in grads if g.numel()]
+            if grads:
+                inv64 = F.inv_scale_from_grad_scale(grad_scale, device)
+                unscale_and_check(grads, inv64.float(), new_found_inf(device))
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if bad_hp is not None:
+            self._count("hparam_skips", bad_hp, device)
+            if not capturing:
+                self._report(bad_hp, self._hparam_message())
+        if own_flag:
+            if not counted:
+                self._count("nonfinite_skips", found_inf, device)
+            if not capturing:
+                self._report(found_inf, self._message())
+
+    def _run_device_update(self, group: dict[str, Any], rows: _Rows, ds: DeviceStep, skip: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _counter(self, name: str, device: torch.device) -> torch.Tensor:
+        """The one-element int64 skip counter ``name`` on ``device`` (made on first use)."""
+        counts = self.__dict__.setdefault("_skip_counts", {})
         counter = counts.get(name)
         if counter is None or counter.device != device:
             counter = counts[name] = torch.zeros(1, dtype=torch.int64, device=device)
-        counter.add_(flag.reshape(1).to(torch.int64))
+        return counter
+
+    def _count(self, name: str, flag: torch.Tensor, device: torch.device) -> None:
+        """``self.<name> += flag`` on the device (a one-element int64 counter, made on first use)."""
+        self._counter(name, device).add_(flag.reshape(1).to(torch.int64))
 
     # -- non-finite grads without a scaler ------------------------------------------------------------------
 

@@ -79,6 +79,15 @@ def _scalar64(name: str, value: Scalar, device: torch.device) -> torch.Tensor:
     return torch.full((1,), float(value), dtype=F64, device=device)
 
 
+def device_lr(lr: Scalar, device: torch.device) -> torch.Tensor | None:
+    """A tensor ``lr`` as a device step reads it (validated as ``_scalar64`` validates it), None for a number."""
+    if not isinstance(lr, torch.Tensor):
+        return None
+    if lr.device != device or lr.numel() != 1 or not lr.is_floating_point():
+        _scalar64("lr", lr, device)  # raises, naming the problem
+    return lr.detach()
+
+
 def inv_scale_from_grad_scale(grad_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """``1 / grad_scale`` in float64 (as torch's GradScaler computes its inverse), or 1 without a scale."""
     if grad_scale is None:

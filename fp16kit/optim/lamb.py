@@ -8,10 +8,13 @@ the step is skipped on the device, without one it is skipped and reported per ``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from fp16kit.kernels import DeviceStep
 
 from . import _sharding
 from . import functional as F
@@ -158,4 +161,38 @@ class FusedLAMB(FusedOptimizer):
             adam_w_mode=self.adam_w_mode,
             use_nvlamb=self.use_nvlamb,
             step=step,
+        )
+
+    def _device_step(self, group: dict[str, Any], rows: _Rows, base: DeviceStep) -> DeviceStep:
+        b1, b2 = (float(b) for b in group["betas"])
+        lr = group["lr"]
+        max_norm = float(self.defaults["max_grad_norm"])
+        device = base.step.device
+
+        def legacy() -> torch.Tensor:  # the same step's float64 vector, for rows the kernels do not take
+            return F.lamb_hparams(
+                lr=lr, betas=(b1, b2), eps=group["eps"], weight_decay=group["weight_decay"],
+                bias_correction=group["bias_correction"], grad_averaging=group["grad_averaging"],
+                step=base.step + 1, inv_scale64=F.inv_scale_from_grad_scale(base.scale, device),
+                clip64=F.clip_factor(base.gnorm, max_norm), device=device,
+            )
+
+        host = {
+            "lr": 0.0 if isinstance(lr, torch.Tensor) else float(lr),
+            "beta1": b1,
+            "beta2": b2,
+            "beta3": 1.0 - b1 if group["grad_averaging"] else 1.0,
+            "eps": float(group["eps"]),
+            "weight_decay": float(group["weight_decay"]),
+            "max_grad_norm": max_norm,
+        }
+        return dataclasses.replace(
+            base, host=host, lr=F.device_lr(lr, device), bias_correction=bool(group["bias_correction"]),
+            legacy=legacy,
+        )
+
+    def _run_device_update(self, group: dict[str, Any], rows: _Rows, ds: DeviceStep, skip: torch.Tensor) -> None:
+        F.lamb_update(
+            rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models, ds, skip,
+            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, use_nvlamb=self.use_nvlamb,
         )

@@ -1,0 +1,252 @@
+"""The optimizer step on a GPU: launches and copies per step, host time, CUDA-graph capture, compiled steps, and
+bandwidth on BERT-shaped lists, with torch's fused AdamW measured in the same run.
+
+Needs CUDA (``benchmarks/gpu_suite.sh`` runs it). Prints markdown and writes it to ``--out``.
+
+* **launches / copies**: ``torch.profiler`` over one step (200 params of 64 elements, grads kept between steps,
+  with and without a GradScaler): CUDA kernels, host-to-device and device-to-host copies.
+* **host time**: wall time per step over 200 and 1000 params of 64 elements (the GPU work is tiny, so this is
+  the step's host cost), median of rounds; the peer's in the same rounds.
+* **graphs**: torch's documented pattern (3 warm-up steps on a side stream, ``torch.cuda.graph``), replays
+  compared bit for bit with eager steps on a copy, and a change of a tensor ``lr`` between replays.
+* **compile**: ``torch.compile(opt.step)`` gives the eager bits over 3 steps.
+* **bandwidth**: BERT-large gradient list (fp32 params and grads; master mode: fp16 params, fp32 masters), time by
+  ``triton.testing.do_bench`` (median), GB/s of the minimal traffic, against a device-to-device copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from fp16kit.amp import GradScaler
+from fp16kit.optim import FusedAdam, FusedLAMB
+
+DEV = "cuda"
+MAKERS = {
+    "FusedAdam": lambda ps, **k: FusedAdam(ps, lr=1e-3, weight_decay=0.01, **k),
+    "FusedLAMB": lambda ps, **k: FusedLAMB(ps, lr=1e-3, weight_decay=0.01, **k),
+    "torch AdamW(fused)": lambda ps, **k: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True, **k),
+}
+
+
+def small_params(n: int, numel: int = 64) -> list[torch.Tensor]:
+    g = torch.Generator(device=DEV).manual_seed(n)
+    ps = [torch.randn(numel, device=DEV, generator=g).requires_grad_() for _ in range(n)]
+    for p in ps:
+        p.grad = torch.randn(numel, device=DEV, generator=g) * 1e-2
+    return ps
+
+
+def profile_step(name: str, scaler: bool) -> tuple[int, int, int]:
+    ps = small_params(200)
+    opt = MAKERS[name](ps)
+    sc = GradScaler("cuda") if scaler else None
+
+    def one() -> None:
+        if sc is None:
+            opt.step()
+        else:
+            sc.scale(torch.ones((), device=DEV))
+            sc.step(opt)
+            sc.update()
+
+    for _ in range(3):
+        one()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one()
+        torch.cuda.synchronize()
+    kernels = htod = dtoh = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n = e.name.lower()
+            if "memcpy htod" in n:
+                htod += 1
+            elif "memcpy dtoh" in n:
+                dtoh += 1
+            elif "memset" not in n and "memcpy" not in n:
+                kernels += 1
+    return kernels, htod, dtoh
+
+
+def host_time(n: int, rounds: int = 7, steps: int = 50) -> dict[str, float]:
+    opts = {name: make(small_params(n)) for name, make in MAKERS.items()}
+    for o in opts.values():
+        for _ in range(3):
+            o.step()
+    times: dict[str, list[float]] = {k: [] for k in opts}
+    for _ in range(rounds):
+        for name, o in opts.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                o.step()
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - t0) / steps * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def graph_check(name: str) -> str:
+    """Capture ``opt.step()`` as torch documents it; replays == eager steps on a copy; a tensor lr change."""
+    ps = small_params(50, 1000)
+    kwargs = {"capturable": True} if name != "FusedLAMB" else {}
+    lr = torch.tensor(1e-3, device=DEV)
+    opt = MAKERS[name](ps, **kwargs)
+    for grp in opt.param_groups:
+        grp["lr"] = lr
+    ref_ps = [p.detach().clone().requires_grad_() for p in ps]
+    for r, p in zip(ref_ps, ps):
+        r.grad = p.grad.clone()
+    ref = MAKERS[name](ref_ps, **kwargs)
+    for grp in ref.param_groups:
+        grp["lr"] = lr.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            opt.step()
+            ref.step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        opt.step()
+    for k in range(4):
+        if k == 2:
+            lr.fill_(5e-3)
+            for grp in ref.param_groups:
+                grp["lr"].fill_(5e-3)
+        g.replay()
+        ref.step()
+    torch.cuda.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(ps, ref_ps))
+    moved = not all(torch.equal(a, b) for a, b in zip(ps, small_params(50, 1000)))
+    return f"captured; 4 replays (lr changed before the 3rd) {'==' if same else '!='} eager bit for bit; moved={moved}"
+
+
+def compile_check(name: str) -> str:
+    ps = small_params(30, 257)
+    ref_ps = [p.detach().clone().requires_grad_() for p in ps]
+    for r, p in zip(ref_ps, ps):
+        r.grad = p.grad.clone()
+    opt, ref = MAKERS[name](ps), MAKERS[name](ref_ps)
+    step = torch.compile(opt.step)
+    for _ in range(3):
+        step()
+        ref.step()
+    torch.cuda.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(ps, ref_ps))
+    return f"compiled; 3 steps {'==' if same else '!='} eager bit for bit"
+
+
+def bert_large_shapes() -> list[tuple[int, ...]]:
+    h, ff, layers, vocab = 1024, 4096, 24, 30522
+    shapes: list[tuple[int, ...]] = [(vocab, h), (512, h), (2, h), (h,), (h,)]
+    for _ in range(layers):
+        shapes += [(h, h), (h,)] * 4 + [(h,), (h,), (ff, h), (ff,), (h, ff), (h,), (h,), (h,)]
+    return shapes + [(h, h), (h,)]
+
+
+def bandwidth(master: bool) -> dict[str, tuple[float, float]]:
+    import triton.testing
+
+    shapes = bert_large_shapes()
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    out = {}
+    for name, make in MAKERS.items():
+        if master and name.startswith("torch"):
+            continue
+        dtype = torch.float16 if master else torch.float32
+        ps = [torch.randn(s, device=DEV, dtype=dtype).requires_grad_() for s in shapes]
+        for p in ps:
+            p.grad = torch.randn_like(p) * 1e-3
+        opt = make(ps, master_weights=True) if master else make(ps)
+        ms = triton.testing.do_bench(opt.step, warmup=50, rep=300, return_mode="median")
+        # bytes per param: p r/w, g r, m r/w, v r/w (+ LAMB's second pass reads p, m, v and writes p; master mode
+        # adds the fp16 model copy write and reads fp16 grads)
+        base = 28 if not master else 4 * 2 + 2 + 4 * 4 + 2
+        lamb_extra = 16 if name == "FusedLAMB" else 0
+        gb = numel * (base + lamb_extra) / ms / 1e6
+        out[name] = (ms, gb)
+        del opt, ps
+        torch.cuda.empty_cache()
+    x = torch.empty(numel, device=DEV)
+    y = torch.empty_like(x)
+    copy_ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    out["copy (read+write)"] = (copy_ms, numel * 8 / copy_ms / 1e6)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu_step.md")
+    args = ap.parse_args()
+    lines = [f"# GPU step: {torch.cuda.get_device_name()}, torch {torch.__version__}", ""]
+
+    def section(title: str, fn) -> None:
+        lines.append(f"## {title}\n")
+        try:
+            fn()
+        except Exception:
+            lines.append("```\n" + traceback.format_exc()[-3000:] + "```")
+        lines.append("")
+        print("\n".join(lines[-20:]), flush=True)
+
+    def launches() -> None:
+        lines.append("| optimizer | scaler | CUDA kernels | HtoD copies | DtoH copies |\n|---|---|---|---|---|")
+        for name in MAKERS:
+            for sc in (False, True):
+                k, h, d = profile_step(name, sc)
+                lines.append(f"| {name} | {'GradScaler' if sc else '-'} | {k} | {h} | {d} |")
+
+    def host() -> None:
+        lines.append("| params | " + " | ".join(MAKERS) + " | FusedAdam / torch | FusedLAMB / torch |")
+        lines.append("|---" * (len(MAKERS) + 3) + "|")
+        for n in (200, 1000):
+            t = host_time(n)
+            peer = t["torch AdamW(fused)"]
+            lines.append(f"| {n} | " + " | ".join(f"{t[k]:.3f} ms" for k in MAKERS)
+                         + f" | {t['FusedAdam'] / peer:.2f} | {t['FusedLAMB'] / peer:.2f} |")
+
+    def graphs() -> None:
+        for name in MAKERS:
+            try:
+                lines.append(f"- {name}: {graph_check(name)}")
+            except Exception as e:  # noqa: BLE001
+                lines.append(f"- {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+
+    def compiled() -> None:
+        for name in ("FusedAdam", "FusedLAMB"):
+            try:
+                lines.append(f"- {name}: {compile_check(name)}")
+            except Exception as e:  # noqa: BLE001
+                lines.append(f"- {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+
+    def bw() -> None:
+        for master in (False, True):
+            res = bandwidth(master)
+            copy_gb = res["copy (read+write)"][1]
+            lines.append(f"**{'master mode (fp16 params)' if master else 'fp32'}**\n")
+            lines.append("| implementation | ms (median) | GB/s | % of copy |\n|---|---|---|---|")
+            for k, (ms, gb) in res.items():
+                lines.append(f"| {k} | {ms:.3f} | {gb:.0f} | {100 * gb / copy_gb:.0f}% |")
+            lines.append("")
+
+    section("Launches and copies per step (200 params x 64)", launches)
+    section("Host time per step (params of 64 elements)", host)
+    section("CUDA graphs (torch's pattern)", graphs)
+    section("torch.compile(opt.step)", compiled)
+    section("Bandwidth, BERT-large list (335M params)", bw)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU suite in one command (docs/benchmarks.md, "GPU"): pytest -m gpu, the optimizer-step checks and
+# benchmarks (launches, copies, host time, CUDA graphs, torch.compile, bandwidth), the kernel benchmarks, and
+# the whole test suite, each under its own time limit so that the whole run fits 8 minutes on one H100.
+# Results go under $OUT (default: a new temporary folder). Uses the python that has torch (PYTHON=...),
+# with this checkout on PYTHONPATH: nothing is installed.
+#   bash benchmarks/gpu_suite.sh            # on a machine with a CUDA GPU
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TRITON_INTERPRET=0
+log() { echo "[gpu_suite $(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
+log "OUT=$OUT"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"; } \
+  2>&1 | tee -a "$OUT/summary.txt"
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  log "$name: rc=$rc in $((SECONDS - t0)) s; $(tail -n 1 "$OUT/$name.log")"
+}
+step gpu_tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests
+step gpu_step 150 "$PY" benchmarks/gpu_step.py --out "$OUT/gpu_step.md"
+step bench_kernels 60 "$PY" benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md"
+# The whole suite: CPU tests under the interpreter, GPU tests compiled (the interpreter is process-wide, so two runs).
+step suite_cpu 120 env TRITON_INTERPRET=1 "$PY" -m pytest -q -n 8 -p no:cacheprovider tests -m "not gpu and not slow"
+log "done"
