@@ -46,6 +46,13 @@ INT_ARGS = {"num_tensors", "num_chunks"}
 HISTOGRAM_SIG = {**aot_histogram.SIGNATURE}
 I64_PTRS = {"ptrs", "numels", "chunk_start", "counts_ptr", "first_ptr"}
 I32_PTRS = {"chunk_tensor"}
+#: the device-resident step's counters (fp16kit/kernels/_step_scalars.py)
+I32_STEP = {"ticket_ptr", "done_ptr", "bad_ptr"}
+I64_STEP = {"chunk_counts", "first_chunk", "count_ptr"}
+#: the legacy layout (a float32 hp vector) and the device-derived one
+HP_LEGACY = dict(HP_DEVICE=False, LR_TENSOR=False, HAS_SCALE=False, BIAS_CORRECTION=False, ADVANCE=False)
+HP_ON_DEVICE = dict(HP_DEVICE=True, LR_TENSOR=False, HAS_SCALE=True, BIAS_CORRECTION=True, ADVANCE=True)
+SUMSQ_PLAIN = dict(FINISH=False, NORM=True, OWN_FLAG=False, COUNT=False, SCALE_IS_GRAD_SCALE=False)
 
 
 def signature(fn, constexprs, overrides=None):
@@ -57,7 +64,11 @@ def signature(fn, constexprs, overrides=None):
             sig[p.name] = "constexpr"
         elif p.name in INT_ARGS:
             sig[p.name] = "i32"
-        elif p.name in I64_PTRS:
+        elif p.name.endswith(("_hi", "_mid", "_lo")):  # host float64 numbers as float32 triples
+            sig[p.name] = "fp32"
+        elif p.name in I32_STEP:
+            sig[p.name] = "*i32"
+        elif p.name in I64_STEP or p.name in I64_PTRS:
             sig[p.name] = "*i64"
         elif p.name in I32_PTRS:
             sig[p.name] = "*i32"
@@ -86,27 +97,47 @@ CASES = {
     "copy bf16->bf16, unaligned": (copy_kernel._copy_kernel,
                                    dict(SRC_DTYPE=BF16, DST_DTYPE=BF16, BLOCK=4096, ALIGNED=False)),
     "sumsq bf16 +check, aligned": (l2norm_kernel._sumsq_kernel,
-                                   dict(IN_DTYPE=BF16, CHECK=True, BLOCK=4096, ALIGNED=True),
+                                   dict(IN_DTYPE=BF16, CHECK=True, BLOCK=4096, ALIGNED=True, **SUMSQ_PLAIN),
                                    {**F64_SCALE, **F64_PARTIALS}),
+    "step check fp16, finished on the device": (
+        l2norm_kernel._sumsq_kernel,
+        dict(IN_DTYPE=F16, CHECK=True, BLOCK=4096, ALIGNED=True, FINISH=True, NORM=True, OWN_FLAG=True, COUNT=True,
+             SCALE_IS_GRAD_SCALE=True),
+        {**F64_PARTIALS}),
     "segment sums": (l2norm_kernel._segment_sum_kernel, dict(BLOCK=1024)),
     "segment sums fp64": (l2norm_kernel._segment_sum_kernel, dict(BLOCK=1024), F64_PARTIALS),
     "lamb stage 1 (fp16 params, L2)": (
         lamb_kernel._lamb_stage1_kernel,
-        dict(P_DTYPE=F16, G_DTYPE=F16, L2_MODE=True, DECOUPLED=False, BLOCK=4096, ALIGNED=True)),
+        dict(P_DTYPE=F16, G_DTYPE=F16, L2_MODE=True, DECOUPLED=False, BLOCK=4096, ALIGNED=True, FINISH_SUMS=False,
+             **HP_LEGACY)),
+    "lamb stage 1 on the device (fp32, decoupled)": (
+        lamb_kernel._lamb_stage1_kernel,
+        dict(P_DTYPE=F32, G_DTYPE=F32, L2_MODE=False, DECOUPLED=True, BLOCK=4096, ALIGNED=True, FINISH_SUMS=True,
+             **HP_ON_DEVICE)),
+    "lamb stage 2 on the device (fp32 masters -> fp16 model)": (
+        lamb_kernel._lamb_stage2_kernel,
+        dict(P_DTYPE=F32, MODEL_DTYPE=F16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=4096, ALIGNED=True,
+             **HP_ON_DEVICE)),
+    "adam on the device (fp32)": (
+        adam_kernel._adam_kernel,
+        dict(P_DTYPE=F32, G_DTYPE=F32, MODEL_DTYPE=F32, HAS_MODEL=False, L2_MODE=False, DECOUPLED=True, BLOCK=4096,
+             ALIGNED=True, **HP_ON_DEVICE)),
     "lamb stage 2 (fp32 masters -> bf16 model)": (
         lamb_kernel._lamb_stage2_kernel,
-        dict(P_DTYPE=F32, MODEL_DTYPE=BF16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=4096, ALIGNED=True)),
+        dict(P_DTYPE=F32, MODEL_DTYPE=BF16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=4096, ALIGNED=True,
+             **HP_LEGACY)),
     "adam (fp32 masters -> fp16 model)": (
         adam_kernel._adam_kernel,
         dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, L2_MODE=False, DECOUPLED=True, BLOCK=4096,
-             ALIGNED=True)),
+             ALIGNED=True, **HP_LEGACY)),
     "adam (fp16 params, L2)": (
         adam_kernel._adam_kernel,
         dict(P_DTYPE=F16, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=False, L2_MODE=True, DECOUPLED=False, BLOCK=4096,
-             ALIGNED=True)),
+             ALIGNED=True, **HP_LEGACY)),
     "lamb stage 1 (fp32 masters, fp16 grads, decoupled)": (
         lamb_kernel._lamb_stage1_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F16, L2_MODE=False, DECOUPLED=True, BLOCK=4096, ALIGNED=True)),
+        dict(P_DTYPE=F32, G_DTYPE=F16, L2_MODE=False, DECOUPLED=True, BLOCK=4096, ALIGNED=True, FINISH_SUMS=False,
+             **HP_LEGACY)),
     "sgd (fp32 masters -> fp16 model, nesterov)": (
         sgd_kernel._sgd_kernel,
         dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, WD=True, WD_AFTER=False, MOMENTUM=True,

@@ -70,6 +70,11 @@ FMA = {
     "exponent histogram fp32": 0,
     "exponent histogram fp16": 0,
     "exponent histogram bf16": 0,
+    # the device-resident step (fp16kit/kernels/_step_scalars.py): float64 scalar math, no contraction either
+    "step check fp16, finished on the device": 0,
+    "lamb stage 1 on the device (fp32, decoupled)": 0,
+    "lamb stage 2 on the device (fp32 masters -> fp16 model)": 0,
+    "adam on the device (fp32)": 0,
 }
 MAX_REGISTERS = 128
 

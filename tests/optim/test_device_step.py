@@ -166,17 +166,26 @@ def _run(kind: str, backend: str, steps: int, dtype: torch.dtype, *, scaler_scal
     ],
     ids=["fp32", "fp32-scaler-overflow", "fp16-master", "tensor-lr-changed", "bf16-master-first-step-inf"],
 )
-def test_device_step_equals_torch_fallback_bit_for_bit(kind, case):
+def test_device_step_equals_the_host_vector_step_bit_for_bit(kind, case, monkeypatch):
     """The kernels derive bias corrections, ``1/scale``, the clip divisor and the step count on the device; the
-    torch fallback builds the float64 vector on the host side: same params, moments, masters and counters."""
+    same kernels fed the host-built float32 vector (the path a compiled or sharded step takes) give the same
+    params, moments, masters and counters. With fp16/bf16 params and fp32 masters the torch fallback gives the
+    same model params too (docs/optim.md, "Backend agreement")."""
+    from fp16kit.optim._base import FusedOptimizer
+
     steps = 4
-    triton_out = _run(kind, "triton", steps, **case)
-    torch_out = _run(kind, "torch", steps, **case)
-    for a, b in zip(triton_out[0], torch_out[0]):
+    device_out = _run(kind, "triton", steps, **case)
+    monkeypatch.setattr(FusedOptimizer, "_on_device", lambda self, device: False)
+    vector_out = _run(kind, "triton", steps, **case)
+    for a, b in zip(device_out[0], vector_out[0]):
         assert torch.equal(a, b)
-    for key in triton_out[1]:
-        for a, b in zip(triton_out[1][key], torch_out[1][key]):
+    for key in device_out[1]:
+        for a, b in zip(device_out[1][key], vector_out[1][key]):
             assert torch.equal(a, b), key
+    if case.get("master_weights"):  # the model params as the torch fallback computes them
+        torch_out = _run(kind, "torch", steps, **case)
+        for a, b in zip(device_out[0], torch_out[0]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.interpreter
@@ -276,3 +285,26 @@ def test_compiled_step_equals_eager_cuda(kind):
     torch.cuda.synchronize()
     for a, b in zip(ps, ref_ps):
         assert torch.equal(a, b)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+@pytest.mark.parametrize("with_scaler", [False, True])
+def test_step_creates_no_host_value_and_reads_nothing_back(kind, with_scaler):
+    """The step's torch ops, CPU stand-in for a CUDA trace: the same code runs for CUDA tensors except the
+    ``on_nonfinite="warn"`` report (a pinned non-blocking copy there, a host read here), so with
+    ``on_nonfinite="skip"`` the step must make no tensor from host values (``lift_fresh``, ``scalar_tensor``,
+    ``full``: a host-to-device copy or fill on a GPU), copy nothing (``_to_copy``/``copy_``) and read nothing
+    (``_local_scalar_dense``, i.e. ``.item()``). The GPU side is ``test_eager_step_copies_nothing_to_the_device``."""
+    opt = MAKERS[kind](_params(40, numel=4), on_nonfinite="skip")
+    if with_scaler:  # a scaler's hand-over, as GradScaler.step makes it (its own ops are not the step's)
+        opt.grad_scale = torch.full((1,), 256.0)
+        opt.found_inf = torch.zeros(1)
+    opt.step()
+    opt.step()
+    with counting() as (_, ops):
+        opt.step()
+    host = {"aten.lift_fresh", "aten.scalar_tensor", "aten.full", "aten._to_copy", "aten.copy_",
+            "aten._local_scalar_dense", "aten.ones", "aten.zeros", "aten.empty"}
+    seen = {name.rsplit(".", 1)[0] for name in ops.counts}
+    assert not (seen & host), ops.counts
