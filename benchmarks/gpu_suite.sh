@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite in one command (docs/benchmarks.md, "GPU"): pytest -m gpu, the optimizer-step checks and
 # benchmarks (launches, copies, host time, CUDA graphs, torch.compile, bandwidth), the kernel benchmarks, and
-# the whole test suite, each under its own time limit so that the whole run fits 8 minutes on one H100.
+# a launch-configuration sweep and the whole test suite, each under its own time limit so that the whole run fits
+# 8 minutes on one H100.
 # Results go under $OUT (default: a new temporary folder). Uses the python that has torch (PYTHON=...),
 # with this checkout on PYTHONPATH: nothing is installed.
 #   bash benchmarks/gpu_suite.sh            # on a machine with a CUDA GPU
@@ -26,6 +27,7 @@ step() {  # step NAME SECONDS COMMAND...
 step gpu_tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests
 step gpu_step 150 "$PY" benchmarks/gpu_step.py --out "$OUT/gpu_step.md"
 step bench_kernels 60 "$PY" benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md"
+step gpu_tune 170 "$PY" benchmarks/gpu_tune.py --budget 140 --out "$OUT/gpu_tune.md"
 # The whole suite: CPU tests under the interpreter, GPU tests compiled (the interpreter is process-wide, so two runs).
 step suite_cpu 120 env TRITON_INTERPRET=1 "$PY" -m pytest -q -n 8 -p no:cacheprovider tests -m "not gpu and not slow"
 log "done"
