@@ -75,13 +75,27 @@ class DeviceStep:
             return hp, (hp, hp, hp, hp) + (0.0,) * (3 * len(names)), flags
         step = hp.step
         parts: tuple[float, ...] = ()
+        host = hp.host
         for name in names:
-            parts += split3(float(hp.host.get(name, 0.0)))
+            parts += split3_cached(float(host.get(name, 0.0)))
         flags = {"HP_DEVICE": True, "LR_TENSOR": hp.lr is not None, "HAS_SCALE": hp.scale is not None,
                  "BIAS_CORRECTION": hp.bias_correction, "ADVANCE": hp.advance}
         pointers = (step, table.scratch_ticket() if hp.advance else step,
                     step if hp.lr is None else hp.lr, step if hp.scale is None else hp.scale)
         return step, pointers + parts, flags
+
+
+_SPLITS: dict[float, tuple[float, float, float]] = {}
+
+
+def split3_cached(x: float) -> tuple[float, float, float]:
+    """:func:`split3`, remembered for the last few hundred values (hyper-parameters repeat every step)."""
+    parts = _SPLITS.get(x)
+    if parts is None:
+        if len(_SPLITS) > 512:
+            _SPLITS.clear()
+        parts = _SPLITS[x] = split3(x)
+    return parts
 
 
 def split3(x: float) -> tuple[float, float, float]:

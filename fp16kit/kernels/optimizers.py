@@ -146,10 +146,9 @@ def step_check(
 
     Returns False, having done nothing, when the grads are not one Triton kernel group (several dtypes, layouts
     the kernels do not take, the torch backend): the caller then runs ``check_and_norm``/``flag_nonfinite``."""
-    grads = [g for g in grads if g.numel()]
     if not grads:
         return False
-    plan = _plan.plan(_L2NORM, (grads,))
+    plan = _plan.plan(_L2NORM, (grads,))  # empty grads are left out of every group (they add nothing)
     if plan.rest or len(plan.kernel) != 1:
         return False
     from .l2norm_kernel import launch_step_check
