@@ -31,7 +31,7 @@ pins="$VENV/pins.txt"
 printf 'torch==%s\ntriton==%s\n' "$TORCH_VERSION" "$TRITON_VERSION" > "$pins"
 stamp="$VENV/.installed-$(cat pyproject.toml "$pins" | cksum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ]; then
-  echo "[compat] installing torch==$TORCH_VERSION triton==$TRITON_VERSION (the first time: GBs for a CUDA build)"
+  echo "[compat] installing torch==$TORCH_VERSION triton==$TRITON_VERSION and fp16kit (a CUDA build of torch: GBs, once)"
   pip_i -c "$pins" "torch==$TORCH_VERSION" "triton==$TRITON_VERSION"
   if [ "${FP16KIT_COMPAT_ANY:-0}" = 1 ]; then
     pip_i -c "$pins" -e . --no-deps
