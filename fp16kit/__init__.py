@@ -4,13 +4,18 @@
 ``autocast`` / ``GradScaler``; ``fp16kit.optim`` has ``FusedLAMB`` and ``FusedAdam``;
 ``fp16kit.kernels`` the fused multi-tensor kernels; ``fp16kit.numerics`` the float64 references,
 format facts, Hypothesis strategies and ulp assertions used to test them.
-Importing fp16kit needs neither a GPU nor Triton nor Hypothesis.
+Importing fp16kit needs neither a GPU nor Triton nor Hypothesis. It warns once when torch or Triton is outside
+the tested range (``fp16kit._versions``, docs/compat.md).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from . import _versions
+
+_versions.check_installed()
 
 __version__ = "0.1.0"
 

@@ -9,23 +9,26 @@ autocast works at the aten level, which has that effect). So autocast runs such 
 What this module reads and rebuilds is torch's own Python source as CPython compiled it: the names a function's
 code loads (``co_names``), its binary-operator instructions (``dis``), its globals and its closure. Those are
 internals of a given torch release, so the tooling is enabled only on the torch versions it was checked against
-(:data:`SUPPORTED_TORCH`, the range ``pyproject.toml`` requires). On any other torch it disables itself with one
-:class:`UnsupportedTorchWarning`: autocast still applies every row of the table, and absent composites run as
-called (their inner ops are not cast). ``FP16KIT_AMP_BYTECODE=force`` enables it anyway (at your own risk, e.g.
-to test a new torch); ``FP16KIT_AMP_BYTECODE=off`` disables it on any torch.
+(:data:`SUPPORTED_TORCH`: fp16kit's tested range, ``fp16kit._versions.TORCH_RANGE``, which ``pyproject.toml``
+requires). On any other torch it disables itself: autocast still applies every row of the table, and absent
+composites run as called (their inner ops are not cast). That torch already got one
+:class:`UnsupportedTorchWarning` when fp16kit was imported; the tooling warns itself only about a torch that
+import did not warn about (e.g. one whose version changed since). ``FP16KIT_AMP_BYTECODE=force`` enables it
+anyway (at your own risk, e.g. to test a new torch); ``FP16KIT_AMP_BYTECODE=off`` disables it on any torch.
 """
 
 from __future__ import annotations
 
 import dis
 import os
-import re
 import types
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from .. import _versions
 
 __all__ = [
     "SUPPORTED_TORCH",
@@ -37,23 +40,23 @@ __all__ = [
     "torch_version_problem",
 ]
 
-#: ``(lowest, first unsupported)`` torch ``(major, minor)`` the tooling was checked against.
-SUPPORTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 4), (2, 14))
+#: ``(lowest, first unsupported)`` torch ``(major, minor)`` the tooling was checked against: fp16kit's tested range.
+SUPPORTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = _versions.TORCH_RANGE
 _ENV = "FP16KIT_AMP_BYTECODE"
 _HTF_NAMES = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
 
-class UnsupportedTorchWarning(UserWarning):
-    """The installed torch is outside :data:`SUPPORTED_TORCH`: the pass-through copies are disabled."""
+#: The installed torch is outside :data:`SUPPORTED_TORCH` (the pass-through copies are disabled): the warning
+#: ``import fp16kit`` gives for a torch outside the tested range.
+UnsupportedTorchWarning = _versions.UnsupportedVersionWarning
 
 
 def torch_version_problem(version: str | None = None) -> str | None:
     """Why the tooling cannot run on torch ``version`` (default: the installed one), or None when it can."""
     version = torch.__version__ if version is None else version
-    m = re.match(r"(\d+)\.(\d+)", str(version))
-    if m is None:
+    got = _versions.parse(version)
+    if got is None:
         return f"cannot read the torch version {version!r}"
-    got = (int(m.group(1)), int(m.group(2)))
     lo, hi = SUPPORTED_TORCH
     if not lo <= got < hi:
         return f"torch {version} is outside the checked range {lo[0]}.{lo[1]} <= torch < {hi[0]}.{hi[1]}"
@@ -71,6 +74,8 @@ def enabled(version: str | None = None) -> bool:
     problem = torch_version_problem(version)
     if problem is None or setting == "force":
         return True
+    if version is None and _versions.WARNED.get("torch") == torch.__version__ and "outside" in problem:
+        return False  # import fp16kit warned about this torch already (one message)
     warnings.warn(
         f"fp16kit.amp: {problem}, so autocast does not look inside torch's Python composite functions that are "
         f"absent from the cast policy (e.g. F.multi_head_attention_forward): they run as called and their inner "

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import _versions
 from . import _bytecode, _dispatch, policy
 from .policy import Rule
 
@@ -108,6 +109,10 @@ _is_compiling = torch.compiler.is_compiling
 #: (measured: ~900 guard lines and ~16 us per compiled call). The callables stay alive in policy.RESOLVED and
 #: _PASSTHROUGH, so their ids are stable.
 _DISPATCH: dict[int, Any] = {}
+#: The same entries keyed by the callables: read only while Dynamo traces on a torch whose Dynamo cannot trace
+#: ``id()`` of a torch function (``_versions.dynamo_traces_any_id``; torch < 2.13). Dynamo guards
+#: its keys there (slower compiled calls, the same casts).
+_DISPATCH_BY_FN: dict[Any, Any] = {}
 #: ``__name__`` -> (rule, inplace, row) for the names that identify their rule: every overridable callable with that
 #: name has the same (rule, inplace) and none is an absent composite. Used under torch.compile only, where Dynamo
 #: hands Tensor methods called on intermediates and Python operators (``h.exp()``, ``x @ y``) to the mode as
@@ -144,6 +149,10 @@ def _rebuild_dispatch() -> None:
     merged.update((id(fn), entry) for fn, entry in policy.RESOLVED.items())  # a table row wins
     _DISPATCH.clear()
     _DISPATCH.update(merged)
+    by_fn = {fn: copy for fn, copy in _PASSTHROUGH.items() if id(fn) in merged}
+    by_fn.update(policy.RESOLVED)
+    _DISPATCH_BY_FN.clear()
+    _DISPATCH_BY_FN.update(by_fn)
     _rebuild_by_name()
 
 
@@ -180,11 +189,11 @@ def _build_compiled_lookups() -> tuple[Callable[[Any], Any], Callable[[Any], Any
         redirects.append((name, f"_TARGET{i}"))
     src = [
         "def row(name):",
-        "    if name.__class__ is not str: return None",
+        "    if not isinstance(name, str): return None",
         *_if_tree("name", rows, 1),
         "    return None",
         "def redirect(name):",
-        "    if name.__class__ is not str: return None",
+        "    if not isinstance(name, str): return None",
         *_if_tree("name", redirects, 1),
         "    return None",
     ]
@@ -398,6 +407,21 @@ class _AutocastMode(TorchFunctionMode):
         with self:
             return entry(*args, **(kwargs or {}))
 
+    def _torch_function_by_fn(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        """The hook on a torch whose Dynamo cannot trace ``id()`` of a torch function (torch 2.11: "id() with
+        unsupported args"): eager runs :meth:`__torch_function__` as it is; while Dynamo traces, the row is read
+        from ``_DISPATCH_BY_FN`` (keyed by the callables) instead of ``_DISPATCH``."""
+        if not _is_compiling():
+            return _AutocastMode.__torch_function__(self, func, types, args, kwargs)
+        entry = _DISPATCH_BY_FN.get(func)
+        if entry is None or not self.enabled:
+            return self._compiled_miss(func, args, kwargs, disabled=not self.enabled)
+        if isinstance(entry, tuple):
+            args, kwargs = cast_args(self, entry, func, args, kwargs or _NO_KWARGS)
+            return func(*args, **kwargs)
+        with self:  # an absent composite, as in __torch_function__
+            return entry(*args, **(kwargs or {}))
+
     def _compiled_miss(self, func: Any, args: tuple[Any, ...], kwargs: Any, *, disabled: bool = False) -> Any:
         """While Dynamo traces: ``func`` missed ``_DISPATCH`` (or casting is off). Dynamo hands Tensor methods called
         on intermediates and Python operators (``h.exp()``, ``x @ y``) to the mode as sourceless variables whose
@@ -413,6 +437,18 @@ class _AutocastMode(TorchFunctionMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         args, kwargs = cast_args(self, entry, func, args, kwargs or _NO_KWARGS)  # the general form of the hot path
         return func(*args, **kwargs)
+
+
+class _AutocastModeByFn(_AutocastMode):
+    """:class:`_AutocastMode` for a torch whose Dynamo cannot trace ``id()`` of a torch function."""
+
+    __torch_function__ = _AutocastMode._torch_function_by_fn
+
+
+#: The mode class autocast pushes (a branch on the torch version: fp16kit/_versions.py).
+_MODE_CLASS: type[_AutocastMode] = (
+    _AutocastMode if _versions.dynamo_traces_any_id() else _AutocastModeByFn
+)
 
 
 def active_mode() -> Any:
@@ -515,7 +551,7 @@ class autocast:
             if not self.enabled:
                 self._saved.append((None, False, self.dtype, self.cache_enabled))
                 return self
-            mode = _AutocastMode()
+            mode = _MODE_CLASS()
             mode.__enter__()
             _tls.mode = mode
             self._saved.append((mode, True, mode.dtype, mode.cache_enabled))

@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 
+from .. import _versions
+
 __all__ = ["is_dtensor", "is_sharded", "local", "same_group", "shard_group"]
 
-try:  # torch >= 2.5 has the public module; torch.distributed may also be missing entirely.
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - platforms without torch.distributed
-    DTensor = None
+DTensor = _versions.dtensor_class()  # None on a build without torch.distributed
 
 
 def is_dtensor(t: Any) -> bool:

@@ -11,6 +11,10 @@ loads and stores (checked by ``tests/kernels/test_gpu_compile.py`` on the genera
 import triton
 import triton.language as tl
 
+from fp16kit._versions import patch_triton_interpreter
+
+patch_triton_interpreter()  # Triton 3.6's interpreter under NumPy >= 2.4 (every kernel imports this module)
+
 
 @triton.jit
 def chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):

@@ -157,7 +157,8 @@ def flag_nonfinite(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf
         inv = inv_scale.to(dev)
         if select_backend(dev).backend is not Backend.TORCH:
             l2norm(same, pre_scale=inv, found_inf=flag)
-        elif dev.type == "cpu" and abs(float(inv.reshape(()))) <= 1.0:  # host read of a CPU tensor: no sync
+        elif dev.type == "cpu" and not torch.compiler.is_compiling() and abs(float(inv.reshape(()))) <= 1.0:
+            # host reads of CPU tensors (no sync); not in a compiled step, where torch 2.11 breaks the graph on them
             _flag_from_largest(_cpu_unproven(same), inv, flag)
         else:
             _flag_from_largest(same, inv, flag)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from fp16kit import _versions
 from fp16kit.distributed import is_dtensor
 from fp16kit.kernels import (
     Backend,
@@ -138,6 +139,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         # The skip counters (``hparam_skips``, ``nonfinite_skips``) live in a dict: Dynamo keeps a compiled
         # step's dict writes but (torch 2.13) drops its attribute stores on an Optimizer.
         self._skip_counts: dict[str, torch.Tensor] = {}
+        # Host state a step writes ("rows_device", "rows_dtensors" from _collect; "shard_plan" from
+        # _sharding.localize) lives in a dict for the same reason.
+        self._step_cache: dict[str, Any] = {}
         # ZeRO-1: the ranks whose params together form the model (global norm and inf flag summed over them).
         self.process_group = process_group
         super().__init__(params, defaults)
@@ -154,6 +158,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         counts its own skips): a one-element int64 tensor on the params' device (None before the first step).
         A compiled step's only report under ``on_nonfinite="warn"`` (docs/optim.md)."""
         return self.__dict__.get("_skip_counts", {}).get("nonfinite_skips")
+
+    @property
+    def _shard_plan(self) -> Any:
+        """The step's ``_sharding.ShardPlan`` (None in a single-process step), kept in ``_step_cache``."""
+        return self.__dict__.get("_step_cache", {}).get("shard_plan")
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything (``torch.optim.Optimizer`` keeps only defaults, state and groups, so a deep copy or an
@@ -247,8 +256,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         deleted, a grad appearing or disappearing) runs the full per-param check again, with its messages. Not
         while ``torch.compile`` traces (the guard is host state Dynamo need not see): the per-param check then.
         """
-        self._rows_device = None
-        self._rows_dtensors = True  # unknown: the step asks _sharding
+        cache = self.__dict__.setdefault("_step_cache", {})  # an optimizer pickled before the dict existed
+        cache["rows_device"] = None
+        cache["rows_dtensors"] = True  # unknown: the step asks _sharding
         if torch.compiler.is_compiling():
             return [self._collect_group(gi, group)[0] for gi, group in enumerate(self.param_groups)]
         verdicts = self.__dict__.setdefault("_verdicts", {})  # an optimizer pickled before the cache existed
@@ -271,8 +281,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 del verdicts[key]
         devices.discard(None)
         if len(devices) == 1:
-            self._rows_device = devices.pop()
-        self._rows_dtensors = dtensors
+            cache["rows_device"] = devices.pop()
+        cache["rows_dtensors"] = dtensors
         return out
 
     def _collect_group(self, gi: int, group: dict[str, Any]) -> tuple[_Rows, _Verdict | None]:
@@ -470,11 +480,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._flush_warnings()
         unchecked_steps = self._check_groups()
         all_rows = self._collect()
-        if self.process_group is None and not getattr(self, "_rows_dtensors", True):
-            shards = self._shard_plan = None  # no DTensor param and no process group: what localize would say
+        cache = self.__dict__.setdefault("_step_cache", {})  # an optimizer pickled before the dict existed
+        if self.process_group is None and not cache.get("rows_dtensors", True):
+            shards = cache["shard_plan"] = None  # no DTensor param and no process group: what localize would say
         else:
             shards = _sharding.localize(self, all_rows)  # FSDP2/ZeRO: local shards and the group to sum over
-        device = getattr(self, "_rows_device", None)
+        device = cache.get("rows_device")
         if device is None or shards is not None:
             device = common_device(
                 self._name, [p for rows in all_rows for p in rows.params], [g for rows in all_rows for g in rows.grads]
@@ -693,3 +704,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             elif bool(host[0] != 0):
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
         self._pending = still
+
+
+if not _versions.dynamo_traces_any_id():
+    # torch < 2.13: Dynamo cannot trace the step (id() of a param group), so torch.compile runs it eagerly (one graph
+    # break, the same results) instead of failing inside it.
+    FusedOptimizer.step = torch.compiler.disable(FusedOptimizer.step)  # type: ignore[method-assign]

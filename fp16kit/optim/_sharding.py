@@ -109,12 +109,14 @@ def localize(optimizer: FusedOptimizer, all_rows: Sequence[_Rows]) -> ShardPlan 
     """Swap DTensors in ``all_rows`` for their local shards (in place) and plan this step's collectives.
 
     Returns None (and changes nothing) when no param is a DTensor and no ``process_group`` was given: the
-    single-process step. The plan is also kept on ``optimizer._shard_plan`` for :func:`defer_lamb`.
+    single-process step. The plan is also kept in ``optimizer._step_cache`` (``optimizer._shard_plan``) for
+    :func:`defer_lamb`.
     """
     explicit = getattr(optimizer, "process_group", None)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     any_dt, group = shard_group(optimizer._name, params)
-    optimizer._shard_plan = None
+    cache = optimizer._step_cache  # a dict: Dynamo drops (torch 2.13) or fails on (2.11) an attribute store
+    cache["shard_plan"] = None
     if explicit is None and not any_dt:
         return None
     if explicit is not None and group is not None and not same_group(explicit, group):
@@ -131,7 +133,7 @@ def localize(optimizer: FusedOptimizer, all_rows: Sequence[_Rows]) -> ShardPlan 
         rows.models = [None if m is None else local(m) for m in rows.models]
     device = local(params[0]).device if params else torch.device("cpu")
     plan = ShardPlan(optimizer._name, group if group is not None else explicit, device, split)
-    optimizer._shard_plan = plan
+    cache["shard_plan"] = plan
     return plan
 
 
@@ -146,7 +148,7 @@ def defer_lamb(
 ) -> bool:
     """In a sharded step, queue one group's LAMB update for :meth:`ShardPlan.finish` and return True;
     return False (the caller updates at once) in a single-process step."""
-    plan: ShardPlan | None = getattr(optimizer, "_shard_plan", None)
+    plan: ShardPlan | None = optimizer._shard_plan
     if plan is None:
         return False
     modes = {

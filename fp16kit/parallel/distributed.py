@@ -20,7 +20,6 @@ keyword (``find_unused_parameters``, ``broadcast_buffers``, ...) is passed throu
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import Any
 
@@ -28,10 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _versions
+
 __all__ = ["DistributedDataParallel"]
 
 _warned: set[str] = set()
-_TORCH_DDP_ARGS = frozenset(inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters)
 
 _NO_EQUIVALENT = {
     "allreduce_trigger_params": "torch DDP starts a bucket's all-reduce when the bucket is ready",
@@ -134,8 +134,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         torch_kwargs.setdefault("bucket_cap_mb", bucket_mb)
         if "broadcast_buffers" not in torch_kwargs and "forward_sync_buffers" not in torch_kwargs:
             # apex did not sync buffers before each forward (newer torch spells this forward_sync_buffers)
-            key = "forward_sync_buffers" if "forward_sync_buffers" in _TORCH_DDP_ARGS else "broadcast_buffers"
-            torch_kwargs[key] = False
+            torch_kwargs[_versions.ddp_sync_buffers_arg()] = False
         super().__init__(module, **torch_kwargs)
         self.message_size = int(message_size)
         self.delay_allreduce = bool(delay_allreduce)

