@@ -49,6 +49,7 @@ def _sumsq_kernel(
     bad_ptr,
     norm_ptr,
     count_ptr,
+    check_factor,
     IN_DTYPE: tl.constexpr,
     CHECK: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -73,7 +74,10 @@ def _sumsq_kernel(
             x64 = x.to(tl.float64)
             tl.store(partials_ptr + c, tl.sum(x64 * x64, axis=0))
         if CHECK:
-            bad = tl.maximum(bad, (mask & ~(tl.abs(x) < float("inf"))).to(tl.int32))
+            if FINISH:  # check_factor: a power of two (1, or 2**65 to flag |x| >= 2**63 as well)
+                bad = tl.maximum(bad, (mask & ~(tl.abs(x * check_factor) < float("inf"))).to(tl.int32))
+            else:
+                bad = tl.maximum(bad, (mask & ~(tl.abs(x) < float("inf"))).to(tl.int32))
     if FINISH:
         # The step's check pass finishes on the device (fp16kit/kernels/_step_scalars.py): the last program
         # writes the flag whole (an own flag needs no zero fill first) and the norm of the partials, summed
@@ -136,7 +140,7 @@ def launch_sumsq(
     grid = (num_programs(device, table.num_chunks),)
     flag = found_inf if found_inf is not None else partials
     _sumsq_kernel[grid](
-        *_sumsq_leading(table), pre_scale, flag, partials, partials, partials, partials, partials,
+        *_sumsq_leading(table), pre_scale, flag, partials, partials, partials, partials, partials, 1.0,
         IN_DTYPE=triton_dtype(tensors[0].dtype),
         CHECK=found_inf is not None,
         BLOCK=table.block,
@@ -158,6 +162,7 @@ def launch_step_check(
     *,
     own_flag: bool,
     skip_count: torch.Tensor | None,
+    check_factor: float = 1.0,
 ) -> None:
     """The check pass of a device-resident optimizer step, finished on the device in the same launch: one launch
     over contiguous, non-empty ``grads`` of one dtype, unscaled by ``1 / grad_scale`` (float64, rounded once;
@@ -180,7 +185,7 @@ def launch_step_check(
         scale = grad_scale
     _sumsq_kernel[(num_programs(device, table.num_chunks),)](
         *_sumsq_leading(table), scale, found_inf, partials, table.scratch_ticket(), bad,
-        norm_out if norm else partials, skip_count if skip_count is not None else partials,
+        norm_out if norm else partials, skip_count if skip_count is not None else partials, float(check_factor),
         IN_DTYPE=triton_dtype(grads[0].dtype),
         CHECK=True,
         BLOCK=table.block,

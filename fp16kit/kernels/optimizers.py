@@ -138,6 +138,7 @@ def step_check(
     *,
     own_flag: bool,
     skip_count: torch.Tensor | None = None,
+    check_factor: float = 1.0,
 ) -> bool:
     """The check pass of a device-resident step in one launch (``l2norm_kernel.launch_step_check``): raise
     ``found_inf`` (float32 ``[1]``; written whole with ``own_flag``) when some ``fp32(g) / grad_scale`` is inf/NaN,
@@ -155,7 +156,8 @@ def step_check(
 
     (g,) = plan.kernel
     with playing(g.tape):
-        launch_step_check(g.pick(grads), grad_scale, found_inf, norm_out, own_flag=own_flag, skip_count=skip_count)
+        launch_step_check(g.pick(grads), grad_scale, found_inf, norm_out, own_flag=own_flag, skip_count=skip_count,
+                          check_factor=check_factor)
     return True
 
 

@@ -202,6 +202,18 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    #: ``|g| >= 2**63`` after unscaling skips the step like inf/NaN where the update squares unclipped gradients
+    #: (Adam, LAMB without clipping): below it ``v = beta2 * v + (1 - beta2) * g * g`` stays finite for every
+    #: finite ``v`` (it is at most ``max(v, g^2)``, and ``2**126`` leaves room for the roundings), above it the
+    #: second moment may become inf and the element never moves again (docs/guarantees.md). The check multiplies
+    #: the unscaled value by ``2**65`` (exact: a power of two), so "overflows fp32" means ``|g| >= 2**63``.
+    _SQUARE_GUARD = 2.0**65
+
+    def _check_factor(self) -> float:
+        """The factor the check pass applies before its inf/NaN test: 1, or ``_SQUARE_GUARD`` for an update that
+        squares unclipped gradients (the subclass says which)."""
+        return 1.0
+
     def _needs_grad_norm(self) -> bool:
         """Does the update use the global gradient norm (clipping)? If not, a handed-over ``found_inf`` declared
         final (``fp16kit.kernels.flag_is_final``) makes the step's check pass redundant, and it is skipped."""
@@ -504,15 +516,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             found_inf = new_found_inf(device)
         else:
             check_found_inf(f"{self._name}.step", found_inf, device)
+        factor = self._check_factor()
         if shards is None and not self._needs_grad_norm() and not torch.compiler.is_compiling():
             grad_norm = torch.zeros((), dtype=torch.float32, device=device)  # not used
             if own_flag or not flag_is_final(self):
                 # the check alone (no norm): fp16kit.kernels.flag_nonfinite, C-level on the CPU (a norm pass
                 # there is per-tensor Python); the caller's final flag (fp16kit/kernels/found_inf.py, "Final
                 # flags": amp O2's fused path) already covers these grads at this scale
-                flag_nonfinite([g for rows in all_rows for g in rows.grads], inv64.float(), found_inf)
+                flag_nonfinite([g for rows in all_rows for g in rows.grads], inv64.float() * factor, found_inf)
         else:
-            grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], inv64, found_inf)
+            guard = inv64 if self._needs_grad_norm() else inv64 * factor  # the norm is then unused
+            grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], guard, found_inf)
         if shards is not None:
             grad_norm = shards.reduce_norm_and_flag(grad_norm, found_inf)
         unchecked_steps = [s.to(device, torch.float64) for s in unchecked_steps]
@@ -601,8 +615,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         counter = self._counter("nonfinite_skips", device) if own_flag else None
         counted = False
         if own_flag or norm or not flag_is_final(self):
+            factor = 1.0 if norm else self._check_factor()
             counted = step_check(grads, grad_scale, found_inf, gnorm if norm else None, own_flag=own_flag,
-                                 skip_count=counter)
+                                 skip_count=counter, check_factor=factor)
             if not counted:  # the torch passes (several grad dtypes, the fallback's layouts)
                 inv64 = F.inv_scale_from_grad_scale(grad_scale, device)
                 if own_flag:
@@ -610,7 +625,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if norm:
                     gnorm.copy_(F.check_and_norm(grads, inv64, found_inf).reshape(1))
                 else:
-                    flag_nonfinite(grads, inv64.float(), found_inf)
+                    flag_nonfinite(grads, inv64.float() * factor, found_inf)
         bad_hp = F.bad_lr_flag([g["lr"] for g in self.param_groups], device)
         skip = found_inf if bad_hp is None else torch.maximum(found_inf.reshape(1), bad_hp)
         verdicts = self.__dict__.get("_verdicts", {})
@@ -660,8 +675,11 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _message(self) -> str:
         return (
-            f"{self._name}: a gradient holds inf or NaN; the step was skipped (params, moments and the step "
-            f"counter are unchanged). Use a GradScaler for fp16 training, or lower the learning rate."
+            f"{self._name}: a gradient holds inf or NaN"
+            + (" or a magnitude of 2**63 (9.2e18) or more, whose square would overflow the second moment"
+               if self._check_factor() != 1.0 else "")
+            + "; the step was skipped (params, moments and the step counter are unchanged). Use a GradScaler "
+            "for fp16 training, or lower the learning rate."
         )
 
     def _hparam_message(self) -> str:

@@ -76,6 +76,9 @@ class FusedAdam(FusedOptimizer):
             self._name, lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"]
         )
 
+    def _check_factor(self) -> float:
+        return self._SQUARE_GUARD  # v = beta2 * v + (1 - beta2) * g * g, unclipped
+
     def _needs_grad_norm(self) -> bool:
         return False  # no clipping
 

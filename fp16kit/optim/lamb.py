@@ -119,6 +119,10 @@ class FusedLAMB(FusedOptimizer):
             max_grad_norm=group["max_grad_norm"],
         )
 
+    def _check_factor(self) -> float:
+        # clipping divides every gradient by gnorm / max_grad_norm: what the moments see is then bounded
+        return self._SQUARE_GUARD if float(self.defaults["max_grad_norm"]) <= 0 else 1.0
+
     def _needs_grad_norm(self) -> bool:
         return float(self.defaults["max_grad_norm"]) > 0  # the clip reads the norm; 0 disables clipping
 

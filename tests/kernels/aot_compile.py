@@ -64,7 +64,7 @@ def signature(fn, constexprs, overrides=None):
             sig[p.name] = "constexpr"
         elif p.name in INT_ARGS:
             sig[p.name] = "i32"
-        elif p.name.endswith(("_hi", "_mid", "_lo")):  # host float64 numbers as float32 triples
+        elif p.name.endswith(("_hi", "_mid", "_lo")) or p.name == "check_factor":  # float32 launch arguments
             sig[p.name] = "fp32"
         elif p.name in I32_STEP:
             sig[p.name] = "*i32"
