@@ -136,8 +136,19 @@ def fused_unscale_(
     not)."""
     if widen:
         torch._foreach_copy_(list(outputs), list(inputs))  # exact widening
-    torch._amp_foreach_non_finite_check_and_unscale_(list(outputs), found_inf, scale32)
-    if _may_overflow(scale32):  # a finite input can still overflow after the multiply
+    outputs = list(outputs)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(outputs, found_inf, scale32)
+    except RuntimeError:
+        # torch's op refuses a list holding a view with the negative bit, even an empty one (which holds nothing and
+        # which the planner lets through: no element to write); other failures are not ours to hide
+        kept = [t for t in outputs if t.numel()]
+        if len(kept) == len(outputs):
+            raise
+        outputs = kept
+        if outputs:
+            torch._amp_foreach_non_finite_check_and_unscale_(outputs, found_inf, scale32)
+    if _may_overflow(scale32) and outputs:  # a finite input can still overflow after the multiply
         flag_nonfinite_(outputs, found_inf)
 
 
