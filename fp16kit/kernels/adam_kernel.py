@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
-from ._rounding import round_to, to_fp32
+from ._chunks import store_chunk
 from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
+from ._step_skeleton import chunk_rows, load_grad, load_param_moments, skip_and_stop, store_param
 from ._table import chunk_table, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -101,18 +101,13 @@ def _adam_kernel(
         bc2_sqrt = tl.load(hp_ptr + 8).to(tl.float32)
         inv_scale = tl.load(hp_ptr + 9).to(tl.float32)
         decay = tl.load(hp_ptr + 10).to(tl.float32)
-    skip = tl.load(found_inf_ptr) != 0
-    stop = tl.where(skip, 0, num_chunks)
+    skip, stop = skip_and_stop(found_inf_ptr, num_chunks)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
-        p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
-        g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
-        m_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
-        v_ptr = row_pointer(ptrs, 3, num_tensors, t, tl.float32, ALIGNED)
-        p = to_fp32(load_chunk(p_ptr, offs, mask, full))
-        g = to_fp32(load_chunk(g_ptr, offs, mask, full)) * inv_scale
-        m = load_chunk(m_ptr, offs, mask, full)
-        v = load_chunk(v_ptr, offs, mask, full)
+        t, offs, mask, full, p_ptr, g_ptr, m_ptr, v_ptr = chunk_rows(
+            ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED
+        )
+        p, m, v = load_param_moments(p_ptr, m_ptr, v_ptr, offs, mask, full)
+        g = load_grad(g_ptr, offs, mask, full) * inv_scale
         if L2_MODE:
             g = g + wd * p
         # torch.lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w).
@@ -125,10 +120,7 @@ def _adam_kernel(
         p = p + neg_step_size * tl.div_rn(m, denom)
         store_chunk(m_ptr, offs, m, mask, full)
         store_chunk(v_ptr, offs, v, mask, full)
-        store_chunk(p_ptr, offs, round_to(p, P_DTYPE), mask, full)
-        if HAS_MODEL:
-            model_ptr = row_pointer(ptrs, 4, num_tensors, t, MODEL_DTYPE, ALIGNED)
-            store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
+        store_param(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED)
     if not skip:
         advance_step(step_ptr, ticket_ptr, ADVANCE)
 

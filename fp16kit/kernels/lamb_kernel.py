@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
-from ._rounding import round_to, to_fp32
+from ._chunks import store_chunk
 from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
+from ._step_skeleton import chunk_rows, load_grad, load_param_moments, skip_and_stop, store_param
 from ._table import ChunkTable, chunk_table, num_programs, triton_dtype
 from .l2norm_kernel import segment_sums
 
@@ -165,18 +165,13 @@ def _lamb_stage1_kernel(
         HP_DEVICE, LR_TENSOR, HAS_SCALE, BIAS_CORRECTION,
     )
     # found_inf set: zero iterations, nothing read or written.
-    stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
+    _, stop = skip_and_stop(found_inf_ptr, num_chunks)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
-        p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
-        g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
-        m_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
-        v_ptr = row_pointer(ptrs, 3, num_tensors, t, tl.float32, ALIGNED)
-        p = to_fp32(load_chunk(p_ptr, offs, mask, full))
-        g = to_fp32(load_chunk(g_ptr, offs, mask, full))
-        m = load_chunk(m_ptr, offs, mask, full)
-        v = load_chunk(v_ptr, offs, mask, full)
-        g = tl.div_rn(g * inv_scale, clip)
+        t, offs, mask, full, p_ptr, g_ptr, m_ptr, v_ptr = chunk_rows(
+            ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED
+        )
+        p, m, v = load_param_moments(p_ptr, m_ptr, v_ptr, offs, mask, full)
+        g = tl.div_rn(load_grad(g_ptr, offs, mask, full) * inv_scale, clip)
         if L2_MODE:
             g = g + wd * p
         m = m * beta1 + beta3 * g
@@ -237,16 +232,12 @@ def _lamb_stage2_kernel(
         eps_hi, eps_mid, eps_lo, wd_hi, wd_mid, wd_lo, mx_hi, mx_mid, mx_lo,
         HP_DEVICE, LR_TENSOR, HAS_SCALE, BIAS_CORRECTION,
     )
-    skip = tl.load(found_inf_ptr) != 0
-    stop = tl.where(skip, 0, num_chunks)
+    skip, stop = skip_and_stop(found_inf_ptr, num_chunks)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
-        p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
-        m_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
-        v_ptr = row_pointer(ptrs, 3, num_tensors, t, tl.float32, ALIGNED)
-        p = to_fp32(load_chunk(p_ptr, offs, mask, full))
-        m = load_chunk(m_ptr, offs, mask, full)
-        v = load_chunk(v_ptr, offs, mask, full)
+        t, offs, mask, full, p_ptr, _grads, m_ptr, v_ptr = chunk_rows(
+            ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, P_DTYPE, BLOCK, ALIGNED
+        )
+        p, m, v = load_param_moments(p_ptr, m_ptr, v_ptr, offs, mask, full)
         u = _lamb_update(m, v, p, mask, eps, wd, bc1, bc2, DECOUPLED)
         ratio = lr
         if TRUST:
@@ -254,10 +245,7 @@ def _lamb_stage2_kernel(
             un = tl.sqrt_rn(tl.load(u_sumsq + t))
             ratio = tl.where((pn != 0.0) & (un != 0.0), lr * tl.div_rn(pn, un), lr)
         p = p - ratio * u
-        store_chunk(p_ptr, offs, round_to(p, P_DTYPE), mask, full)
-        if HAS_MODEL:
-            model_ptr = row_pointer(ptrs, 4, num_tensors, t, MODEL_DTYPE, ALIGNED)
-            store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
+        store_param(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED)
     if not skip:
         advance_step(step_ptr, ticket_ptr, ADVANCE)
 
