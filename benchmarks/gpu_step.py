@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fp16kit.amp import GradScaler
-from fp16kit.optim import FusedAdam, FusedLAMB
+from fp16kit.optim import FusedAdam, FusedLAMB, FusedSGD
 
 DEV = "cuda"
 MAKERS = {
@@ -33,6 +33,7 @@ MAKERS = {
     "FusedLAMB": lambda ps, **k: FusedLAMB(ps, lr=1e-3, weight_decay=0.01, **k),
     "torch AdamW(fused)": lambda ps, **k: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True, **k),
 }
+GRAPH_ONLY = {"FusedSGD": lambda ps, **k: FusedSGD(ps, lr=1e-3, momentum=0.9, weight_decay=0.01, **k)}
 
 
 def small_params(n: int, numel: int = 64) -> list[torch.Tensor]:
@@ -95,18 +96,40 @@ def host_time(n: int, rounds: int = 7, steps: int = 50) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def host_profile(name: str, n: int = 200, steps: int = 100) -> str:
+    """cProfile of ``steps`` steps at ``n`` small params: where the host time goes (top functions by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    opt = MAKERS[name](small_params(n))
+    for _ in range(3):
+        opt.step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        opt.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+    return out.getvalue()
+
+
 def graph_check(name: str) -> str:
     """Capture ``opt.step()`` as torch documents it; replays == eager steps on a copy; a tensor lr change."""
     ps = small_params(50, 1000)
-    kwargs = {"capturable": True} if name != "FusedLAMB" else {}
+    kwargs = {"capturable": True} if name in ("FusedAdam", "torch AdamW(fused)") else {}
     lr = torch.tensor(1e-3, device=DEV)
-    opt = MAKERS[name](ps, **kwargs)
+    make = MAKERS.get(name) or GRAPH_ONLY[name]
+    opt = make(ps, **kwargs)
     for grp in opt.param_groups:
         grp["lr"] = lr
     ref_ps = [p.detach().clone().requires_grad_() for p in ps]
     for r, p in zip(ref_ps, ps):
         r.grad = p.grad.clone()
-    ref = MAKERS[name](ref_ps, **kwargs)
+    ref = make(ref_ps, **kwargs)
     for grp in ref.param_groups:
         grp["lr"] = lr.clone()
     s = torch.cuda.Stream()
@@ -239,8 +262,12 @@ def main() -> None:
             lines.append(f"| {n} | " + " | ".join(f"{t[k]:.3f} ms" for k in MAKERS)
                          + f" | {t['FusedAdam'] / peer:.2f} | {t['FusedLAMB'] / peer:.2f} |")
 
+    def profiles() -> None:
+        for name in ("FusedAdam", "torch AdamW(fused)"):
+            lines.append(f"**{name}**\n\n```\n{host_profile(name)[-3500:]}\n```")
+
     def graphs() -> None:
-        for name in MAKERS:
+        for name in [*MAKERS, "FusedSGD"]:
             try:
                 lines.append(f"- {name}: {graph_check(name)}")
             except Exception as e:
@@ -271,6 +298,7 @@ def main() -> None:
 
     section("Launches and copies per step (200 params x 64)", launches)
     section("Host time per step (params of 64 elements)", host)
+    section("Host profile, 100 steps at 200 params", profiles)
     section("CUDA graphs (torch's pattern)", graphs)
     section("torch.compile(opt.step)", compiled)
     section("CUDA step vs CPU torch fallback, same inputs, 5 steps", agree)
