@@ -17,8 +17,10 @@ log "OUT=$OUT"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"; } \
   2>&1 | tee -a "$OUT/summary.txt"
+STEPS=${STEPS:-gpu_tests gpu_step bench_kernels gpu_tune suite_cpu}  # a subset: STEPS="gpu_tests gpu_step"
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
+  case " $STEPS " in *" $name "*) ;; *) log "$name: not selected"; return ;; esac
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
