@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ...kernels import merge_found_inf
+from .._apex_state import record_unscale
 from .masters import OptimizerStash
 from .state import Session
 
@@ -147,6 +148,7 @@ def run_scale_loss(
     for stash in stashes:
         stash.unscale(inv_scale, found_inf, scaler.scale)
         stash.params_have_scaled_gradients = False
+    record_unscale(scaler, found_inf)  # apex's _overflow_buf, where a script looks at it (amp/_apex_state.py)
     if delay_overflow_check:
         return
     scaler.update(found_inf)  # a static scale never changes; its update only feeds the repeated-inf warning
