@@ -8,6 +8,7 @@ are on the right, docs/migrating-from-apex.md lists every apex name)::
                                                             FusedAdagrad, FusedMixedPrecisionLamb; resolved lazily)
     apex.parallel                -> fp16kit.parallel       (apex.parallel.LARC.LARC -> fp16kit.optim.LARC)
     apex.multi_tensor_apply      -> fp16kit.multi_tensor_apply
+    apex.fp16_utils              -> fp16kit.fp16_utils     (to_python_float, network_to_half, FP16_Optimizer, ...)
     amp_C                        -> fp16kit.amp_C
     apex_C.flatten / unflatten   -> torch._utils._flatten_dense_tensors / _unflatten_dense_tensors
 
@@ -97,6 +98,7 @@ def _aliases() -> dict[str, types.ModuleType]:
     import fp16kit.amp
     import fp16kit.amp._apex_state
     import fp16kit.amp_C
+    import fp16kit.fp16_utils
     import fp16kit.multi_tensor_apply
     import fp16kit.parallel
 
@@ -113,11 +115,12 @@ def _aliases() -> dict[str, types.ModuleType]:
         "apex.parallel": fp16kit.parallel,
         "apex.parallel.LARC": larc,
         "apex.multi_tensor_apply": fp16kit.multi_tensor_apply,
+        "apex.fp16_utils": fp16kit.fp16_utils,
         "amp_C": fp16kit.amp_C,
         "apex_C": apex_c,
     }
     apex = _module("apex", "apex alias: fp16kit (fp16kit.compat.install_apex).", package=True)
-    for name in ("amp", "optimizers", "parallel", "multi_tensor_apply"):
+    for name in ("amp", "optimizers", "parallel", "multi_tensor_apply", "fp16_utils"):
         setattr(apex, name, mods[f"apex.{name}"])
     mods["apex"] = apex
     return mods
