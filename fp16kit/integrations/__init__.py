@@ -9,7 +9,8 @@
 
 Torch-style mixed precision (``Trainer(fp16=True / bf16=True)``, ``Accelerator(mixed_precision=...)``) needs no
 integration: pass fp16kit's optimizers and it works (docs/trainer.md). Importing this package imports neither
-transformers nor accelerate; its submodules do.
+transformers nor accelerate (``integrations.transformers`` imports transformers; ``integrations.accelerate`` needs
+only the accelerator object it is given).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 VOCAB, SEQ = 100, 12
+#: the loops the tests run: batch size, micro-batches per step, optimizer steps, max grad norm
+BATCH, ACCUM, STEPS, CLIP = 8, 2, 4, 1.0
 
 
 def tiny_bert(seed: int = 0, dropout: float = 0.0):
@@ -45,3 +47,37 @@ def batches(data: MaskedLMData, batch_size: int) -> list[dict[str, torch.Tensor]
         items = [data[i] for i in range(start, min(start + batch_size, len(data)))]
         out.append({k: torch.stack([it[k] for it in items]) for k in items[0]})
     return out
+
+
+def autocast_reference(dtype: torch.dtype, scaler: torch.amp.GradScaler | None = None, schedule: bool = False):
+    """What ``Trainer(bf16=True / fp16=True)`` and ``Accelerator(mixed_precision=...)`` do through accelerate, by
+    hand, with ``FusedLAMB``: autocast forward, (scaled) backward, unscale before clipping, (scaler) step, the
+    Trainer's linear LR schedule with ``schedule``. Returns ``(model, per-step grad norms)``."""
+    from transformers import get_linear_schedule_with_warmup
+
+    from fp16kit.optim import FusedLAMB
+
+    model = tiny_bert()
+    opt = FusedLAMB(model.parameters(), lr=1e-3)
+    sched = get_linear_schedule_with_warmup(opt, 0, STEPS) if schedule else None
+    data = batches(MaskedLMData(), BATCH)
+    norms = []
+    model.train()
+    for s in range(STEPS):
+        for k in range(ACCUM):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = model(**data[(s * ACCUM + k) % len(data)]).loss
+            loss = loss.float() / ACCUM
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        if sched is not None:
+            sched.step()
+        model.zero_grad()
+    return model, norms

@@ -18,14 +18,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import torch
-from hf_helpers import MaskedLMData, batches, tiny_bert
+from hf_helpers import ACCUM, BATCH, CLIP, STEPS, MaskedLMData, autocast_reference, batches, tiny_bert
 from transformers import Trainer, TrainingArguments, get_linear_schedule_with_warmup
 
 from fp16kit import amp
 from fp16kit.integrations.transformers import AMP_STATE_NAME, AmpTrainer
 from fp16kit.optim import FusedAdam, FusedLAMB
-
-BATCH, ACCUM, STEPS, CLIP = 8, 2, 4, 1.0
 
 
 class _InOrder:
@@ -82,40 +80,12 @@ def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ torch-style
-def _autocast_loop(dtype: torch.dtype, scaler: torch.amp.GradScaler | None = None):
-    """What ``Trainer(bf16=True / fp16=True)`` does through accelerate, by hand: autocast forward, (scaled) backward,
-    unscale before clipping, (scaler) step."""
-    model = tiny_bert()
-    opt = FusedLAMB(model.parameters(), lr=1e-3)
-    sched = get_linear_schedule_with_warmup(opt, 0, STEPS)
-    data = batches(MaskedLMData(), BATCH)
-    norms = []
-    model.train()
-    for s in range(STEPS):
-        for k in range(ACCUM):
-            with torch.autocast("cpu", dtype=dtype):
-                loss = model(**data[(s * ACCUM + k) % len(data)]).loss
-            loss = loss.float() / ACCUM
-            (loss if scaler is None else scaler.scale(loss)).backward()
-        if scaler is not None:
-            scaler.unscale_(opt)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        if scaler is None:
-            opt.step()
-        else:
-            scaler.step(opt)
-            scaler.update()
-        sched.step()
-        model.zero_grad()
-    return model, norms
-
-
 def test_trainer_bf16_with_fused_lamb_is_the_autocast_loop(tmp_path) -> None:
     trainer = _trainer(OrderedTrainer, tmp_path, args=_args(tmp_path, bf16=True))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         trainer.train()
-    model, norms = _autocast_loop(torch.bfloat16)
+    model, norms = autocast_reference(torch.bfloat16, schedule=True)
     _assert_same(_params(trainer.model), _params(model))
     assert _norms(trainer) == pytest.approx(norms, rel=0, abs=0)
 
@@ -128,7 +98,7 @@ def test_trainer_fp16_gradscaler_route_with_fused_lamb(tmp_path) -> None:
     trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     trainer.train()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
-    model, norms = _autocast_loop(torch.float16, scaler)
+    model, norms = autocast_reference(torch.float16, scaler, schedule=True)
     _assert_same(_params(trainer.model), _params(model))
     assert _norms(trainer) == pytest.approx(norms, rel=0, abs=0)
     assert trainer.accelerator.scaler.get_scale() == scaler.get_scale()
