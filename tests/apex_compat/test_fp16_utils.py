@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,8 +50,10 @@ def test_imagenet_example_import_line_and_to_python_float(tmp_path) -> None:
         print("loss", to_python_float(reduced_loss) == loss.item(), type(to_python_float(reduced_loss)).__name__)
         print("names", all(name in globals() for name in ("network_to_half", "FP16_Optimizer", "BN_convert_float")))
     """))
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": repo, "FP16KIT_BACKEND": "torch"}
     out = subprocess.run([sys.executable, "-m", "fp16kit", "run", str(script)], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env=env, cwd=repo)
     assert out.returncode == 0, out.stderr
     assert "loss True float" in out.stdout and "names True" in out.stdout
 
