@@ -33,9 +33,12 @@ def clip_master_grads(optimizer: Any, max_norm: float, norm_type: float = 2.0) -
     params = [p for p in amp.master_params(optimizer) if p.grad is not None]
     if not params:
         return torch.zeros(())
-    if max_norm == float("inf"):
-        return torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
-    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    if max_norm != float("inf"):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    grads = [p.grad for p in params]
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: what clip_grad_norm_ computes
+        return torch.nn.utils.get_total_norm(grads, norm_type)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
 
 
 @contextlib.contextmanager
