@@ -40,16 +40,17 @@ class MaskedLMData(torch.utils.data.Dataset):
                 "labels": self.labels[i]}
 
 
-def batches(data: MaskedLMData, batch_size: int) -> list[dict[str, torch.Tensor]]:
+def batches(data: MaskedLMData, batch_size: int, device: str = "cpu") -> list[dict[str, torch.Tensor]]:
     """The data in order, as the Trainer's default collator stacks it."""
     out = []
     for start in range(0, len(data), batch_size):
         items = [data[i] for i in range(start, min(start + batch_size, len(data)))]
-        out.append({k: torch.stack([it[k] for it in items]) for k in items[0]})
+        out.append({k: torch.stack([it[k] for it in items]).to(device) for k in items[0]})
     return out
 
 
-def autocast_reference(dtype: torch.dtype, scaler: torch.amp.GradScaler | None = None, schedule: bool = False):
+def autocast_reference(dtype: torch.dtype, scaler: torch.amp.GradScaler | None = None, schedule: bool = False,
+                       device: str = "cpu"):
     """What ``Trainer(bf16=True / fp16=True)`` and ``Accelerator(mixed_precision=...)`` do through accelerate, by
     hand, with ``FusedLAMB``: autocast forward, (scaled) backward, unscale before clipping, (scaler) step, the
     Trainer's linear LR schedule with ``schedule``. Returns ``(model, per-step grad norms)``."""
@@ -57,15 +58,15 @@ def autocast_reference(dtype: torch.dtype, scaler: torch.amp.GradScaler | None =
 
     from fp16kit.optim import FusedLAMB
 
-    model = tiny_bert()
+    model = tiny_bert().to(device)
     opt = FusedLAMB(model.parameters(), lr=1e-3)
     sched = get_linear_schedule_with_warmup(opt, 0, STEPS) if schedule else None
-    data = batches(MaskedLMData(), BATCH)
+    data = batches(MaskedLMData(), BATCH, device)
     norms = []
     model.train()
     for s in range(STEPS):
         for k in range(ACCUM):
-            with torch.autocast("cpu", dtype=dtype):
+            with torch.autocast(device, dtype=dtype):
                 loss = model(**data[(s * ACCUM + k) % len(data)]).loss
             loss = loss.float() / ACCUM
             (loss if scaler is None else scaler.scale(loss)).backward()

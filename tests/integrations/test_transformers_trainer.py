@@ -49,9 +49,13 @@ class OrderedAmpTrainer(_InOrder, AmpTrainer):
     pass
 
 
-def _args(tmp_path, **kw) -> TrainingArguments:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _args(tmp_path, device: str = "cpu", **kw) -> TrainingArguments:
     base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM,
-                max_steps=STEPS, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+                max_steps=STEPS, logging_steps=1, save_strategy="no", report_to=[], use_cpu=device == "cpu",
+                disable_tqdm=True,
                 learning_rate=1e-3, max_grad_norm=CLIP, seed=0)
     base.update(kw)
     return TrainingArguments(**base)
@@ -90,27 +94,29 @@ def test_trainer_bf16_with_fused_lamb_is_the_autocast_loop(tmp_path) -> None:
     assert _norms(trainer) == pytest.approx(norms, rel=0, abs=0)
 
 
-def test_trainer_fp16_gradscaler_route_with_fused_lamb(tmp_path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_trainer_fp16_gradscaler_route_with_fused_lamb(tmp_path, device) -> None:
     """``Trainer(fp16=True)``: accelerate's GPU route (autocast fp16 + GradScaler handing grad_scale/found_inf to the
-    fused optimizer, unscale before clipping) forced onto the CPU (accelerate turns fp16 off on CPU devices)."""
-    trainer = _trainer(OrderedTrainer, tmp_path, args=_args(tmp_path, fp16=True))
-    trainer.accelerator.native_amp = True
-    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    fused optimizer, unscale before clipping); on the CPU forced (accelerate turns fp16 off on CPU devices)."""
+    trainer = _trainer(OrderedTrainer, tmp_path, args=_args(tmp_path, device, fp16=True))
+    if device == "cpu":
+        trainer.accelerator.native_amp = True
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     trainer.train()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
-    model, norms = autocast_reference(torch.float16, scaler, schedule=True)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**16)
+    model, norms = autocast_reference(torch.float16, scaler, schedule=True, device=device)
     _assert_same(_params(trainer.model), _params(model))
     assert _norms(trainer) == pytest.approx(norms, rel=0, abs=0)
     assert trainer.accelerator.scaler.get_scale() == scaler.get_scale()
 
 
 # ------------------------------------------------------------------------------------------------ apex-style
-def _apex_hand_loop(opt_level: str, opt_cls, poison: tuple[int, ...] = (), **amp_kw):
-    model = tiny_bert()
+def _apex_hand_loop(opt_level: str, opt_cls, poison: tuple[int, ...] = (), device: str = "cpu", **amp_kw):
+    model = tiny_bert().to(device)
     opt = opt_cls(model.parameters(), lr=1e-3)
     model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0, **amp_kw)
     sched = get_linear_schedule_with_warmup(opt, 0, STEPS)
-    data = batches(MaskedLMData(), BATCH)
+    data = batches(MaskedLMData(), BATCH, device)
     norms = []
     model.train()
     for s in range(STEPS):
@@ -127,23 +133,25 @@ def _apex_hand_loop(opt_level: str, opt_cls, poison: tuple[int, ...] = (), **amp
     return model, opt, norms
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opt_level, opt_cls", [("O2", FusedLAMB), ("O2", torch.optim.AdamW), ("O1", FusedAdam)],
                          ids=["O2-FusedLAMB", "O2-AdamW", "O1-FusedAdam"])
-def test_amp_trainer_is_the_apex_loop(tmp_path, opt_level, opt_cls) -> None:
-    trainer = _trainer(OrderedAmpTrainer, tmp_path, opt_cls=opt_cls, opt_level=opt_level,
-                       amp_options={"verbosity": 0})
+def test_amp_trainer_is_the_apex_loop(tmp_path, opt_level, opt_cls, device) -> None:
+    trainer = _trainer(OrderedAmpTrainer, tmp_path, opt_cls=opt_cls, args=_args(tmp_path, device),
+                       opt_level=opt_level, amp_options={"verbosity": 0})
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # none of the amp trap warnings
         trainer.train()
-    model, _, norms = _apex_hand_loop(opt_level, opt_cls)
+    model, _, norms = _apex_hand_loop(opt_level, opt_cls, device=device)
     _assert_same(_params(trainer.model), _params(model))
     assert _norms(trainer) == pytest.approx(norms, rel=0, abs=0)
     assert 0.5 < norms[0] < 10.0  # the unscaled norm (the stock Trainer logged 65536 times this)
 
 
-def test_amp_trainer_skips_an_overflowed_step_and_resumes_bit_for_bit(tmp_path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_amp_trainer_skips_an_overflowed_step_and_resumes_bit_for_bit(tmp_path, device) -> None:
     amp_options = {"verbosity": 0, "scale_window": 2}
-    args = _args(tmp_path, max_steps=6, save_strategy="steps", save_steps=3)
+    args = _args(tmp_path, device, max_steps=6, save_strategy="steps", save_steps=3)
     straight = _trainer(OrderedAmpTrainer, tmp_path, args=args, amp_options=amp_options)
     straight.poison_steps = (1,)
     straight.train()
