@@ -173,6 +173,7 @@ def test_amp_trainer_skips_an_overflowed_step_and_resumes_bit_for_bit(tmp_path, 
     masters = [s["master"] for s in straight.optimizer.optimizer.state.values()]
     again = [s["master"] for s in resumed.optimizer.optimizer.state.values()]
     _assert_same(masters, again)
+    assert torch.isfinite(torch.tensor(resumed.evaluate(MaskedLMData(16))["eval_loss"]))  # the O2 model evaluates
 
 
 def test_amp_trainer_refuses_torch_mixed_precision_arguments(tmp_path) -> None:
