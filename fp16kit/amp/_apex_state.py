@@ -24,6 +24,7 @@ apex internal                                           public fp16kit way
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -71,7 +72,22 @@ class _LossScalerView:
 
     @_loss_scale.setter
     def _loss_scale(self, value: float) -> None:
-        self._scaler.set_scale(value)
+        """apex stored any value; a dynamic fp16kit scaler keeps its scale within ``[min_loss_scale,
+        max_loss_scale]``, so a value outside (a script's ``init_loss_scale = 2**32`` under the default cap 2**24) is
+        clamped into it, with a warning (apex's first growth would have clamped it the same way)."""
+        scaler, value = self._scaler, float(value)
+        lo, hi = scaler.min_scale, scaler.max_scale
+        if scaler.dynamic and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+            clamped = min(max(value, lo if lo is not None else value), hi if hi is not None else value)
+            warnings.warn(
+                f"amp._amp_state.loss_scalers[{self._index}]._loss_scale = {value:g} lies outside [min_loss_scale, "
+                f"max_loss_scale] = [{lo}, {hi}]; using {clamped:g}. Pass max_loss_scale= (or min_loss_scale=) to "
+                "amp.initialize to allow it.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            value = clamped
+        scaler.set_scale(value)
 
     @property
     def dynamic(self) -> bool:

@@ -168,3 +168,11 @@ def test_view_unscale_is_apex_lossscaler_unscale() -> None:
     view.clear_overflow_state()
     view.unscale(src, dst, None)
     assert torch.equal(dst[0], torch.ones(3)) and int(view._overflow_buf) == 1
+
+
+def test_loss_scale_beyond_the_cap_is_clamped_with_a_warning() -> None:
+    _setup(torch.optim.SGD)
+    view = _amp_state.loss_scalers[0]
+    with pytest.warns(RuntimeWarning, match=r"outside \[min_loss_scale, max_loss_scale\].*using 1.67772e\+07"):
+        view._loss_scale = 2.0**32  # some scripts' init_loss_scale; apex's first growth clamped it to the cap
+    assert view.loss_scale() == 2.0**24
