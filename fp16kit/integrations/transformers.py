@@ -42,7 +42,13 @@ import warnings
 from typing import Any
 
 import torch
-from transformers import Trainer
+
+try:
+    from transformers import Trainer
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "fp16kit.integrations.transformers needs the transformers package: pip install 'fp16kit[hf]'."
+    ) from exc
 
 from .. import amp
 from ._amp_hooks import clip_master_grads, same_params, scaled_backward
