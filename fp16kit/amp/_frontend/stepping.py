@@ -20,6 +20,13 @@ gradients are thrown away.
 Under master weights, a ``step()`` that finds fp16 model grads no ``scale_loss`` has unscaled and no master
 grad (a trainer called ``loss.backward()`` itself) warns once per optimizer, naming ``amp.scale_loss``, and
 does nothing: no weight changes, fp32 params (batchnorm) included, instead of a silent partial step.
+
+The other trainer traps warn once per optimizer and kind, and the step runs (docs/trainer.md): grads with no
+``scale_loss`` since the last step (O1 under a trainer's own backward: no loss scaling), grads still scaled by a last
+``delay_unscale=True``, and fp16 model grads changed in place between ``scale_loss`` and ``step`` under O2 (a trainer
+clipping ``model.parameters()``: on the fused path it clips the scaled grads the optimizer reads, elsewhere it has no
+effect on the masters). Each check is an attribute test on the normal path; a pass over the params runs only once a
+cheap condition points at the trap, or on the (already per-param) stash path with master weights.
 """
 
 from __future__ import annotations
@@ -299,7 +306,7 @@ def _check_unscaled_gradients(stash: OptimizerStash, scale_loss_seen: bool) -> N
     if stash.params_have_scaled_gradients and not stash.master_weights:
         _warn_once(stash, "still_scaled", _STILL_SCALED)
     elif (not scale_loss_seen and not stash.master_weights and not stash.session.passthrough
-          and any(p.grad is not None for p in stash.direct)):
+          and "no_scale_loss" not in stash.warned and any(p.grad is not None for p in stash.direct)):
         _warn_once(stash, "no_scale_loss", _NO_SCALE_LOSS)
     elif (stash.master_weights and (not isinstance(stash, FusedMasterStash) or stash.materialized)
           and "model_grads_changed" not in stash.warned and stash.model_grads_changed_since_unscale()):
