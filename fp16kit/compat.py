@@ -7,7 +7,9 @@ are on the right, docs/migrating-from-apex.md lists every apex name)::
     apex.optimizers.<Name>       -> fp16kit.optim.<Name>   (FusedAdam, FusedLAMB, FusedSGD, FusedNovoGrad,
                                                             FusedAdagrad, FusedMixedPrecisionLamb; resolved lazily)
     apex.parallel                -> fp16kit.parallel       (apex.parallel.LARC.LARC -> fp16kit.optim.LARC)
+    apex.parallel.distributed    -> DistributedDataParallel and flat_dist_call (below)
     apex.multi_tensor_apply      -> fp16kit.multi_tensor_apply
+    apex.fp16_utils              -> fp16kit.fp16_utils     (to_python_float, network_to_half, FP16_Optimizer, ...)
     amp_C                        -> fp16kit.amp_C
     apex_C.flatten / unflatten   -> torch._utils._flatten_dense_tensors / _unflatten_dense_tensors
 
@@ -27,7 +29,7 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["APEX_OPTIMIZERS", "install_apex", "installed", "run_script", "uninstall_apex"]
+__all__ = ["APEX_OPTIMIZERS", "flat_dist_call", "install_apex", "installed", "run_script", "uninstall_apex"]
 
 #: apex.optimizers names, resolved through fp16kit.optim when first used
 APEX_OPTIMIZERS = ("FusedAdam", "FusedLAMB", "FusedSGD", "FusedNovoGrad", "FusedAdagrad", "FusedMixedPrecisionLamb")
@@ -91,12 +93,32 @@ def _lazy_from(module: types.ModuleType, target: str, names: tuple[str, ...]) ->
     module.__all__ = list(names)
 
 
+def flat_dist_call(tensors: list[Any], call: Any, extra_args: tuple | list | None = None) -> None:
+    """apex's ``apex.parallel.distributed.flat_dist_call``: for each dtype/device bucket of ``tensors`` (in first-seen
+    order), flatten, ``call(flat, *extra_args)`` (e.g. ``torch.distributed.broadcast, (0,)``), divide by the world
+    size when ``call`` is ``torch.distributed.all_reduce``, and copy the result back into the tensors."""
+    import torch._utils as tu
+    import torch.distributed as dist
+
+    buckets: dict[tuple[Any, Any], list[Any]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    for bucket in buckets.values():
+        flat = tu._flatten_dense_tensors(bucket)
+        call(flat, *(extra_args or ()))
+        if call is dist.all_reduce:
+            flat /= dist.get_world_size()
+        for buf, synced in zip(bucket, tu._unflatten_dense_tensors(flat, bucket)):
+            buf.copy_(synced)
+
+
 def _aliases() -> dict[str, types.ModuleType]:
     import torch._utils as tu
 
     import fp16kit.amp
     import fp16kit.amp._apex_state
     import fp16kit.amp_C
+    import fp16kit.fp16_utils
     import fp16kit.multi_tensor_apply
     import fp16kit.parallel
 
@@ -104,6 +126,10 @@ def _aliases() -> dict[str, types.ModuleType]:
     _lazy_from(optimizers, "fp16kit.optim", APEX_OPTIMIZERS)
     larc = _module("apex.parallel.LARC", "apex.parallel.LARC alias: fp16kit.optim.LARC (fp16kit.compat).")
     _lazy_from(larc, "fp16kit.optim", ("LARC",))
+    distributed = _module("apex.parallel.distributed", "apex.parallel.distributed alias (fp16kit.compat).",
+                          {"flat_dist_call": flat_dist_call})
+    _lazy_from(distributed, "fp16kit.parallel", ("DistributedDataParallel",))
+    distributed.__all__ = ["DistributedDataParallel", "flat_dist_call"]
     apex_c = _module("apex_C", "apex_C alias: torch's dense-tensor flatten/unflatten (fp16kit.compat).",
                      {"flatten": tu._flatten_dense_tensors, "unflatten": tu._unflatten_dense_tensors})
     mods = {
@@ -112,12 +138,14 @@ def _aliases() -> dict[str, types.ModuleType]:
         "apex.optimizers": optimizers,
         "apex.parallel": fp16kit.parallel,
         "apex.parallel.LARC": larc,
+        "apex.parallel.distributed": distributed,
         "apex.multi_tensor_apply": fp16kit.multi_tensor_apply,
+        "apex.fp16_utils": fp16kit.fp16_utils,
         "amp_C": fp16kit.amp_C,
         "apex_C": apex_c,
     }
     apex = _module("apex", "apex alias: fp16kit (fp16kit.compat.install_apex).", package=True)
-    for name in ("amp", "optimizers", "parallel", "multi_tensor_apply"):
+    for name in ("amp", "optimizers", "parallel", "multi_tensor_apply", "fp16_utils"):
         setattr(apex, name, mods[f"apex.{name}"])
     mods["apex"] = apex
     return mods

@@ -9,6 +9,8 @@ apex internal                                           public fp16kit way
 =====================================================  ===========================================================
 ``_amp_state.loss_scalers[i].loss_scale()``             ``amp.state_dict()["loss_scaler{i}"]["loss_scale"]``
 ``_amp_state.loss_scalers[i]._loss_scale = s``          ``amp.load_state_dict`` with ``loss_scale`` set to ``s``
+``_amp_state.loss_scalers[i]._overflow_buf``,           ``scale_loss`` without ``delay_overflow_check`` (amp
+``update_scale()``, ``_has_overflow``                   skips overflowed steps itself, on the device)
 ``_amp_state.opt_properties.master_weights`` etc.      the options passed to ``amp.initialize``
 ``_amp_state.allow_incoming_model_not_fp32 = True``     pass an fp32 model (initialize casts it)
 ``optimizer._amp_stash.all_fp32_from_fp16_params``      ``list(amp.master_params(optimizer))`` (masters)
@@ -22,19 +24,45 @@ apex internal                                           public fp16kit way
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any
 
 import torch
 
-__all__ = ["AmpStateView", "ApexStashNames", "install_optimizer_shims", "low_precision_models_allowed"]
+__all__ = ["AmpStateView", "ApexStashNames", "install_optimizer_shims", "low_precision_models_allowed",
+           "record_unscale"]
 
 
 class _LossScalerView:
-    """apex's ``LossScaler`` face on fp16kit's :class:`~fp16kit.amp.LossScaler` (reads are host syncs)."""
+    """apex's ``LossScaler`` face on fp16kit's :class:`~fp16kit.amp.LossScaler` (reads are host syncs).
 
-    def __init__(self, scaler: Any) -> None:
+    One view per scaler (``amp._amp_state.loss_scalers[i]`` is the same object every time), because scripts keep
+    state on it between calls, as on apex's object:
+
+    * ``_overflow_buf``: apex's one-element int overflow flag on the scaler's device. Every ``scale_loss`` exit that
+      unscales (``delay_overflow_check=True`` included) sets it to that exit's inf/NaN verdict, as apex's
+      ``clear_overflow_state()`` + fused unscale did; scripts may swap in their own buffer (NVIDIA
+      DeepLearningExamples' BERT does, after its own ``amp_C.multi_tensor_scale`` checks).
+    * ``update_scale()``: apex's host-side step decision: reads ``_overflow_buf`` (a host sync), backs the scale off
+      (to ``min_loss_scale`` at the lowest) and returns True when it overflowed, else counts a clean step (growth
+      after ``scale_window`` of them); the scale moves exactly as ``scale_loss`` would move it. Meant for
+      ``scale_loss(..., delay_overflow_check=True)``, where amp neither updates the scale nor skips the step: the
+      script calls it and skips ``optimizer.step()`` itself when it returns True.
+    * ``_has_overflow``: the verdict of the last ``update_scale()`` (reset by the next unscaling ``scale_loss``).
+
+    The device flag is written only once a view exists (a script touched ``_amp_state.loss_scalers``): other
+    scripts pay nothing for it.
+    """
+
+    def __init__(self, scaler: Any, session: Any, index: int) -> None:
         self._scaler = scaler
+        self._session = session
+        self._index = index
+        self._overflow_buf = torch.zeros(1, dtype=torch.int32, device=scaler.device)
+        self._has_overflow = False
 
+    # ------------------------------------------------------------------ apex's attributes
     def loss_scale(self) -> float:
         return self._scaler.get_scale()
 
@@ -44,7 +72,22 @@ class _LossScalerView:
 
     @_loss_scale.setter
     def _loss_scale(self, value: float) -> None:
-        self._scaler.set_scale(value)
+        """apex stored any value; a dynamic fp16kit scaler keeps its scale within ``[min_loss_scale,
+        max_loss_scale]``, so a value outside (a script's ``init_loss_scale = 2**32`` under the default cap 2**24) is
+        clamped into it, with a warning (apex's first growth would have clamped it the same way)."""
+        scaler, value = self._scaler, float(value)
+        lo, hi = scaler.min_scale, scaler.max_scale
+        if scaler.dynamic and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+            clamped = min(max(value, lo if lo is not None else value), hi if hi is not None else value)
+            warnings.warn(
+                f"amp._amp_state.loss_scalers[{self._index}]._loss_scale = {value:g} lies outside [min_loss_scale, "
+                f"max_loss_scale] = [{lo}, {hi}]; using {clamped:g}. Pass max_loss_scale= (or min_loss_scale=) to "
+                "amp.initialize to allow it.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            value = clamped
+        scaler.set_scale(value)
 
     @property
     def dynamic(self) -> bool:
@@ -54,8 +97,83 @@ class _LossScalerView:
     def _unskipped(self) -> int:
         return int(self._scaler.growth_tracker.reshape(-1)[0].item())
 
+    @property
+    def _scale_seq_len(self) -> int:
+        return int(self._scaler.growth_interval)
+
+    @property
+    def _min_loss_scale(self) -> float | None:
+        return self._scaler.min_scale
+
+    @property
+    def _max_loss_scale(self) -> float | None:
+        return self._scaler.max_scale
+
+    # ------------------------------------------------------------------ apex's overflow protocol
+    def clear_overflow_state(self) -> None:
+        """apex: forget the overflow verdict and zero ``_overflow_buf`` (device op, no sync)."""
+        self._has_overflow = False
+        self._overflow_buf.zero_()
+
+    def _record_unscale(self, found_inf: torch.Tensor) -> None:
+        """A ``scale_loss`` exit unscaled this step's grads with verdict ``found_inf`` (fp32 flag): apex's
+        ``clear_overflow_state()`` followed by the unscale that raised ``_overflow_buf`` (device ops only)."""
+        self._has_overflow = False
+        buf = self._overflow_buf
+        flag = found_inf.reshape(-1)[:1]
+        if flag.device != buf.device:
+            flag = flag.to(buf.device, non_blocking=True)
+        buf.copy_((flag != 0).reshape(buf.shape))
+
+    def update_scale(self) -> bool:
+        """apex's ``LossScaler.update_scale()``: True (skip this step) if ``_overflow_buf`` is set and the scale is
+        dynamic; the scale is backed off, or the clean step counted, as fp16kit's scaler does after a
+        ``scale_loss`` (same state, same checkpoints). A host sync (apex's too)."""
+        scaler = self._scaler
+        if scaler.dynamic and not self._has_overflow:
+            self._has_overflow = bool(int(self._overflow_buf.reshape(-1)[0].item()) != 0)
+        skip = bool(self._has_overflow and scaler.dynamic)
+        if skip:
+            scaler.update(torch.ones(1, dtype=torch.float32, device=scaler.device))
+            skipped = self._session.skipped[self._index]
+            skipped.add_(1)
+        else:
+            scaler.update_clean()
+        return skip
+
+    def unscale(self, model_grads: list[torch.Tensor], master_grads: list[torch.Tensor], unused_scale: Any = None,
+                models_are_masters: bool = False, scale_override: float | None = None) -> None:
+        """apex: ``master = model * (1 / scale)`` over the lists, raising ``_overflow_buf`` on inf/NaN (no sync)."""
+        if self._has_overflow:
+            return
+        from ..amp_C import multi_tensor_scale
+
+        scale = self.loss_scale() if scale_override is None else float(scale_override)
+        if scale == 1.0 and models_are_masters and not self.dynamic:
+            return
+        multi_tensor_scale(0, self._overflow_buf, [list(model_grads), list(master_grads)], 1.0 / scale)
+
     def __repr__(self) -> str:
         return f"<apex LossScaler view of {self._scaler!r}>"
+
+
+#: one view per loss scaler, so that state a script keeps on it (``_overflow_buf``, ``_has_overflow``) persists
+_VIEWS: weakref.WeakKeyDictionary[Any, _LossScalerView] = weakref.WeakKeyDictionary()
+
+
+def _view(scaler: Any, session: Any, index: int) -> _LossScalerView:
+    view = _VIEWS.get(scaler)
+    if view is None:
+        view = _VIEWS[scaler] = _LossScalerView(scaler, session, index)
+    return view
+
+
+def record_unscale(scaler: Any, found_inf: torch.Tensor) -> None:
+    """Called by ``scale_loss`` after each unscaling exit: updates the apex view of ``scaler`` if a script made one
+    (``amp._amp_state.loss_scalers``); nothing otherwise."""
+    view = _VIEWS.get(scaler)
+    if view is not None:
+        view._record_unscale(found_inf)
 
 
 class _OptPropertiesView:
@@ -113,7 +231,8 @@ class AmpStateView:
 
     @property
     def loss_scalers(self) -> list[_LossScalerView]:
-        return [_LossScalerView(s) for s in self._session().scalers]
+        session = self._session()
+        return [_view(s, session, i) for i, s in enumerate(session.scalers)]
 
     @property
     def opt_properties(self) -> _OptPropertiesView:

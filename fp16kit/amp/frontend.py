@@ -302,20 +302,33 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     yield from stash.master_params()
 
 
-def state_dict(destination: OrderedDict | None = None) -> OrderedDict:
+def _session_for(optimizer: Any) -> state.Session | None:
+    """The session of the ``initialize`` call that processed ``optimizer`` (wrappers followed); None: the latest."""
+    if optimizer is None:
+        return None
+    stash = getattr(_unwrap(optimizer), "_amp_stash", None)
+    if stash is None:
+        raise RuntimeError("amp.state_dict/load_state_dict(optimizer=...): this optimizer was not passed through "
+                           "amp.initialize.")
+    return stash.session
+
+
+def state_dict(destination: OrderedDict | None = None, *, optimizer: Any = None) -> OrderedDict:
     """``OrderedDict({'loss_scaler0': {'loss_scale': float, 'unskipped': int, 'fp16kit': {...}}, ...})``.
 
     apex's two keys per loss scaler plus fp16kit's full scaler state (growth and hysteresis trackers,
-    options, skipped-step count) under ``"fp16kit"``, for a bit-identical resume. A host sync.
+    options, skipped-step count) under ``"fp16kit"``, for a bit-identical resume. A host sync. The latest
+    ``initialize``'s state, or (fp16kit extension, keyword-only) that of the call which processed ``optimizer``.
     """
     stepping.REPORTS.poll(block=True)
-    return state.save_amp_state(destination)
+    return state.save_amp_state(destination, session=_session_for(optimizer))
 
 
-def load_state_dict(state_dict: dict[str, Any]) -> None:
-    """Restore ``amp.state_dict()`` (apex's or fp16kit's) into the loss scalers of the latest ``initialize``.
+def load_state_dict(state_dict: dict[str, Any], *, optimizer: Any = None) -> None:
+    """Restore ``amp.state_dict()`` (apex's or fp16kit's) into the loss scalers of the latest ``initialize`` (or,
+    keyword-only, of the call which processed ``optimizer``).
 
     A count mismatch prints a warning and loads what fits; a key without ``loss_scaler`` raises
     ``RuntimeError`` naming it.
     """
-    state.load_amp_state(state_dict)
+    state.load_amp_state(state_dict, session=_session_for(optimizer))

@@ -113,6 +113,10 @@ class OptimizerStash(ApexStashNames):  # apex's list names: compatibility views 
         # into the master, or zeroed by zero_grad); a grad that differs was made by a backward outside scale_loss
         self._seen_grads: list[tuple[weakref.ref, int] | None] = []
         self.warned_backward_outside_scale_loss = False
+        #: a ``scale_loss`` ran for this optimizer since its last step (a backward outside it is unscaled: stepping.py)
+        self.scale_loss_seen = False
+        #: warnings already given for this optimizer (each is shown once): see stepping.py
+        self.warned: set[str] = set()
 
     @property
     def masters(self) -> list[torch.Tensor]:
@@ -218,6 +222,18 @@ class OptimizerStash(ApexStashNames):  # apex's list names: compatibility views 
                 return True
         return False
 
+    def model_grads_changed_since_unscale(self) -> bool:
+        """True when a model grad that ``scale_loss`` unscaled into its master was changed in place since (its version
+        moved): e.g. ``clip_grad_norm_(model.parameters())``, which then has no effect on the masters the optimizer
+        steps. One pass over the model params (the stash path only)."""
+        seen = self._seen_grads
+        for i, p in enumerate(self.model):
+            grad = p.grad
+            mark = seen[i] if i < len(seen) else None
+            if grad is not None and mark is not None and mark[0]() is grad and mark[1] != grad._version:
+                return True
+        return False
+
     def drop_master_grads(self) -> None:
         """Master grads live from ``scale_loss`` exit to ``step``; clear them after (apex)."""
         for m in self.masters:
@@ -284,6 +300,8 @@ class FusedMasterStash(OptimizerStash):
         self.closure_step = False
         #: the grads the exit's overflow check read, by ``id(param)``: (grad, its version counter then)
         self.checked: dict[int, tuple[torch.Tensor, int]] | None = None
+        #: set by the step when a grad still holding the scaled value was changed in place since that check
+        self.scaled_grads_changed = False
 
     @property
     def masters(self) -> list[torch.Tensor]:
@@ -404,6 +422,7 @@ class FusedMasterStash(OptimizerStash):
                     continue
                 seen = checked.get(id(p))
                 if seen is None or seen[0] is not g or seen[1] != g._version:
+                    self.scaled_grads_changed = seen is not None and seen[0] is g
                     return False
         return True
 
@@ -418,7 +437,8 @@ class FusedMasterStash(OptimizerStash):
                     return super().run_step(flag, call)  # masters -> model, master grads dropped
             finally:
                 self.closure_step = False
-        final = flag is not None and self.scale is not None and self._flag_covers_step()
+        covered = self.scale is not None and self._flag_covers_step()
+        final = flag is not None and covered
         self.checked = None
         scale, self.scale = self.scale, None
         hidden = [] if scale is not None else [(p, p.grad) for p in self.model if p.grad is not None]

@@ -81,8 +81,9 @@ def set_current_session(session: Session) -> None:
     _current = session
 
 
-def save_amp_state(destination: OrderedDict | None = None) -> OrderedDict:
-    session = _current
+def save_amp_state(destination: OrderedDict | None = None, session: Session | None = None) -> OrderedDict:
+    """``amp.state_dict()`` of ``session`` (default: the latest ``initialize``)."""
+    session = _current if session is None else session
     destination = OrderedDict() if destination is None else destination
     if session is None or not session.enabled:
         return destination
@@ -144,8 +145,8 @@ def _checked_entry(key: str, entry: Any) -> tuple[float, int, dict[str, Any] | N
     return scale, unskipped, extra
 
 
-def load_amp_state(state_dict: dict[str, Any]) -> None:
-    """Restore ``save_amp_state``'s (or apex's) output into the current session's loss scalers.
+def load_amp_state(state_dict: dict[str, Any], session: Session | None = None) -> None:
+    """Restore ``save_amp_state``'s (or apex's) output into the loss scalers of ``session`` (default: the current one).
 
     Every entry is validated before any scaler changes (a loss scale that is NaN, inf, <= 0 or beyond fp32,
     or a negative/non-integer counter, raises ``ValueError`` naming the key). The mode (dynamic/static) is
@@ -153,7 +154,7 @@ def load_amp_state(state_dict: dict[str, Any]) -> None:
     resumed at O2) is not loaded, with a warning, and the scaler keeps the scale ``initialize`` gave it,
     because a static scale is a user setting, not a good start for dynamic scaling, and vice versa.
     """
-    session = _current
+    session = _current if session is None else session
     if session is None or not session.enabled:
         raise RuntimeError(
             "amp.load_state_dict() needs amp state to load into: call amp.initialize(...) with the same opt_level "

@@ -20,6 +20,13 @@ gradients are thrown away.
 Under master weights, a ``step()`` that finds fp16 model grads no ``scale_loss`` has unscaled and no master
 grad (a trainer called ``loss.backward()`` itself) warns once per optimizer, naming ``amp.scale_loss``, and
 does nothing: no weight changes, fp32 params (batchnorm) included, instead of a silent partial step.
+
+The other trainer traps warn once per optimizer and kind, and the step runs (docs/trainer.md): grads with no
+``scale_loss`` since the last step (O1 under a trainer's own backward: no loss scaling), grads still scaled by a last
+``delay_unscale=True``, and fp16 model grads changed in place between ``scale_loss`` and ``step`` under O2 (a trainer
+clipping ``model.parameters()``: on the fused path it clips the scaled grads the optimizer reads, elsewhere it has no
+effect on the masters). Each check is an attribute test on the normal path; a pass over the params runs only once a
+cheap condition points at the trap, or on the (already per-param) stash path with master weights.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from typing import Any
 import torch
 
 from ...kernels import merge_found_inf
-from .masters import OptimizerStash
+from .._apex_state import record_unscale
+from .masters import FusedMasterStash, OptimizerStash
 from .state import Session
 
 __all__ = ["ReportQueue", "install_step", "run_scale_loss"]
@@ -127,6 +135,7 @@ def run_scale_loss(
         return
 
     for stash in stashes:
+        stash.scale_loss_seen = True
         # grads an earlier scale_loss left scaled for the step (fused masters) go into fp32 sums first
         if stash.settle_pending() or (not delay_unscale and not stash.params_have_scaled_gradients):
             stash.prepare()
@@ -147,6 +156,7 @@ def run_scale_loss(
     for stash in stashes:
         stash.unscale(inv_scale, found_inf, scaler.scale)
         stash.params_have_scaled_gradients = False
+    record_unscale(scaler, found_inf)  # apex's _overflow_buf, where a script looks at it (amp/_apex_state.py)
     if delay_overflow_check:
         return
     scaler.update(found_inf)  # a static scale never changes; its update only feeds the repeated-inf warning
@@ -172,6 +182,7 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
 
     def step(self: torch.optim.Optimizer, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
         REPORTS.poll()
+        seen, stash.scale_loss_seen = stash.scale_loss_seen, False
         if stash.skip is not None:
             if closure is not None:
                 raise RuntimeError(_CLOSURE_ON_SKIP)
@@ -183,6 +194,8 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
         if stash.model_grads_bypassed_scale_loss():
             _warn_backward_outside_scale_loss(stash)
             return None
+        if closure is None:
+            _check_unscaled_gradients(stash, seen)
         flag, stash.found_inf = stash.found_inf, None
         if flag is not None and closure is not None and float(flag[0]) != 0.0:
             raise RuntimeError(_CLOSURE_ON_SKIP)
@@ -199,6 +212,9 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
             stash.use_master_grads()
         # hands over grad_scale / found_inf, writes masters -> model where the optimizer does not (masters.py)
         result = stash.run_step(flag, call)
+        if getattr(stash, "scaled_grads_changed", False):
+            stash.scaled_grads_changed = False
+            _warn_once(stash, "scaled_grads_changed", _SCALED_GRADS_CHANGED)
         REPORTS.poll()
         return result
 
@@ -227,15 +243,74 @@ def install_step(optimizer: torch.optim.Optimizer, stash: OptimizerStash, disabl
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
 
 
+_TRAINER_FIX = (
+    "Under the HF Trainer use fp16kit.integrations.transformers.AmpTrainer (apex-style amp done right: loss scaling, "
+    "clipping of the unscaled fp32 grads, amp state in its checkpoints), or Trainer(fp16=True / bf16=True) without "
+    "amp.initialize; under accelerate use fp16kit.integrations.accelerate.backward (docs/trainer.md)."
+)
+
 _BACKWARD_OUTSIDE_SCALE_LOSS = (
     "amp: optimizer.step() found gradients on the fp16 model parameters but none on the fp32 master weights "
     "the optimizer updates, so this step changes no weight (and neither will the next ones). The backward ran "
     "outside amp.scale_loss: a trainer that calls loss.backward() itself (HF Trainer, accelerate) or a last "
     "scale_loss with delay_unscale=True. With master weights (O2) only amp.scale_loss moves the gradients into "
     "the masters: run the backward as `with amp.scale_loss(loss, optimizer) as scaled_loss: "
-    "scaled_loss.backward()`, or use opt_level='O1' / torch autocast with a GradScaler under such a trainer. "
-    "(This warning is shown once per optimizer.)"
+    "scaled_loss.backward()`. " + _TRAINER_FIX + " (This warning is shown once per optimizer.)"
 )
+
+
+_NO_SCALE_LOSS = (
+    "amp: optimizer.step() found gradients that no amp.scale_loss produced since the last step: the backward ran "
+    "outside amp.scale_loss (a trainer that calls loss.backward() itself: HF Trainer, accelerate), so the fp16 "
+    "gradients were not loss-scaled (small ones flush to zero) and no overflow was checked. Run the backward as "
+    "`with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`. " + _TRAINER_FIX
+    + " (This warning is shown once per optimizer.)"
+)
+
+_STILL_SCALED = (
+    "amp: optimizer.step() got gradients that are still multiplied by the loss scale: the last amp.scale_loss "
+    "before this step had delay_unscale=True, so nothing unscaled them and the update is scale times too large. "
+    "Leave delay_unscale=False on the last backward before each step. (This warning is shown once per optimizer.)"
+)
+
+_SCALED_GRADS_CHANGED = (
+    "amp: the fp16 model gradients were changed in place between amp.scale_loss and optimizer.step() while they still "
+    "held the loss-scaled values (O2 with fp16kit's FusedAdam/FusedLAMB keeps them scaled for the step), e.g. by "
+    "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or the HF Trainer's max_grad_norm / "
+    "accelerator.clip_grad_norm_: that clips the scaled gradients, far too hard (the updates come out too small), "
+    "and reports loss-scale times the true norm. Clip the unscaled fp32 master gradients instead: "
+    "clip_grad_norm_(amp.master_params(optimizer), max_norm). " + _TRAINER_FIX
+    + " (This warning is shown once per optimizer.)"
+)
+
+_MODEL_GRADS_CHANGED = (
+    "amp: the fp16 model gradients were changed in place after amp.scale_loss had moved them into the fp32 master "
+    "gradients, which are what the optimizer steps (O2): the change (e.g. torch.nn.utils.clip_grad_norm_"
+    "(model.parameters(), max_norm), the HF Trainer's max_grad_norm) has no effect, and a norm computed from them is "
+    "loss-scale times the true one. Clip the masters instead: clip_grad_norm_(amp.master_params(optimizer), max_norm). "
+    + _TRAINER_FIX + " (This warning is shown once per optimizer.)"
+)
+
+
+def _warn_once(stash: OptimizerStash, key: str, message: str) -> None:
+    if key not in stash.warned:
+        stash.warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _check_unscaled_gradients(stash: OptimizerStash, scale_loss_seen: bool) -> None:
+    """Before a step without closure: warn (once per kind, per optimizer) where the gradients the optimizer is about
+    to read carry no loss scaling, are still scaled, or were changed after ``scale_loss`` without effect. Checks
+    that cost a pass over the params run only when a cheap condition already points at a problem (or, for the last
+    one, on the master-weights path that loops over the params anyway)."""
+    if stash.params_have_scaled_gradients and not stash.master_weights:
+        _warn_once(stash, "still_scaled", _STILL_SCALED)
+    elif (not scale_loss_seen and not stash.master_weights and not stash.session.passthrough
+          and "no_scale_loss" not in stash.warned and any(p.grad is not None for p in stash.direct)):
+        _warn_once(stash, "no_scale_loss", _NO_SCALE_LOSS)
+    elif (stash.master_weights and (not isinstance(stash, FusedMasterStash) or stash.materialized)
+          and "model_grads_changed" not in stash.warned and stash.model_grads_changed_since_unscale()):
+        _warn_once(stash, "model_grads_changed", _MODEL_GRADS_CHANGED)
 
 
 def _warn_backward_outside_scale_loss(stash: OptimizerStash) -> None:

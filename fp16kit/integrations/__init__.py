@@ -1,0 +1,18 @@
+"""fp16kit where people train: the HF ``transformers.Trainer`` and ``accelerate``.
+
+* ``fp16kit.integrations.transformers.AmpTrainer``: a ``transformers.Trainer`` with apex-style amp (O1/O2) done
+  right: loss scaling around the Trainer's backward, gradient clipping and the logged grad norm on the unscaled
+  fp32 master gradients, overflowed steps skipped on the device, amp state saved in and restored from the
+  Trainer's checkpoints.
+* ``fp16kit.integrations.accelerate``: ``backward`` and ``clip_grad_norm_`` for apex-style amp on
+  ``accelerator.prepare``'d models and optimizers.
+
+Torch-style mixed precision (``Trainer(fp16=True / bf16=True)``, ``Accelerator(mixed_precision=...)``) needs no
+integration: pass fp16kit's optimizers and it works (docs/trainer.md). Importing this package imports neither
+transformers nor accelerate (``integrations.transformers`` imports transformers; ``integrations.accelerate`` needs
+only the accelerator object it is given).
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
