@@ -9,7 +9,6 @@ kernel is what ``LAUNCH`` (``num_warps``), ``_table.BLOCK`` and ``_table.num_pro
 from __future__ import annotations
 
 import argparse
-import itertools
 from pathlib import Path
 
 import torch
@@ -47,62 +46,85 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
 
 
+CONFIGS = ((4096, 16, 8), (4096, 8, 8), (4096, 8, 16), (4096, 16, 16), (8192, 16, 8), (2048, 8, 16), (2048, 4, 4))
+
+
+def run_config(block: int, warps: int, per_sm: int) -> str:
+    """One configuration in this process: a markdown row of medians (ms), each case and the LAMB step on the
+    host-vector path (the kernels fed a float32 vector) to tell a device-step fault from a kernel one."""
+    dev = "cuda"
+    sh = shapes()
+    g32 = [torch.randn(s, device=dev) * 1e-3 for s in sh]
+    configure(block, warps, per_sm)
+    row = []
+    cases = (("fp32", FusedAdam, True), ("fp32", FusedLAMB, True), ("fp32", FusedLAMB, False),
+             ("master", FusedAdam, True), ("master", FusedLAMB, True))
+    for mode, cls, on_device in cases:
+        dtype = torch.float32 if mode == "fp32" else torch.float16
+        ps = [torch.randn(s, device=dev, dtype=dtype).requires_grad_() for s in sh]
+        for p, g in zip(ps, g32):
+            p.grad = g.to(dtype)
+        opt = cls(ps, lr=1e-3, weight_decay=0.01, master_weights=(mode == "master"))
+        if not on_device:
+            opt._on_device = lambda device: False
+        ms = bench(opt.step)
+        torch.cuda.synchronize()
+        row.append(f"{ms:.3f}")
+        del opt, ps
+        torch.cuda.empty_cache()
+    flag = torch.zeros(1, device=dev)
+    inv = torch.ones(1, device=dev)
+    row.append(f"{bench(lambda: unscale_and_check(g32, inv, flag)):.3f}")
+    return f"| {block} | {warps} | {per_sm} | " + " | ".join(row) + " |"
+
+
 def main() -> None:
+    import subprocess
+    import sys
+    import time
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_tune.md")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds; configurations past it are skipped")
+    ap.add_argument("--config", default=None, help="B,W,P: run one configuration here and print its row")
     args = ap.parse_args()
-    import time
-
+    if args.config:
+        print(run_config(*map(int, args.config.split(","))), flush=True)
+        return
     t_start = time.time()
     dev = "cuda"
     sh = shapes()
     g32 = [torch.randn(s, device=dev) * 1e-3 for s in sh]
-    cases = {}
-    for mode in ("fp32", "master"):
-        dtype = torch.float32 if mode == "fp32" else torch.float16
-        for name, cls in (("FusedAdam", FusedAdam), ("FusedLAMB", FusedLAMB)):
-            ps = [torch.randn(s, device=dev, dtype=dtype).requires_grad_() for s in sh]
-            for p, g in zip(ps, g32):
-                p.grad = g.to(dtype)
-            opt = cls(ps, lr=1e-3, weight_decay=0.01, master_weights=(mode == "master"))
-            cases[f"{name} {mode}"] = opt.step
     flag = torch.zeros(1, device=dev)
     inv = torch.ones(1, device=dev)
-    cases["unscale fp32 in place"] = lambda: unscale_and_check(g32, inv, flag)
-    peers = {}
     ref_ps = [torch.randn(s, device=dev).requires_grad_() for s in sh]
     for p, g in zip(ref_ps, g32):
         p.grad = g
     adamw = torch.optim.AdamW(ref_ps, lr=1e-3, weight_decay=0.01, fused=True)
-    peers["torch AdamW(fused) fp32"] = bench(adamw.step)
-    peers["torch unscale fp32 in place"] = bench(
-        lambda: torch._amp_foreach_non_finite_check_and_unscale_(g32, flag, inv))
-    lines = ["# Launch sweep: " + torch.cuda.get_device_name(), "", "| peer | ms |", "|---|---|"]
-    lines += [f"| {k} | {v:.3f} |" for k, v in peers.items()]
-    lines += ["", "| block | warps | programs/SM | " + " | ".join(cases) + " |", "|---" * (3 + len(cases)) + "|"]
-    best: dict[str, tuple[float, tuple]] = {}
-    for block, warps, per_sm in itertools.product((2048, 4096, 8192), (4, 8, 16), (4, 8, 32)):
-        if time.time() - t_start > args.budget:
-            lines.append(f"(budget reached: stopped before {block}/{warps}/{per_sm})")
+    lines = ["# Launch sweep: " + torch.cuda.get_device_name(), "",
+             f"peers: torch AdamW(fused) fp32 {bench(adamw.step):.3f} ms; torch unscale fp32 in place "
+             f"{bench(lambda: torch._amp_foreach_non_finite_check_and_unscale_(g32, flag, inv)):.3f} ms", "",
+             "Each configuration in its own process (a fault cannot poison the next). Medians in ms.", "",
+             "| block | warps | programs/SM | FusedAdam fp32 | FusedLAMB fp32 | FusedLAMB fp32, host vector | "
+             "FusedAdam master | FusedLAMB master | unscale fp32 in place |", "|---" * 9 + "|"]
+    del adamw, ref_ps
+    g32.clear()  # free the peers' memory before the configurations run
+    torch.cuda.empty_cache()
+    for block, warps, per_sm in CONFIGS:
+        left = args.budget - (time.time() - t_start)
+        if left < 15:
+            lines.append(f"(budget reached before {block}/{warps}/{per_sm})")
             break
-        if block // (32 * warps) < 4:  # fewer than 4 elements per thread: no 16-byte vectors
-            continue
-        configure(block, warps, per_sm)
-        row = []
-        for name, fn in cases.items():
-            try:
-                ms = bench(fn)
-            except Exception as e:
-                row.append(f"err {type(e).__name__}")
-                continue
-            row.append(f"{ms:.3f}")
-            if name not in best or ms < best[name][0]:
-                best[name] = (ms, (block, warps, per_sm))
-        lines.append(f"| {block} | {warps} | {per_sm} | " + " | ".join(row) + " |")
+        try:
+            res = subprocess.run([sys.executable, __file__, "--config", f"{block},{warps},{per_sm}"],
+                                 capture_output=True, text=True, timeout=left)
+            out = [ln for ln in res.stdout.splitlines() if ln.startswith("|")]
+            lines.append(out[-1] if res.returncode == 0 and out else
+                         f"| {block} | {warps} | {per_sm} | FAILED rc={res.returncode}: "
+                         + " ".join(res.stderr.strip().splitlines()[-3:])[:400] + " |")
+        except subprocess.TimeoutExpired:
+            lines.append(f"| {block} | {warps} | {per_sm} | timed out |")
         print(lines[-1], flush=True)
-    lines += ["", "| case | best ms | (block, warps, programs/SM) |", "|---|---|---|"]
-    lines += [f"| {k} | {v[0]:.3f} | {v[1]} |" for k, v in best.items()]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)

@@ -87,11 +87,16 @@ class ChunkTable:
         return (self.ptrs, self.num_tensors, self.numels, self.chunk_tensor, self.chunk_start, self.num_chunks)
 
     def scratch_buffer(self, name: str, numel: int, dtype: torch.dtype, *, zero: bool = False) -> torch.Tensor:
-        """The table's buffer ``name`` (``numel`` elements of ``dtype`` on the table's device), made once."""
+        """The table's buffer ``name``: at least ``numel`` elements of ``dtype`` on the table's device, made once
+        per size. A call that needs more than an earlier one under the same name (the same grads checked with and
+        without a norm) gets a new buffer; the old one is kept alive with the table (a captured graph may still
+        write it), never handed out again, and never written past its end."""
         buf = self.scratch.get(name)
-        if buf is None:
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            if buf is not None:
+                self.scratch.setdefault("retired", []).append(buf)
             make = torch.zeros if zero else torch.empty
-            buf = self.scratch[name] = make(numel, dtype=dtype, device=self.ptrs.device)
+            buf = self.scratch[name] = make(max(numel, 1), dtype=dtype, device=self.ptrs.device)
         return buf
 
     def scratch_ticket(self) -> torch.Tensor:
