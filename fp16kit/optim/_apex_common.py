@@ -21,7 +21,7 @@ from torch.optim.optimizer import required
 
 from . import functional as F
 from ._base import _LOW_PRECISION, FusedOptimizer
-from ._checkpoint import check_state_values
+from ._checkpoint import TORCH_FLAGS, check_state_values, refuse_foreign
 from ._validate import _number, check_sparse_grad, check_step_value, naming_group
 
 __all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hparams64", "widen_state"]
@@ -29,15 +29,33 @@ __all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hpar
 F64 = torch.float64
 
 
-def check_range(fn: str, name: str, value: Any, *, low: float = 0.0, low_open: bool = False, hint: str = "") -> float:
-    """``value`` as a float, finite and ``>= low`` (``> low`` when ``low_open``); a clear error otherwise."""
+#: The largest float32: the kernels compute in float32, so a host hyper-parameter above it would round to inf.
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def check_range(
+    fn: str,
+    name: str,
+    value: Any,
+    *,
+    low: float = 0.0,
+    low_open: bool = False,
+    high: float = FP32_MAX,
+    hint: str = "",
+) -> float:
+    """``value`` as a float in ``[low, high]`` (``(low, high]`` when ``low_open``); a clear error otherwise.
+
+    ``high`` defaults to float32's maximum: a larger host value would round to inf in the kernels' float32
+    math. Values that are in range but still overflow an update (``lr=1e30`` with large grads) are caught on
+    the device by the result check (docs/guarantees.md, 2.15)."""
     number = _number(fn, name, value)
     if number is None:
         raise ValueError(f"{fn}: {name} must be a Python number here, got a tensor {value!r}.")
     ok = number > low if low_open else number >= low
-    if not (ok and number < float("inf")):
+    if not (ok and number <= high):
         bound = f"> {low}" if low_open else f">= {low}"
-        raise ValueError(f"{fn}: invalid {name}={value!r}; it must be a finite number {bound}{hint}.")
+        top = "float32's maximum 3.4028235e+38" if high == FP32_MAX else repr(high)
+        raise ValueError(f"{fn}: invalid {name}={value!r}; it must be a finite number {bound} and <= {top}{hint}.")
     return number
 
 
@@ -85,6 +103,8 @@ class ApexStateOptimizer(FusedOptimizer):
     """``FusedOptimizer`` with a subclass-defined per-param state instead of Adam's moments."""
 
     _state_spec: ClassVar[dict[str, str]] = {}
+    #: the writers (``_checkpoint.writer_of``) whose state dicts this class loads; another's is refused
+    _accepts: ClassVar[tuple[str, ...]] = ()
 
     def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
         """Fill a new param's state (besides the master); state tensors use ``_math_dtype(p)``."""
@@ -130,6 +150,8 @@ class ApexStateOptimizer(FusedOptimizer):
         fn = f"{self._name}.load_state_dict"
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError(f"{fn}: expected a dict with 'state' and 'param_groups' (a state_dict()).")
+        writer = refuse_foreign(self._name, state_dict, self._accepts or (self._name,))
+        state_dict = self._import(state_dict, writer)
         old_groups, old_state = self.param_groups, self.state
         try:
             torch.optim.Optimizer.load_state_dict(self, state_dict)
@@ -159,6 +181,45 @@ class ApexStateOptimizer(FusedOptimizer):
         for group in self.param_groups:
             if group["params"] and "step" in group:
                 self._own_step(group, group["params"][0].device)
+
+    def _import(self, state_dict: dict[str, Any], writer: str) -> dict[str, Any]:
+        """A copy of an accepted ``state_dict`` in this class's form: torch's flags checked (``maximize=True``
+        fails) and dropped, missing hyper-parameters taken from the defaults, torch's per-param ``step`` dropped
+        (these optimizers keep none, or one per group). Subclasses check what else torch's class may differ in."""
+        fn = f"{self._name}.load_state_dict"
+        groups = []
+        for gi, saved in enumerate(state_dict["param_groups"]):
+            group = dict(saved)
+            if group.pop("maximize", False):
+                raise ValueError(
+                    f"{fn}: the checkpoint's param_groups[{gi}] has maximize=True ({writer}); {self._name} "
+                    f"minimizes. Negate the loss instead, and start afresh."
+                )
+            for key in TORCH_FLAGS:
+                group.pop(key, None)
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            groups.append(group)
+        state = state_dict["state"]
+        if writer.startswith("torch.optim."):
+            state = {k: {n: v for n, v in s.items() if n != "step"} for k, s in state.items()}
+        return {**state_dict, "param_groups": groups, "state": state}
+
+    def _check_results(self, all_rows: list, inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """The result check (docs/guarantees.md, 2.15): every group's update runs once with ``verify=True``
+        (the kernels' ``VERIFY`` pass, ``fp16kit/kernels/_results.py``, or the fallback on copies), writing
+        nothing but raising ``found_inf`` when a param, model copy or state value would become inf/NaN. It runs
+        for all groups before any is written, so a step is taken whole or not at all; the loss scaler then backs
+        off (or ``on_nonfinite`` reports it) as for an inf gradient. On the device, no host sync."""
+        for group, rows in zip(self.param_groups, all_rows):
+            if not rows.params:
+                continue
+            device = rows.params[0].device
+            step = group.get("step", 0)
+            step = step.to(device, torch.float32) if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+            # the counter this update would use: advanced only for a step that is taken
+            t = (step.reshape(1) + 1).to(device)
+            self._update_group(group, rows, t, inv_scale64, found_inf, None, verify=True)  # type: ignore[call-arg]
 
     def _collect(self) -> list[ApexRows]:  # type: ignore[override]
         out = []

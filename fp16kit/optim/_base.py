@@ -428,6 +428,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         (``fp16kit.optim.functional``: no dispatcher cost) otherwise. Both run the same implementation."""
         return library if torch.compiler.is_compiling() else F
 
+    def _check_results(self, all_rows: list, inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """Raise ``found_inf`` on the device when this step's update would store an inf/NaN (a finite grad
+        can overflow it); runs before any group is written. A no-op here (subclasses: fp16kit/optim/_apex_common.py)."""
+
     def _update_group(
         self,
         group: dict[str, Any],
@@ -489,6 +493,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 flag_nonfinite([g for rows in all_rows for g in rows.grads], inv64.float(), found_inf)
         else:
             grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], inv64, found_inf)
+        self._check_results(all_rows, inv64, found_inf)  # before any write and before the flag is shared
         if shards is not None:
             grad_norm = shards.reduce_norm_and_flag(grad_norm, found_inf)
         unchecked_steps = [s.to(device, torch.float64) for s in unchecked_steps]

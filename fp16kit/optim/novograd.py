@@ -55,6 +55,7 @@ class FusedNovoGrad(ApexStateOptimizer):
 
     _name = "FusedNovoGrad"
     _state_spec: ClassVar[dict[str, str]] = {"exp_avg": "param", "exp_avg_sq": "scalar"}
+    _accepts: ClassVar[tuple[str, ...]] = ("FusedNovoGrad",)
 
     def __init__(
         self,
@@ -108,7 +109,8 @@ class FusedNovoGrad(ApexStateOptimizer):
     def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
         math = self._math_dtype(p)
         state["exp_avg"] = torch.zeros_like(p, dtype=math, memory_format=torch.contiguous_format)
-        state["exp_avg_sq"] = torch.zeros(1, dtype=math, device=p.device)
+        # -0.0: "no step taken yet"; the first step that is not skipped sets v = n (apex), on the device
+        state["exp_avg_sq"] = torch.full((1,), -0.0, dtype=math, device=p.device)
 
     def _update_group(
         self,
@@ -117,7 +119,8 @@ class FusedNovoGrad(ApexStateOptimizer):
         step: torch.Tensor,
         inv_scale64: torch.Tensor,
         found_inf: torch.Tensor,
-        grad_norm: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+        verify: bool = False,
     ) -> None:
         if not rows.params:
             return
@@ -143,4 +146,5 @@ class FusedNovoGrad(ApexStateOptimizer):
             norm_type=int(group["norm_type"]),
             init_zero=bool(group["init_zero"]),
             reg_inside_moment=self.reg_inside_moment,
+            verify=verify,
         )
