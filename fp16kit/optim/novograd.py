@@ -100,6 +100,7 @@ class FusedNovoGrad(ApexStateOptimizer):
         check_lr(fn, group["lr"])
         check_hyperparams(fn, lr=0.0, betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
         check_range(fn, "eps", group["eps"], low_open=True, hint=" (e.g. 1e-8; 0 turns all-zero gradients into NaN)")
+        check_range(fn, "weight_decay", group["weight_decay"])
         if group["norm_type"] not in (0, 2) or isinstance(group["norm_type"], bool):
             raise ValueError(
                 f"{fn}: norm_type={group['norm_type']!r} is not supported; use 2 (L2 norm) or 0 (infinity norm), "
