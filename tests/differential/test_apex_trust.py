@@ -9,7 +9,6 @@ must give the same verdict on each: the same skip, the same bits left behind, th
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import sys
 import warnings
@@ -19,26 +18,16 @@ import pytest
 import torch
 
 from fp16kit.amp import GradScaler
-from fp16kit.kernels import optim_fallback, use_backend
 from fp16kit.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "optim"))
 from optim_helpers import assert_same_bits, bits, deep_state
+from test_optim_differential import _backend as backend  # torch / masked / auto, as for LAMB and Adam
 
 pytestmark = [pytest.mark.interpreter]
 
 BACKENDS = ("torch", "masked", "auto")
 F32_MAX = float(torch.finfo(torch.float32).max)
-
-
-@contextlib.contextmanager
-def backend(name):
-    with use_backend("torch" if name == "masked" else name):
-        if name == "masked":
-            with optim_fallback.masked_commits():
-                yield
-        else:
-            yield
 
 
 def _params(shapes=((8,), (2, 3)), dtype=torch.float32, seed=0):
