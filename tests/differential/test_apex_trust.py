@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fp16kit.amp import GradScaler
+from fp16kit.kernels import copy_, unscale_and_check
 from fp16kit.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "optim"))
@@ -418,3 +419,50 @@ def test_same_size_state_of_another_shape_is_refused(make, key):
     with pytest.raises(ValueError, match="does not belong"):
         opt.step()
 
+
+
+# ----------------------------------------------------------------------------------------------- item 6
+
+
+def _leaf_write(backend_name, op):
+    """The outcome of one write into a leaf ``nn.Parameter`` on one backend: ("raised", class, message) or
+    ("wrote", bits)."""
+    with backend(backend_name):
+        p = torch.nn.Parameter(torch.zeros(5))
+        try:
+            op(p)
+        except Exception as e:  # compared across backends
+            return ("raised", type(e), str(e))
+        return ("wrote", p.detach().clone())
+
+
+LEAF_WRITES = {
+    "copy_": lambda p: copy_([p], [torch.arange(5.0)]),
+    "unscale out": lambda p: unscale_and_check([torch.arange(5.0)], 0.5, torch.zeros(1), out=[p]),
+}
+
+
+@pytest.mark.parametrize("op", sorted(LEAF_WRITES))
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_writing_into_a_leaf_that_requires_grad_gives_the_same_outcome_on_every_backend(op, grad_mode):
+    """guarantees.md 1.4: the same result or the same error. With grad mode on both raise torch's in-place
+    error (the torch backend did, the Triton kernels wrote); under no_grad both write the same bits."""
+    with torch.set_grad_enabled(grad_mode):
+        outcomes = [_leaf_write(name, LEAF_WRITES[op]) for name in ("torch", "auto")]
+    if grad_mode:
+        assert outcomes[0][0] == "raised" and outcomes[0][1] is RuntimeError
+        assert "leaf Variable that requires grad" in outcomes[0][2]
+        assert outcomes[0] == outcomes[1]
+    else:
+        assert outcomes[0][0] == outcomes[1][0] == "wrote"
+        assert torch.equal(outcomes[0][1], outcomes[1][1])
+
+
+def test_apex_multi_tensor_scale_still_writes_model_params_like_apex():
+    from fp16kit import amp_C
+
+    for name in ("torch", "auto"):
+        with backend(name):
+            model = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+            amp_C.multi_tensor_scale(2048, torch.zeros(1, dtype=torch.int), [[torch.ones(4)], [model]], 1.0)
+            assert torch.equal(model.detach(), torch.ones(4, dtype=torch.float16))
