@@ -11,11 +11,13 @@ from fp16kit.kernels import novograd_update
 
 from . import functional as F
 from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
+from ._sharding import refuse_dtensors
 from ._validate import check_hyperparams
 
 __all__ = ["FusedNovoGrad"]
 
 F64 = torch.float64
+_SHARDED_WHY = "its second moment is the norm of each whole gradient tensor, which no shard holds"
 
 
 class FusedNovoGrad(ApexStateOptimizer):
@@ -94,6 +96,11 @@ class FusedNovoGrad(ApexStateOptimizer):
         super().__init__(
             params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
         )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` (each group at construction too); FSDP2/DTensor params are refused."""
+        refuse_dtensors(self._name, param_group, _SHARDED_WHY)
+        super().add_param_group(param_group)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         fn = self._name
