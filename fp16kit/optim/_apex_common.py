@@ -4,9 +4,12 @@ is a public op of ``fp16kit.kernels`` (``sgd_update``, ``adagrad_update``, ``nov
 fp16kit/kernels/optimizers.py, which plans the rows between the Triton kernels and the torch fallback).
 
 ``FusedOptimizer.step`` runs unchanged: one check pass over the grads (raising ``found_inf`` on inf/NaN,
-unscaling by ``grad_scale`` under a GradScaler), then ``_update_group`` per group, a no-op on the device when
-``found_inf`` is set. A subclass names its state (``_state_spec``: key -> ``"param"`` for a tensor shaped like
-the param, ``"scalar"`` for a one-element tensor) and fills it in ``_init_state``.
+unscaling by ``grad_scale`` under a GradScaler), the result check (``_check_results``: every group's update with
+``verify=True``, storing nothing, raising ``found_inf`` when the step would store an inf/NaN; docs/guarantees.md
+2.15), then ``_update_group`` per group, a no-op on the device when ``found_inf`` is set. Checkpoints of another
+optimizer class are refused naming both (``_checkpoint.refuse_foreign``), torch's SGD/Adagrad state imported.
+A subclass names its state (``_state_spec``: key -> ``"param"`` for a tensor shaped like the param,
+``"scalar"`` for a one-element tensor) and fills it in ``_init_state``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,10 @@ class FusedAdagrad(ApexStateOptimizer):
         p = p - lr * u
 
     One fused pass reads g, p, h and writes p, h (and the rounded model copy in master-weights mode), after a
-    read-only check pass over the grads that detects inf/NaN (a step with a non-finite grad is skipped).
+    read-only check pass over the grads that detects inf/NaN (a step with a non-finite grad is skipped), and a
+    result check that skips a step whose update would store inf/NaN (``g * g`` overflows fp32 for |g| > 1.8e19;
+    docs/guarantees.md 2.15). ``torch.optim.Adagrad`` state loads (``lr_decay=0``). FSDP2/DTensor params step
+    on their local shards.
     ``h`` is fp32 for fp16/bf16 params (fp64 for fp64 params).
 
     Args:

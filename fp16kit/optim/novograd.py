@@ -27,7 +27,7 @@ class FusedNovoGrad(ApexStateOptimizer):
     Per group, ``t`` = the group's step counter after the increment; per param, ``n`` = the L2 norm of its
     (unscaled) gradient (``norm_type=2``) or its max |g| (``norm_type=0``)::
 
-        v = n on the first step (v = 0 with init_zero=True), else the stored value (state "exp_avg_sq")
+        v = n on the first step taken (v = 0 with init_zero=True), else the stored value (state "exp_avg_sq")
         v = sqrt(b2 v^2 + (1 - b2) n^2)   (L2)        v = b2 v + (1 - b2) n   (inf-norm)
         bc1, bc2 = (1 - b1^t, sqrt(1 - b2^t)) if bias_correction else (1, 1);  beta3 = 1 - b1 or 1 (grad_averaging)
         denom = v / bc2 + eps
@@ -38,7 +38,11 @@ class FusedNovoGrad(ApexStateOptimizer):
     The per-tensor norms are one multi-tensor pass over the grads (``fp16kit.kernels.l2norm`` or the inf-norm
     kernel of ``novograd_kernel.py``), the blend of ``v`` is float64 arithmetic on the N norms (rounded once to
     fp32: no overflow of ``n^2`` for large fp32 norms), and the update one fused pass reading g, p, m and
-    writing p, m. A non-finite gradient skips the step (``v`` included) instead of writing NaN.
+    writing p, m. A non-finite gradient skips the step (``v`` included) instead of writing NaN, and so does a
+    step whose result would be non-finite (a norm beyond fp32, an overflowing moment: the result check,
+    docs/guarantees.md 2.15). A new ``v`` is -0.0, "no step taken yet": a step skipped on the device leaves it
+    so, and the first step taken sets ``v = n`` (apex's amp skips the whole ``step()``, with the same effect).
+    FSDP2/DTensor params are refused (the norms are of whole tensors).
 
     Args:
         params: parameters or param groups (groups may override lr, bias_correction, betas, eps, weight_decay,

@@ -30,7 +30,9 @@ class FusedSGD(ApexStateOptimizer):
 
     One fused pass reads g, p, m and writes p, m (and the rounded model copy in master-weights mode), after a
     read-only check pass over the grads that detects inf/NaN (a step with a non-finite grad is skipped: nothing
-    changes). fp32 math; momentum buffers are fp32 for fp16/bf16 params (fp64 for fp64 params).
+    changes), and a step whose result would be inf/NaN (``lr * g`` or the buffer past fp32's range) is skipped
+    the same way (the result check, docs/guarantees.md 2.15). fp32 math; momentum buffers are fp32 for fp16/bf16
+    params (fp64 for fp64 params). FSDP2/DTensor params step on their local shards.
 
     Args:
         params: parameters or param groups (groups may override lr, momentum, dampening, weight_decay, nesterov).
