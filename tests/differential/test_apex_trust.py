@@ -466,3 +466,23 @@ def test_apex_multi_tensor_scale_still_writes_model_params_like_apex():
             model = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
             amp_C.multi_tensor_scale(2048, torch.zeros(1, dtype=torch.int), [[torch.ones(4)], [model]], 1.0)
             assert torch.equal(model.detach(), torch.ones(4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize(
+    ("module", "kernel", "constexprs"),
+    [
+        ("sgd_kernel", "_sgd_kernel", {"WD": True, "WD_AFTER": False, "MOMENTUM": True, "NESTEROV": True,
+                                       "FIRST_RUN": False}),
+        ("adagrad_kernel", "_adagrad_kernel", {"L2_MODE": True, "DECOUPLED": False}),
+        ("novograd_kernel", "_novograd_kernel", {"REG_INSIDE": False}),
+    ],
+)
+def test_result_check_kernels_compile_for_sm90_and_store_nothing(module, kernel, constexprs):
+    """The ``VERIFY`` variants compile for an H100 without a GPU; full chunks are read with 16-byte vector
+    loads, and no vector store is left (the pass writes only the flag, with one atomic)."""
+    from apex_optim_helpers import compile_for_sm90
+
+    common = {"P_DTYPE": "float32", "G_DTYPE": "float16", "MODEL_DTYPE": "float16", "HAS_MODEL": True,
+              "VERIFY": True, "BLOCK": 4096, "ALIGNED": True}
+    result = compile_for_sm90(module, {"verify": (kernel, {**common, **constexprs})})["verify"]
+    assert result["v4_loads"] > 0 and result["v4_stores"] == 0, result
