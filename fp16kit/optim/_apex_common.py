@@ -213,16 +213,44 @@ class ApexStateOptimizer(FusedOptimizer):
         (the kernels' ``VERIFY`` pass, ``fp16kit/kernels/_results.py``, or the fallback on copies), writing
         nothing but raising ``found_inf`` when a param, model copy or state value would become inf/NaN. It runs
         for all groups before any is written, so a step is taken whole or not at all; the loss scaler then backs
-        off (or ``on_nonfinite`` reports it) as for an inf gradient. On the device, no host sync."""
+        off (or ``on_nonfinite`` reports it) as for an inf gradient. On the device, no host sync.
+
+        ``result_skips`` counts the steps this check skipped. Without a scaler the step reports them per
+        ``on_nonfinite`` with its non-finite skips; with a handed-over flag they are reported here too: a scaler
+        that decides its scale from its own copy of the flags (``torch.amp.GradScaler``) or before the step
+        (the amp frontend, as apex) cannot back off for them."""
+        if not any(rows.params for rows in all_rows):
+            return
+        before = found_inf.clone()
         for group, rows in zip(self.param_groups, all_rows):
             if not rows.params:
                 continue
             device = rows.params[0].device
             step = group.get("step", 0)
-            step = step.to(device, torch.float32) if isinstance(step, torch.Tensor) else torch.tensor(float(step))
-            # the counter this update would use: advanced only for a step that is taken
-            t = (step.reshape(1) + 1).to(device)
+            # the counter this update would use (advanced only for a step that is taken); a fill, not a copy
+            if isinstance(step, torch.Tensor):
+                t = step.reshape(1).to(device, torch.float32) + 1
+            else:
+                t = torch.full((1,), float(step) + 1, dtype=torch.float32, device=device)
             self._update_group(group, rows, t, inv_scale64, found_inf, None, verify=True)  # type: ignore[call-arg]
+        result = found_inf.reshape(1) - before.reshape(1)  # 1 where this check raised the flag
+        self._count("result_skips", result, found_inf.device)
+        if getattr(self, "found_inf", None) is not None:
+            self._report(result, self._result_message())
+
+    @property
+    def result_skips(self) -> torch.Tensor | None:
+        """Steps skipped because their update would have stored inf/NaN from finite inputs (a one-element int64
+        device tensor; None before the first such check)."""
+        return self.__dict__.get("_skip_counts", {}).get("result_skips")
+
+    def _result_message(self) -> str:
+        return (
+            f"{self._name}: this step's update would have written inf/NaN (finite gradients, but too large for "
+            f"the update: e.g. Adagrad's g * g, a momentum buffer, lr * g); the step was skipped (params, state "
+            f"and step counters are unchanged; optimizer.result_skips counts such steps). Lower the learning rate "
+            f"or check the gradients' magnitude."
+        )
 
     def _collect(self) -> list[ApexRows]:  # type: ignore[override]
         out = []

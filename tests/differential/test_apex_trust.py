@@ -9,6 +9,7 @@ must give the same verdict on each: the same skip, the same bits left behind, th
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import warnings
@@ -198,8 +199,52 @@ def test_overflowing_update_without_a_scaler_is_reported_per_on_nonfinite(name, 
         opt.on_nonfinite = "warn"
         with pytest.warns(RuntimeWarning, match="skipped"):
             opt.step()
-        assert int(opt.nonfinite_skips) == 2
+        assert int(opt.nonfinite_skips) == 2 and int(opt.result_skips) == 2
         assert_same_bits(bits(opt, params), before)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("scaler_kind", ["torch", "amp_o2"])
+def test_overflowing_update_under_a_scaler_that_cannot_back_off_is_skipped_and_reported(name, scaler_kind):
+    """``torch.amp.GradScaler`` hands the optimizer a copy of its flags and the amp frontend updates its scale
+    before the step (as apex): neither can back off for an overflow found inside the step. The step is still
+    skipped whole, ``result_skips`` counts it and ``on_nonfinite`` reports it."""
+    from fp16kit import amp
+
+    with backend(name), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model = torch.nn.Linear(4, 3)
+        opt = FusedAdagrad(model.parameters(), lr=0.1)
+        if scaler_kind == "amp_o2":
+            model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0, max_loss_scale=1.0)
+            params = list(amp.master_params(opt))
+        else:
+            scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+            params = list(model.parameters())
+        for k in range(2):
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(k))
+            opt.zero_grad()
+            loss = model(x.half() if scaler_kind == "amp_o2" else x).float().sum()
+            if scaler_kind == "amp_o2":
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            else:
+                scaler.scale(loss).backward()
+            if k == 1:
+                for p in params:
+                    p.grad.fill_(3e19)  # finite: g * g overflows the sum
+            before = bits(opt, list(params))
+            expect = pytest.warns(RuntimeWarning, match="would have written inf/NaN")
+            with expect if k == 1 else contextlib.nullcontext():
+                if scaler_kind == "amp_o2":
+                    opt.step()
+                else:
+                    scaler.step(opt)
+                    scaler.update()
+        assert_same_bits(bits(opt, list(params)), before)
+        assert int(opt.result_skips) == 1
+        for t in bits(opt, list(params)):
+            assert torch.isfinite(t.float()).all()
 
 
 @pytest.mark.parametrize("name", BACKENDS)
