@@ -86,7 +86,7 @@ CASES = {
     "adagrad-gradscaler-bf16-masters": Case("adagrad", "scaler", torch.bfloat16, master_weights=True),
     "adagrad-noscaler": Case("adagrad", "none", tensor_lr=True),
     "novograd-noscaler": Case("novograd", "none", tensor_lr=True),
-    "novograd-gradscaler-fp16-masters": Case("novograd", "scaler", torch.float16, master_weights=True),
+    "novograd-gradscaler-bf16-masters": Case("novograd", "scaler", torch.bfloat16, master_weights=True),
 }
 
 
