@@ -79,13 +79,17 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: T
 
     ``fp16kit.kernels.unscale_and_check(ins, scale, found_inf, out=outs)`` with an int flag. Input and
     output may be the same tensors (in place) and of different dtypes (e.g. fp16 grads into fp32 masters).
+    Like apex's CUDA kernel it writes the outputs behind autograd, model params included (apex's
+    ``master_params_to_model_params``), on every backend (``unscale_and_check`` refuses leaf outputs that
+    require grad while grad mode is on, as torch does).
     """
     (ins, outs), device = _lists("multi_tensor_scale", tensor_lists, ("inputs", "outputs"))
     _check_noop("multi_tensor_scale", noop_flag, device)
     if device is None:
         return
     flag = new_found_inf(device)
-    unscale_and_check(ins, float(scale), flag, out=outs)
+    with torch.no_grad():
+        unscale_and_check(ins, float(scale), flag, out=outs)
     _raise_noop(noop_flag, flag)
 
 

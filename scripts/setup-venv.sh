@@ -13,7 +13,17 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   "$PY" -m venv "$VENV"
 fi
-pip_q() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored" || true; }
+# pip, quiet, with its "is ignored" noise filtered out; returns pip's own exit status (the filter's is not
+# the answer: grep exits 1 when it has nothing to print), so a failed install stops the script (set -e)
+# before the done-stamp below is written.
+pip_q() {
+  local status
+  set +e +o pipefail
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored"
+  status=${PIPESTATUS[0]}
+  set -e -o pipefail
+  return "$status"
+}
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==$TORCH_VERSION (CPU wheel)"
   pip_q "torch==$TORCH_VERSION"

@@ -1,19 +1,24 @@
-"""Soak test (issue 9, item 7): long seeded runs with random faults, hyper-parameter changes and checkpoint/resume
-cycles over FusedLAMB, FusedAdam and torch optimizers, under fp16kit's GradScaler, amp O1/O2 or no scaler.
+"""Soak test (issue 9, item 7; issue 22): long seeded runs with random faults, hyper-parameter changes and
+checkpoint/resume cycles over FusedLAMB, FusedAdam, FusedSGD, FusedAdagrad, FusedNovoGrad and torch optimizers,
+under fp16kit's GradScaler, amp O1/O2 or no scaler.
 
 A run follows a plan drawn up front from a seed (so two runs can follow the same one). Per step, at random:
 
 - a fault: one grad element set to inf or NaN after backward (amp: the loss times inf); the step must be skipped;
+- an overflow (FusedSGD, FusedAdagrad, FusedNovoGrad; always on the first step too): a whole grad set to a
+  *finite* value whose update would be inf (Adagrad's g * g, Nesterov's g + momentum * m, NovoGrad's per-tensor
+  norm); the result check must skip the step as for an inf grad (issue 22, item 2);
 - a hyper-parameter change: a valid new lr; an invalid host value (NaN/negative lr, beta1 = 1, eps = 0,
-  negative weight decay) that ``step()`` must reject with ValueError before changing anything (then the value
-  is restored and the step taken); or a NaN tensor lr (fp16kit optimizers) that must skip the step on the device;
+  negative weight decay; for the apex optimizers also lr = 1e308, weight_decay = 1e300, momentum = 1e300 or 1.5)
+  that ``step()`` must reject with ValueError before changing anything (then the value is restored and the step
+  taken); or a NaN tensor lr (fp16kit optimizers) that must skip the step on the device;
 - a checkpoint: model, optimizer and scaler/amp state go through ``torch.save``/``torch.load`` into freshly built
   objects (initialised differently), and training continues from them.
 
 Invariants: weights, masters and optimizer state are finite after every step; the optimizer's step counter equals
-steps taken minus injected faults minus NaN-lr steps; and a run with checkpoints ends bit-identical to the same
-plan without them. CI runs the small version (~30 steps per case); ``-m slow`` runs long plans and the Triton
-kernels under the interpreter.
+steps taken minus injected faults and overflows minus NaN-lr steps; and a run with checkpoints ends bit-identical
+to the same plan without them. CI runs the small version (~30 steps per case); ``-m slow`` runs long plans and
+the Triton kernels under the interpreter.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from torch import nn
 from fp16kit import amp
 from fp16kit.amp import GradScaler
 from fp16kit.kernels import use_backend
-from fp16kit.optim import FusedAdam, FusedLAMB
+from fp16kit.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 INVALID = {
     "lr_nan": ("lr", float("nan")),
@@ -39,12 +44,30 @@ INVALID = {
     "beta1_one": ("betas", (1.0, 0.999)),
     "eps_zero": ("eps", 0.0),
     "wd_negative": ("weight_decay", -0.01),
+    # absurd host values (issue 22, item 3): beyond float32, or a momentum that grows the buffer geometrically
+    "lr_huge": ("lr", 1e308),
+    "wd_huge": ("weight_decay", 1e300),
+    "momentum_huge": ("momentum", 1e300),
+    "momentum_above_one": ("momentum", 1.5),
+}
+_BASIC = ("lr_nan", "lr_negative", "beta1_one", "eps_zero", "wd_negative")
+#: the invalid values each optimizer is fed (keys it has)
+INVALID_FOR = {
+    "sgd": ("lr_nan", "lr_negative", "wd_negative", "lr_huge", "wd_huge", "momentum_huge", "momentum_above_one"),
+    "adagrad": ("lr_nan", "lr_negative", "eps_zero", "wd_negative", "lr_huge", "wd_huge"),
+    "novograd": (*_BASIC, "lr_huge", "wd_huge"),
+}
+#: the apex optimizers, with the finite (unscaled) grad value whose update overflows float32
+APEX = {
+    "sgd": (lambda params, **kw: FusedSGD(params, momentum=0.9, nesterov=True, **kw), 3e38),  # g + 0.9 m
+    "adagrad": (lambda params, **kw: FusedAdagrad(params, **kw), 3e19),  # g * g
+    "novograd": (lambda params, **kw: FusedNovoGrad(params, **kw), 3e38),  # the norm of >= 4 such elements
 }
 
 
 @dataclass(frozen=True)
 class Case:
-    optimizer: str  # "lamb" | "adam" | "torch_adamw"
+    optimizer: str  # "lamb" | "adam" | "torch_adamw" | "sgd" | "adagrad" | "novograd"
     mode: str  # "scaler" | "O1" | "O2" | "none"
     dtype: torch.dtype = torch.float32
     master_weights: bool = False
@@ -59,16 +82,28 @@ CASES = {
     "lamb-O1": Case("lamb", "O1"),
     "adam-O2": Case("adam", "O2", tensor_lr=True),
     "torch_adamw-O2": Case("torch_adamw", "O2"),
+    "sgd-noscaler-nesterov": Case("sgd", "none", tensor_lr=True),
+    "adagrad-gradscaler-bf16-masters": Case("adagrad", "scaler", torch.bfloat16, master_weights=True),
+    "adagrad-noscaler": Case("adagrad", "none", tensor_lr=True),
+    "novograd-noscaler": Case("novograd", "none", tensor_lr=True),
+    "novograd-gradscaler-bf16-masters": Case("novograd", "scaler", torch.bfloat16, master_weights=True),
 }
 
 
 @dataclass
 class Step:
     fault: tuple[int, int, float] | None = None  # (param index, flat element, value)
+    overflow: int | None = None  # the param whose whole grad gets a finite value that overflows the update
     lr: float | None = None  # a valid new lr
     invalid: str | None = None  # a key of INVALID
     nan_tensor_lr: bool = False
     checkpoint: bool = False
+
+
+def _overflows(case: Case) -> bool:
+    """Can a finite grad overflow this case's update? Under a loss scale S the unscaled grads stay below
+    fp32max / S, so only Adagrad's g * g (with a bf16/fp32 grad) can; without a scaler every apex optimizer."""
+    return case.optimizer in APEX and (case.mode == "none" or case.optimizer == "adagrad")
 
 
 def make_plan(seed: int, steps: int, case: Case) -> list[Step]:
@@ -78,23 +113,27 @@ def make_plan(seed: int, steps: int, case: Case) -> list[Step]:
         s = Step()
         if rng.random() < 0.15:
             s.fault = (rng.randrange(4), rng.randrange(8), rng.choice([float("inf"), float("-inf"), float("nan")]))
+        elif _overflows(case) and rng.random() < 0.1:
+            s.overflow = rng.randrange(4)
         r = rng.random()
         if r < 0.1:
             s.lr = rng.choice([1e-3, 3e-3, 1e-2])
-        elif r < 0.2 and s.fault is None:
-            s.invalid = rng.choice(sorted(INVALID))
+        elif r < 0.2 and s.fault is None and s.overflow is None:
+            s.invalid = rng.choice(INVALID_FOR.get(case.optimizer, _BASIC))
         elif r < 0.27 and case.tensor_lr:
             s.nan_tensor_lr = True
         s.checkpoint = k > 0 and rng.random() < 0.12
         plan.append(s)
     # every kind of event at least once, even in a short plan
+    if case.optimizer in APEX:  # a skipped very first step (NovoGrad's v = n must wait for the next one)
+        plan[0] = Step(overflow=rng.randrange(4)) if _overflows(case) else Step(fault=(1, 0, float("inf")))
     if not any(s.fault for s in plan):
-        plan[2].fault, plan[2].invalid = (0, 1, float("nan")), None
+        plan[2].fault, plan[2].invalid, plan[2].overflow = (0, 1, float("nan")), None, None
     if not any(s.checkpoint for s in plan):
         plan[steps // 2].checkpoint = True
     if not any(s.invalid for s in plan):
-        k = next(k for k in range(3, steps) if plan[k].fault is None)
-        plan[k].invalid, plan[k].nan_tensor_lr = rng.choice(sorted(INVALID)), False
+        k = next(k for k in range(3, steps) if plan[k].fault is None and plan[k].overflow is None)
+        plan[k].invalid, plan[k].nan_tensor_lr = rng.choice(INVALID_FOR.get(case.optimizer, _BASIC)), False
     if case.tensor_lr and not any(s.nan_tensor_lr for s in plan):
         k = next(k for k in range(steps - 1, 0, -1) if plan[k].invalid is None)
         plan[k].nan_tensor_lr = True
@@ -121,6 +160,9 @@ class Run:
         kw = {"lr": lr, "weight_decay": 0.01}
         if self.case.optimizer == "torch_adamw":
             opt = torch.optim.AdamW(model.parameters(), **kw)
+        elif self.case.optimizer in APEX:
+            make = APEX[self.case.optimizer][0]
+            opt = make(list(model.parameters()), master_weights=self.case.master_weights, on_nonfinite="warn", **kw)
         else:
             cls = FusedLAMB if self.case.optimizer == "lamb" else FusedAdam
             opt = cls(model.parameters(), master_weights=self.case.master_weights, on_nonfinite="warn", **kw)
@@ -158,6 +200,9 @@ class Run:
             i, j, value = s.fault
             grad = self.params()[i].grad.view(-1)
             grad[j % grad.numel()] = value
+        if s.overflow is not None:
+            value = APEX[self.case.optimizer][1] * (self.scaler.get_scale() if self.scaler is not None else 1.0)
+            self.params()[s.overflow].grad.fill_(value)
         if s.invalid is not None:
             self._check_invalid_rejected(s.invalid)
         with warnings.catch_warnings():
@@ -235,8 +280,8 @@ def soak(case: Case, seed: int, steps: int, *, resume: bool) -> tuple[list[torch
             assert torch.isfinite(t).all(), f"step {k}: tensor {i} is not finite ({s})"
         if resume and s.checkpoint:
             run.checkpoint_and_resume()
-    faults = sum(s.fault is not None for s in plan)
-    nan_lr = sum(s.nan_tensor_lr and s.fault is None for s in plan)
+    faults = sum(s.fault is not None or s.overflow is not None for s in plan)
+    nan_lr = sum(s.nan_tensor_lr and s.fault is None and s.overflow is None for s in plan)
     assert run.steps_taken() == steps - faults - nan_lr, "skipped steps differ from the injected faults"
     extra = {"taken": run.steps_taken()}
     if run.scaler is not None:
@@ -276,7 +321,11 @@ def test_soak_long(name, seed):
 
 @pytest.mark.slow
 @pytest.mark.interpreter
-@pytest.mark.parametrize("name", ["lamb-gradscaler", "adam-gradscaler-bf16-masters", "lamb-noscaler-fp16-masters"])
+@pytest.mark.parametrize(
+    "name",
+    ["lamb-gradscaler", "adam-gradscaler-bf16-masters", "lamb-noscaler-fp16-masters", "sgd-noscaler-nesterov",
+     "adagrad-gradscaler-bf16-masters", "novograd-noscaler"],
+)
 def test_soak_triton_interpreter(name):
     with use_backend("auto"):
         _soak_and_compare(copy.deepcopy(CASES[name]), seed=7, steps=40)

@@ -321,6 +321,7 @@ class GradScaler:
             raise AssertionError("The backoff factor must be < 1.0.")
         # Validate every option now (a LossScaler on the CPU), not at the first scale() call.
         self._pending_state = LossScaler(**self._options, device="cpu").state_dict()
+        self._init_scale_given = float(init_scale)
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
 
     # ------------------------------------------------------------------ the scale tensor
@@ -696,8 +697,17 @@ class GradScaler:
         if not self._enabled:
             return 1.0
         if self._scaler is None:
-            return float(self._pending_state["scale"])
+            return self._pending_scale()
         return self._scaler.get_scale()
+
+    def _pending_scale(self) -> float:
+        """The scale before the first ``scale()``: the ``init_scale`` as given, as torch returns it (not its
+        float32 rounding, which the device scale will hold), unless a loaded state changed it since."""
+        pending = float(self._pending_state["scale"])
+        given = self.__dict__.get("_init_scale_given")
+        if given is not None and float(torch.tensor(given, dtype=torch.float32)) == pending:
+            return given
+        return pending
 
     def _option(self, name: str) -> Any:
         return getattr(self._scaler, name) if self._scaler is not None else self._pending_state[name]
@@ -770,7 +780,7 @@ class GradScaler:
             return {}
         s = self._scaler.state_dict() if self._scaler is not None else dict(self._pending_state)
         return {
-            "scale": s["scale"],
+            "scale": s["scale"] if self._scaler is not None else self._pending_scale(),
             "growth_factor": s["growth_factor"],
             "backoff_factor": s["backoff_factor"],
             "growth_interval": s["growth_interval"],

@@ -16,7 +16,9 @@ Per element (fp32 math, each tensor read once and written once)::
     if DECOUPLED:   u = u + wd * p                       # adagrad_w_mode=True: decoupled decay
     p = p + (-lr) * u
 
-``found_inf`` non-zero: zero loop iterations, nothing written. Divisions and square roots are the
+``found_inf`` non-zero: zero loop iterations, nothing written. ``VERIFY``: the same math, nothing stored;
+``found_inf`` raised when a stored value (rounded param, model copy, sum) would be inf/NaN (``_results.py``:
+``g * g`` overflows fp32 for |g| > 1.8e19). Divisions and square roots are the
 IEEE-rounded ``div_rn``/``sqrt_rn`` (plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs).
 """
 
@@ -28,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
-from ._rounding import round_to, to_fp32
+from ._chunks import chunk_span, load_chunk, row_pointer
+from ._results import check_or_store, lr_arms, raise_found_inf
+from ._rounding import to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -55,6 +58,7 @@ def _adagrad_kernel(
     HAS_MODEL: tl.constexpr,
     L2_MODE: tl.constexpr,
     DECOUPLED: tl.constexpr,
+    VERIFY: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
@@ -64,6 +68,7 @@ def _adagrad_kernel(
     wd = tl.load(hp_ptr + 2).to(tl.float32)
     inv_scale = tl.load(hp_ptr + 3).to(tl.float32)
     stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
+    bad = tl.zeros((BLOCK,), dtype=tl.int32)
     for c in range(pid, stop, tl.num_programs(0)):
         t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
         p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
@@ -79,11 +84,11 @@ def _adagrad_kernel(
         if DECOUPLED:
             u = u + wd * p
         p = p + neg_lr * u
-        store_chunk(h_ptr, offs, h, mask, full)
-        store_chunk(p_ptr, offs, round_to(p, P_DTYPE), mask, full)
-        if HAS_MODEL:
-            model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
-            store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
+        model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
+        bad = check_or_store(p, h, p_ptr, h_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, True,
+                             HAS_MODEL, VERIFY)
+    if VERIFY:
+        raise_found_inf(found_inf_ptr, bad, lr_arms(neg_lr))
 
 
 def launch_adagrad(
@@ -96,8 +101,10 @@ def launch_adagrad(
     *,
     l2_mode: bool,
     decoupled: bool,
+    verify: bool = False,
 ) -> None:
-    """One Adagrad launch for contiguous, non-empty tensors of one dtype combination (fp32 sums)."""
+    """One Adagrad launch for contiguous, non-empty tensors of one dtype combination (fp32 sums). ``verify``:
+    the result check (``_results.py``), nothing written but ``found_inf``."""
     table = chunk_table(
         [params, grads, sums, params if models is None else models], written=(0, 2) if models is None else (0, 2, 3)
     )
@@ -113,6 +120,7 @@ def launch_adagrad(
         HAS_MODEL=models is not None,
         L2_MODE=l2_mode,
         DECOUPLED=decoupled,
+        VERIFY=verify,
         BLOCK=table.block,
         ALIGNED=table.aligned,
         **LAUNCH["_adagrad_kernel"],

@@ -1,8 +1,9 @@
 """Optional native CPU kernel for FusedLAMB on fp32 tensors (opt-in; built with the system C++ compiler).
 
 The torch path runs LAMB as torch's fused Adam kernel plus ~5 more per-tensor ops (2.6–2.9x the time of
-``torch.optim.AdamW(fused=True)``, ``benchmarks/results/optim.md``). This module compiles (once, cached by torch in
-``TORCH_EXTENSIONS_DIR``) a C++ version of the two LAMB stages of ``fp16kit/kernels/lamb_kernel.py``:
+``torch.optim.AdamW(fused=True)``, ``benchmarks/results/optim.md``). This module compiles (once, cached by torch
+in its own directory under ``TORCH_EXTENSIONS_DIR``, :func:`build_directory`) a C++ version of the two LAMB
+stages of ``fp16kit/kernels/lamb_kernel.py``:
 the same math and the same order of fp32 operations, with 16384-element chunks of all tensors spread over
 threads by OpenMP (one parallel region per stage). It needs a C++ compiler and ninja, so it is opt-in:
 
@@ -233,6 +234,18 @@ def build_name() -> str:
     return "fp16kit_cpu_lamb_v15_" + hashlib.sha1(cpu_features().encode()).hexdigest()[:12]
 
 
+def build_directory() -> str:
+    """The extension's own build directory, ``<root>/fp16kit/<build_name()>`` (created on demand): ``root`` is
+    ``TORCH_EXTENSIONS_DIR`` or torch's default, shared with every other extension; the private subdirectory
+    keeps fp16kit's sources, objects and lock file out of theirs (and theirs out of ours)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    path = os.path.join(root, "fp16kit", build_name())
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def enable(on: bool = True) -> bool:
     """Switch the native CPU LAMB on (building it now, and waiting, if needed); returns whether it is usable."""
     _state["enabled"] = on
@@ -276,6 +289,7 @@ def _compile() -> None:
 
         _module = load_inline(
             name=build_name(),
+            build_directory=build_directory(),
             cpp_sources=_SOURCE,
             extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", "-march=native"],
             extra_ldflags=["-fopenmp"],

@@ -20,7 +20,9 @@ Per element (fp32 math)::
     else          (moment_mode 1):        m = beta1 m + beta3 g;   u = (m / bc1) / denom + wd * p
     p = p + (-lr) * u
 
-``found_inf`` non-zero: zero loop iterations, nothing written.
+``found_inf`` non-zero: zero loop iterations, nothing written. ``VERIFY``: the same math, nothing stored;
+``found_inf`` raised when a stored value (rounded param, model copy, exp_avg) would be inf/NaN
+(``_results.py``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
-from ._rounding import round_to, to_fp32
+from ._chunks import chunk_span, load_chunk, row_pointer
+from ._results import check_or_store, lr_arms, raise_found_inf
+from ._rounding import to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -108,6 +111,7 @@ def _novograd_kernel(
     MODEL_DTYPE: tl.constexpr,
     HAS_MODEL: tl.constexpr,
     REG_INSIDE: tl.constexpr,
+    VERIFY: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
@@ -119,6 +123,7 @@ def _novograd_kernel(
     bc1 = tl.load(hp_ptr + 4).to(tl.float32)
     inv_scale = tl.load(hp_ptr + 5).to(tl.float32)
     stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
+    bad = tl.zeros((BLOCK,), dtype=tl.int32)
     for c in range(pid, stop, tl.num_programs(0)):
         t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
         denom = tl.load(denoms_ptr + t).to(tl.float32)
@@ -136,11 +141,11 @@ def _novograd_kernel(
             m = beta1 * m + beta3 * g
             u = tl.div_rn(tl.div_rn(m, bc1), denom) + wd * p
         p = p + neg_lr * u
-        store_chunk(m_ptr, offs, m, mask, full)
-        store_chunk(p_ptr, offs, round_to(p, P_DTYPE), mask, full)
-        if HAS_MODEL:
-            model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
-            store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
+        model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
+        bad = check_or_store(p, m, p_ptr, m_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, True,
+                             HAS_MODEL, VERIFY)
+    if VERIFY:
+        raise_found_inf(found_inf_ptr, bad, lr_arms(neg_lr))
 
 
 def launch_novograd(
@@ -153,9 +158,11 @@ def launch_novograd(
     found_inf: torch.Tensor,
     *,
     reg_inside_moment: bool,
+    verify: bool = False,
 ) -> None:
     """One NovoGrad launch for contiguous, non-empty tensors of one dtype combination (fp32 exp_avg);
-    ``denoms`` is the fp32 [N] vector of per-tensor denominators, in the order of ``params``."""
+    ``denoms`` is the fp32 [N] vector of per-tensor denominators, in the order of ``params``. ``verify``: the
+    result check (``_results.py``), nothing written but ``found_inf``."""
     table = chunk_table(
         [params, grads, exp_avgs, params if models is None else models],
         written=(0, 2) if models is None else (0, 2, 3),
@@ -172,6 +179,7 @@ def launch_novograd(
         MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
         HAS_MODEL=models is not None,
         REG_INSIDE=reg_inside_moment,
+        VERIFY=verify,
         BLOCK=table.block,
         ALIGNED=table.aligned,
         **LAUNCH["_novograd_kernel"],

@@ -34,6 +34,22 @@ def _seq(fn: str, name: str, tensors: Sequence[torch.Tensor]) -> Sequence[torch.
     return check_tensor_list(fn, name, tensors)
 
 
+#: torch's own error for an in-place write into a leaf that requires grad, while grad mode is on
+_LEAF_ERROR = "a leaf Variable that requires grad is being used in an in-place operation."
+
+
+def _check_leaf_outputs(fn: str, name: str, outputs: Sequence[torch.Tensor]) -> None:
+    """As ``Tensor.copy_`` (and every torch in-place op): with grad mode on, writing into a leaf tensor that
+    requires grad (an ``nn.Parameter``) is a RuntimeError, raised here before anything is written, on every
+    backend alike (the Triton kernels write raw memory, which autograd cannot refuse). Under ``torch.no_grad()``
+    (how optimizers and amp write their params) it is allowed, as in torch."""
+    if not torch.is_grad_enabled():
+        return
+    for i, t in enumerate(outputs):
+        if t.requires_grad and t.is_leaf:
+            raise RuntimeError(f"{fn}: {name}[{i}]: {_LEAF_ERROR} Write it under torch.no_grad().")
+
+
 def _device_scalar(fn: str, name: str, value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     """A Python float becomes a one-element float64 tensor on ``device`` (a fill, not a host sync): float64
     tensors are scaled by the value itself, the others by its round-to-nearest fp32 (``.to(float32)`` in the
@@ -105,6 +121,8 @@ def unscale_and_check(
     fn = "unscale_and_check"
     tensors = _seq(fn, "tensors", tensors)
     rows = (tensors,) if out is None else (tensors, _seq(fn, "out", out))
+    if out is not None:
+        _check_leaf_outputs(fn, "out", rows[1])
     if isinstance(found_inf, torch.Tensor):
         # The flag and the scale are checked with the lists, on a miss; on a hit the guard pins their metadata.
         scale_t = inv_scale if isinstance(inv_scale, torch.Tensor) else None
@@ -249,9 +267,11 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     fp16/bf16 model params). ``dst[i]`` and ``src[i]`` must have the same shape. A destination may be the same
     view as its own source; it may not overlap another destination or another source, nor have internal
     overlap or the negative bit (``ValueError``, every backend). Sources with the negative bit are resolved.
-    Every destination's ``_version`` is bumped.
+    A destination that is a leaf requiring grad (an ``nn.Parameter``) is a ``RuntimeError`` while grad mode is
+    on, as for ``Tensor.copy_``, on every backend. Every destination's ``_version`` is bumped.
     """
     dst, src = _seq("copy_", "dst", dst), _seq("copy_", "src", src)
+    _check_leaf_outputs("copy_", "dst", dst)
     plan = _plan.plan(_COPY, (dst, src))
     if plan.device is None:
         return

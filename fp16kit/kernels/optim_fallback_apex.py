@@ -22,7 +22,7 @@ import torch
 
 from .optim_fallback import _commit, _math, _skip, _write_params
 
-__all__ = ["adagrad_", "novograd_", "per_tensor_norms", "sgd_"]
+__all__ = ["adagrad_", "novograd_", "per_tensor_norms", "raise_if_nonfinite", "sgd_"]
 
 Scalar = float | torch.Tensor
 
@@ -40,14 +40,17 @@ def _run(
     found_inf: torch.Tensor,
     host_branch: bool | None,
     math,
+    verify: bool = False,
 ) -> None:
-    """Run ``math(p, states, scalars)`` on working lists and commit them (see the module docstring)."""
+    """Run ``math(p, states, scalars)`` on working lists and commit them (see the module docstring); with
+    ``verify``, on copies, committing nothing and raising ``found_inf`` instead when a value the step would
+    store is inf/NaN (:func:`raise_if_nonfinite`)."""
     if not params:
         return
     skip = _skip(found_inf, host_branch)
     if skip is True:
         return
-    if skip is False:
+    if skip is False and not verify:
         p = _math(params, hp.dtype)  # aliases the params when they already have the math dtype
         math(p, [list(s) for s in states], _scalars(hp, skip))
         _write_params(params, models, p, False)
@@ -55,9 +58,29 @@ def _run(
     p = [t.to(hp.dtype, copy=True) for t in params]
     work = [[t.clone() for t in s] for s in states]
     math(p, work, _scalars(hp, skip))
+    if verify:
+        stored = [(new, dst.dtype) for dst, new in zip(params, p)]
+        stored += [(new, m.dtype) for m, new in zip(models, p) if m is not None]
+        stored += [(new, dst.dtype) for dsts, news in zip(states, work) for dst, new in zip(dsts, news)]
+        raise_if_nonfinite(stored, hp[0], found_inf)
+        return
     for dst, new in zip(states, work):
         _commit(dst, new, skip)
     _write_params(params, models, p, skip)
+
+
+def raise_if_nonfinite(
+    stored: Sequence[tuple[torch.Tensor, torch.dtype]], lr: torch.Tensor, found_inf: torch.Tensor
+) -> None:
+    """The result check of the torch fallback (the kernels' ``VERIFY`` pass, ``_results.py``): raise
+    ``found_inf`` in place, on the device, when some ``value`` rounded to its stored ``dtype`` is inf/NaN and
+    ``lr`` is a valid learning rate (finite, >= 0: a bad tensor lr is the optimizer's own skip)."""
+    tensors = [v if v.dtype == d else v.to(d) for v, d in stored if v.numel()]
+    if not tensors:
+        return
+    largest = torch.stack([t.abs().amax().float() for t in tensors])  # NaN propagates through amax
+    bad = ~(largest < float("inf")).all() & (lr >= 0) & (lr < float("inf"))
+    found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype)))
 
 
 def _neg(x: Scalar) -> Scalar:
@@ -101,8 +124,10 @@ def sgd_(
     nesterov: bool,
     first_run: bool,
     host_branch: bool | None = None,
+    verify: bool = False,
 ) -> None:
-    """One SGD step (see ``sgd_kernel.py`` for the math); ``momentum_buffers=None`` is SGD without momentum."""
+    """One SGD step (see ``sgd_kernel.py`` for the math); ``momentum_buffers=None`` is SGD without momentum.
+    ``verify``: the result check only (:func:`_run`)."""
 
     def math(p: list[torch.Tensor], states: list[list[torch.Tensor]], s: list[Scalar]) -> None:
         lr, momentum, one_minus_dampening, wd, inv_scale = s
@@ -122,7 +147,7 @@ def sgd_(
         _axpy_(p, d, _neg(lr))
 
     states = [] if momentum_buffers is None else [momentum_buffers]
-    _run(params, states, models, hp, found_inf, host_branch, math)
+    _run(params, states, models, hp, found_inf, host_branch, math, verify)
 
 
 def adagrad_(
@@ -136,8 +161,9 @@ def adagrad_(
     l2_mode: bool,
     decoupled: bool,
     host_branch: bool | None = None,
+    verify: bool = False,
 ) -> None:
-    """One Adagrad step (see ``adagrad_kernel.py`` for the math)."""
+    """One Adagrad step (see ``adagrad_kernel.py`` for the math); ``verify``: the result check only."""
 
     def math(p: list[torch.Tensor], states: list[list[torch.Tensor]], s: list[Scalar]) -> None:
         lr, eps, wd, inv_scale = s
@@ -153,7 +179,7 @@ def adagrad_(
             _axpy_(u, p, wd)
         _axpy_(p, u, _neg(lr))
 
-    _run(params, [sums], models, hp, found_inf, host_branch, math)
+    _run(params, [sums], models, hp, found_inf, host_branch, math, verify)
 
 
 def novograd_(
@@ -167,9 +193,10 @@ def novograd_(
     *,
     reg_inside_moment: bool,
     host_branch: bool | None = None,
+    verify: bool = False,
 ) -> None:
     """The elementwise NovoGrad step (see ``novograd_kernel.py``); ``denoms`` is the per-tensor
-    ``v / bc2 + eps`` vector (math dtype), in the order of ``params``."""
+    ``v / bc2 + eps`` vector (math dtype), in the order of ``params``; ``verify``: the result check only."""
 
     def math(p: list[torch.Tensor], states: list[list[torch.Tensor]], s: list[Scalar]) -> None:
         lr, beta1, beta3, wd, bc1, inv_scale = s
@@ -187,7 +214,7 @@ def novograd_(
             _axpy_(u, p, wd)
         _axpy_(p, u, _neg(lr))
 
-    _run(params, [exp_avgs], models, hp, found_inf, host_branch, math)
+    _run(params, [exp_avgs], models, hp, found_inf, host_branch, math, verify)
 
 
 def per_tensor_norms(
@@ -197,9 +224,12 @@ def per_tensor_norms(
 
     The norm is taken of the unscaled values and multiplied by ``pre_scale`` afterwards: equal to the norm
     of ``x * pre_scale`` for the inf-norm (rounding is monotonic) and within one rounding for the L2 norm.
+    Norms of fp16/bf16/fp32 tensors are rounded once to fp32, as the kernels' (``l2norm``) are: a norm beyond
+    fp32's range is inf on both backends (and NovoGrad's result check skips that step).
     """
     if norm_type == 2:
         norms = torch._foreach_norm(list(tensors), 2, dtype=dtype)
     else:
         norms = [n.to(dtype) for n in torch._foreach_norm(list(tensors), float("inf"))]
-    return torch.stack(norms) * pre_scale.reshape(()).to(dtype)
+    out = torch.stack(norms) * pre_scale.reshape(()).to(dtype)
+    return out if tensors[0].dtype == torch.float64 else out.float().to(dtype)

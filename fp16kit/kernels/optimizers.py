@@ -417,10 +417,12 @@ def sgd_update(
     weight_decay: bool,
     wd_after_momentum: bool,
     nesterov: bool,
+    verify: bool = False,
 ) -> None:
     """apex's SGD for one group (``sgd_kernel.py``: ``hp64 = [lr, momentum, 1 - dampening, wd, inv_scale]``);
     ``momentum_buffers`` None for plain SGD; ``first_run[i]``: the buffer's first use (``m = g``). No-op on the
-    device when ``found_inf`` is set."""
+    device when ``found_inf`` is set. ``verify=True``: the result check instead (``_results.py``), which writes
+    nothing but raises ``found_inf`` when the step would store an inf/NaN."""
     if not params:
         return
     bufs = momentum_buffers
@@ -428,7 +430,8 @@ def sgd_update(
     names = ("params", "grads") if bufs is None else ("params", "grads", "momentum_buffers")
     plan, with_models = _rows("sgd_update", names, () if bufs is None else (2,), lists, models, tuple(first_run))
     flag = found_inf.reshape(1)
-    modes = {"weight_decay": weight_decay, "wd_after_momentum": wd_after_momentum, "nesterov": nesterov}
+    modes = {"weight_decay": weight_decay, "wd_after_momentum": wd_after_momentum, "nesterov": nesterov,
+             "verify": verify}
     if plan.kernel:
         from .sgd_kernel import launch_sgd
 
@@ -457,14 +460,15 @@ def adagrad_update(
     *,
     l2_mode: bool,
     decoupled: bool,
+    verify: bool = False,
 ) -> None:
     """apex's Adagrad for one group (``adagrad_kernel.py``: ``hp64 = [lr, eps, wd, inv_scale]``). No-op on the
-    device when ``found_inf`` is set."""
+    device when ``found_inf`` is set; ``verify=True``: the result check instead (see :func:`sgd_update`)."""
     if not params:
         return
     plan, with_models = _rows("adagrad_update", ("params", "grads", "sums"), (2,), (params, grads, sums), models)
     flag = found_inf.reshape(1)
-    modes = {"l2_mode": l2_mode, "decoupled": decoupled}
+    modes = {"l2_mode": l2_mode, "decoupled": decoupled, "verify": verify}
     if plan.kernel:
         from .adagrad_kernel import launch_adagrad
 
@@ -498,17 +502,20 @@ def novograd_update(
     norm_type: int,
     init_zero: bool,
     reg_inside_moment: bool,
+    verify: bool = False,
 ) -> None:
     """apex's NovoGrad for one group (``novograd_kernel.py``: ``hp64 = [lr, b1, beta3, wd, bc1, inv_scale]``).
 
     Per param, with ``n`` the norm (``norm_type`` 2: L2, 0: max) of its unscaled gradient and ``v`` its
     one-element second moment (``exp_avg_sqs[i]``)::
 
-        v = n              on its first step (``new[i]``) unless ``init_zero``
+        v = n              on its first step taken (``new[i]``, or ``v`` is -0.0) unless ``init_zero``
         v = sqrt(b2 v^2 + (1 - b2) n^2)  (L2)   or   b2 v + (1 - b2) n  (max norm)
         denom = v / bc2_sqrt + eps;  then the moment/param update of the kernel with that denominator
 
-    ``v`` is committed only for a step that is taken (``found_inf`` clear): a skipped step leaves it bit for bit.
+    ``v`` is committed only for a step that is taken (``found_inf`` clear): a skipped step leaves it bit for bit,
+    so a moment created as -0.0 ("not initialised", fp16kit/optim/novograd.py) is initialised by the first step
+    that is not skipped. ``verify=True``: the result check instead (see :func:`sgd_update`; an inf ``v`` counts).
     """
     if not params:
         return
@@ -523,25 +530,28 @@ def novograd_update(
         n = _novograd_norms(gs, norm_type, hp64[5:6], kernel, g)
         vs = g.pick(exp_avg_sqs)
         v_old = torch.cat(vs).to(F64)
-        fresh = [new[i] for i in g.idx]
-        start = v_old
-        if any(fresh) and not init_zero:
-            start = torch.where(torch.tensor(fresh, device=device), n, v_old)
+        fresh = torch.signbit(v_old)  # -0.0: no step taken yet
+        if any(new[i] for i in g.idx):
+            fresh = fresh | torch.tensor([new[i] for i in g.idx], device=device)
+        start = torch.where(fresh, torch.zeros_like(n) if init_zero else n, v_old)
         v = (beta2 * start * start + (1.0 - beta2) * n * n).sqrt() if norm_type == 2 else beta2 * start + (
             1.0 - beta2) * n
         v = v.to(math)
         denoms = v.to(F64) / bc2_sqrt + eps
-        torch._foreach_copy_(vs, list(torch.where(flag != 0, v_old.to(math), v).split(1)))
+        if verify:
+            optim_fallback_apex.raise_if_nonfinite([(v, math)], hp64[0], flag)
+        else:
+            torch._foreach_copy_(vs, list(torch.where(flag != 0, v_old.to(math), v).split(1)))
         chosen = _models_of(g, models, with_models, len(p))
         if kernel:
             from .novograd_kernel import launch_novograd
 
             with playing(g.tape):
                 launch_novograd(p, gs, g.pick(exp_avgs), _kernel_models(chosen), hp64.float(), denoms.float(), flag,
-                                reg_inside_moment=reg_inside_moment)
+                                reg_inside_moment=reg_inside_moment, verify=verify)
         else:
             optim_fallback_apex.novograd_(p, gs, g.pick(exp_avgs), chosen, hp64.to(math), denoms.to(math), flag,
-                                          reg_inside_moment=reg_inside_moment)
+                                          reg_inside_moment=reg_inside_moment, verify=verify)
 
 
 def _novograd_norms(

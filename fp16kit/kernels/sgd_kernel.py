@@ -19,7 +19,9 @@ Per element (fp32 math, each tensor read once and written once)::
     if WD and WD_AFTER:       g = g + wd * p        # apex's wd_after_momentum
     p = p + (-lr) * g
 
-``found_inf`` non-zero: zero loop iterations, nothing written.
+``found_inf`` non-zero: zero loop iterations, nothing written. ``VERIFY``: the same math, nothing stored;
+``found_inf`` raised when a stored value (the rounded param, the model copy, the buffer) would be inf/NaN
+(``_results.py``).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
-from ._rounding import round_to, to_fp32
+from ._chunks import chunk_span, load_chunk, row_pointer
+from ._results import check_or_store, lr_arms, raise_found_inf
+from ._rounding import to_fp32
 from ._table import chunk_table, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -60,6 +63,7 @@ def _sgd_kernel(
     MOMENTUM: tl.constexpr,
     NESTEROV: tl.constexpr,
     FIRST_RUN: tl.constexpr,
+    VERIFY: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
@@ -70,6 +74,7 @@ def _sgd_kernel(
     wd = tl.load(hp_ptr + 3).to(tl.float32)
     inv_scale = tl.load(hp_ptr + 4).to(tl.float32)
     stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
+    bad = tl.zeros((BLOCK,), dtype=tl.int32)
     for c in range(pid, stop, tl.num_programs(0)):
         t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
         p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
@@ -84,7 +89,6 @@ def _sgd_kernel(
                 m = g
             else:
                 m = load_chunk(m_ptr, offs, mask, full) * momentum + one_minus_dampening * g
-            store_chunk(m_ptr, offs, m, mask, full)
             if NESTEROV:  # noqa: SIM108  (a compile-time branch)
                 g = g + momentum * m
             else:
@@ -92,10 +96,15 @@ def _sgd_kernel(
         if WD and WD_AFTER:
             g = g + wd * p
         p = p + neg_lr * g
-        store_chunk(p_ptr, offs, round_to(p, P_DTYPE), mask, full)
-        if HAS_MODEL:
-            model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
-            store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
+        model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
+        if MOMENTUM:
+            bad = check_or_store(p, m, p_ptr, m_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, True,
+                                 HAS_MODEL, VERIFY)
+        else:
+            bad = check_or_store(p, p, p_ptr, p_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, False,
+                                 HAS_MODEL, VERIFY)
+    if VERIFY:
+        raise_found_inf(found_inf_ptr, bad, lr_arms(neg_lr))
 
 
 def launch_sgd(
@@ -110,9 +119,11 @@ def launch_sgd(
     wd_after_momentum: bool,
     nesterov: bool,
     first_run: bool,
+    verify: bool = False,
 ) -> None:
     """One SGD launch for contiguous, non-empty tensors of one dtype combination (fp32 momentum buffers, or
-    ``None`` for plain SGD without momentum)."""
+    ``None`` for plain SGD without momentum). ``verify``: the result check (``_results.py``), nothing written
+    but ``found_inf``."""
     rows = [params, grads, params if momentum_buffers is None else momentum_buffers]
     written = (0,) + ((2,) if momentum_buffers is not None else ()) + ((3,) if models is not None else ())
     table = chunk_table([*rows, params if models is None else models], written=written)
@@ -131,6 +142,7 @@ def launch_sgd(
         MOMENTUM=momentum_buffers is not None,
         NESTEROV=nesterov,
         FIRST_RUN=first_run,
+        VERIFY=verify,
         BLOCK=table.block,
         ALIGNED=table.aligned,
         **LAUNCH["_sgd_kernel"],

@@ -4,9 +4,12 @@ is a public op of ``fp16kit.kernels`` (``sgd_update``, ``adagrad_update``, ``nov
 fp16kit/kernels/optimizers.py, which plans the rows between the Triton kernels and the torch fallback).
 
 ``FusedOptimizer.step`` runs unchanged: one check pass over the grads (raising ``found_inf`` on inf/NaN,
-unscaling by ``grad_scale`` under a GradScaler), then ``_update_group`` per group, a no-op on the device when
-``found_inf`` is set. A subclass names its state (``_state_spec``: key -> ``"param"`` for a tensor shaped like
-the param, ``"scalar"`` for a one-element tensor) and fills it in ``_init_state``.
+unscaling by ``grad_scale`` under a GradScaler), the result check (``_check_results``: every group's update with
+``verify=True``, storing nothing, raising ``found_inf`` when the step would store an inf/NaN; docs/guarantees.md
+2.15), then ``_update_group`` per group, a no-op on the device when ``found_inf`` is set. Checkpoints of another
+optimizer class are refused naming both (``_checkpoint.refuse_foreign``), torch's SGD/Adagrad state imported.
+A subclass names its state (``_state_spec``: key -> ``"param"`` for a tensor shaped like the param,
+``"scalar"`` for a one-element tensor) and fills it in ``_init_state``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch.optim.optimizer import required
 
 from . import functional as F
 from ._base import _LOW_PRECISION, FusedOptimizer
-from ._checkpoint import check_state_values
+from ._checkpoint import TORCH_FLAGS, check_state_values, refuse_foreign
 from ._validate import _number, check_sparse_grad, check_step_value, naming_group
 
 __all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hparams64", "widen_state"]
@@ -29,15 +32,33 @@ __all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hpar
 F64 = torch.float64
 
 
-def check_range(fn: str, name: str, value: Any, *, low: float = 0.0, low_open: bool = False, hint: str = "") -> float:
-    """``value`` as a float, finite and ``>= low`` (``> low`` when ``low_open``); a clear error otherwise."""
+#: The largest float32: the kernels compute in float32, so a host hyper-parameter above it would round to inf.
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def check_range(
+    fn: str,
+    name: str,
+    value: Any,
+    *,
+    low: float = 0.0,
+    low_open: bool = False,
+    high: float = FP32_MAX,
+    hint: str = "",
+) -> float:
+    """``value`` as a float in ``[low, high]`` (``(low, high]`` when ``low_open``); a clear error otherwise.
+
+    ``high`` defaults to float32's maximum: a larger host value would round to inf in the kernels' float32
+    math. Values that are in range but still overflow an update (``lr=1e30`` with large grads) are caught on
+    the device by the result check (docs/guarantees.md, 2.15)."""
     number = _number(fn, name, value)
     if number is None:
         raise ValueError(f"{fn}: {name} must be a Python number here, got a tensor {value!r}.")
     ok = number > low if low_open else number >= low
-    if not (ok and number < float("inf")):
+    if not (ok and number <= high):
         bound = f"> {low}" if low_open else f">= {low}"
-        raise ValueError(f"{fn}: invalid {name}={value!r}; it must be a finite number {bound}{hint}.")
+        top = "float32's maximum 3.4028235e+38" if high == FP32_MAX else repr(high)
+        raise ValueError(f"{fn}: invalid {name}={value!r}; it must be a finite number {bound} and <= {top}{hint}.")
     return number
 
 
@@ -85,6 +106,8 @@ class ApexStateOptimizer(FusedOptimizer):
     """``FusedOptimizer`` with a subclass-defined per-param state instead of Adam's moments."""
 
     _state_spec: ClassVar[dict[str, str]] = {}
+    #: the writers (``_checkpoint.writer_of``) whose state dicts this class loads; another's is refused
+    _accepts: ClassVar[tuple[str, ...]] = ()
 
     def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
         """Fill a new param's state (besides the master); state tensors use ``_math_dtype(p)``."""
@@ -130,6 +153,8 @@ class ApexStateOptimizer(FusedOptimizer):
         fn = f"{self._name}.load_state_dict"
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError(f"{fn}: expected a dict with 'state' and 'param_groups' (a state_dict()).")
+        writer = refuse_foreign(self._name, state_dict, self._accepts or (self._name,))
+        state_dict = self._import(state_dict, writer)
         old_groups, old_state = self.param_groups, self.state
         try:
             torch.optim.Optimizer.load_state_dict(self, state_dict)
@@ -159,6 +184,73 @@ class ApexStateOptimizer(FusedOptimizer):
         for group in self.param_groups:
             if group["params"] and "step" in group:
                 self._own_step(group, group["params"][0].device)
+
+    def _import(self, state_dict: dict[str, Any], writer: str) -> dict[str, Any]:
+        """A copy of an accepted ``state_dict`` in this class's form: torch's flags checked (``maximize=True``
+        fails) and dropped, missing hyper-parameters taken from the defaults, torch's per-param ``step`` dropped
+        (these optimizers keep none, or one per group). Subclasses check what else torch's class may differ in."""
+        fn = f"{self._name}.load_state_dict"
+        groups = []
+        for gi, saved in enumerate(state_dict["param_groups"]):
+            group = dict(saved)
+            if group.pop("maximize", False):
+                raise ValueError(
+                    f"{fn}: the checkpoint's param_groups[{gi}] has maximize=True ({writer}); {self._name} "
+                    f"minimizes. Negate the loss instead, and start afresh."
+                )
+            for key in TORCH_FLAGS:
+                group.pop(key, None)
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            groups.append(group)
+        state = state_dict["state"]
+        if writer.startswith("torch.optim."):
+            state = {k: {n: v for n, v in s.items() if n != "step"} for k, s in state.items()}
+        return {**state_dict, "param_groups": groups, "state": state}
+
+    def _check_results(self, all_rows: list, inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """The result check (docs/guarantees.md, 2.15): every group's update runs once with ``verify=True``
+        (the kernels' ``VERIFY`` pass, ``fp16kit/kernels/_results.py``, or the fallback on copies), writing
+        nothing but raising ``found_inf`` when a param, model copy or state value would become inf/NaN. It runs
+        for all groups before any is written, so a step is taken whole or not at all; the loss scaler then backs
+        off (or ``on_nonfinite`` reports it) as for an inf gradient. On the device, no host sync.
+
+        ``result_skips`` counts the steps this check skipped. Without a scaler the step reports them per
+        ``on_nonfinite`` with its non-finite skips; with a handed-over flag they are reported here too: a scaler
+        that decides its scale from its own copy of the flags (``torch.amp.GradScaler``) or before the step
+        (the amp frontend, as apex) cannot back off for them."""
+        if not any(rows.params for rows in all_rows):
+            return
+        before = found_inf.clone()
+        for group, rows in zip(self.param_groups, all_rows):
+            if not rows.params:
+                continue
+            device = rows.params[0].device
+            step = group.get("step", 0)
+            # the counter this update would use (advanced only for a step that is taken); a fill, not a copy
+            if isinstance(step, torch.Tensor):
+                t = step.reshape(1).to(device, torch.float32) + 1
+            else:
+                t = torch.full((1,), float(step) + 1, dtype=torch.float32, device=device)
+            self._update_group(group, rows, t, inv_scale64, found_inf, None, verify=True)  # type: ignore[call-arg]
+        result = found_inf.reshape(1) - before.reshape(1)  # 1 where this check raised the flag
+        self._count("result_skips", result, found_inf.device)
+        if getattr(self, "found_inf", None) is not None:
+            self._report(result, self._result_message())
+
+    @property
+    def result_skips(self) -> torch.Tensor | None:
+        """Steps skipped because their update would have stored inf/NaN from finite inputs (a one-element int64
+        device tensor; None before the first such check)."""
+        return self.__dict__.get("_skip_counts", {}).get("result_skips")
+
+    def _result_message(self) -> str:
+        return (
+            f"{self._name}: this step's update would have written inf/NaN (finite gradients, but too large for "
+            f"the update: e.g. Adagrad's g * g, a momentum buffer, lr * g); the step was skipped (params, state "
+            f"and step counters are unchanged; optimizer.result_skips counts such steps). Lower the learning rate "
+            f"or check the gradients' magnitude."
+        )
 
     def _collect(self) -> list[ApexRows]:  # type: ignore[override]
         out = []

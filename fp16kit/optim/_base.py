@@ -460,6 +460,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         (``fp16kit.optim.functional``: no dispatcher cost) otherwise. Both run the same implementation."""
         return library if torch.compiler.is_compiling() else F
 
+    def _check_results(self, all_rows: list, inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """Raise ``found_inf`` on the device when this step's update would store an inf/NaN (a finite grad
+        can overflow it); runs before any group is written. A no-op here (subclasses: fp16kit/optim/_apex_common.py)."""
+
     def _update_group(
         self,
         group: dict[str, Any],
@@ -527,6 +531,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         else:
             guard = inv64 if self._needs_grad_norm() else inv64 * factor  # the norm is then unused
             grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], guard, found_inf)
+        self._check_results(all_rows, inv64, found_inf)  # before any write and before the flag is shared
         if shards is not None:
             grad_norm = shards.reduce_norm_and_flag(grad_norm, found_inf)
         unchecked_steps = [s.to(device, torch.float64) for s in unchecked_steps]

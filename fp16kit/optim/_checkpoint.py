@@ -26,11 +26,61 @@ from fp16kit.distributed import is_dtensor
 
 from ._validate import check_state_tensor, check_step_value, state_dtype
 
-__all__ = ["check_state", "import_groups", "restore_state"]
+__all__ = ["check_state", "import_groups", "refuse_foreign", "restore_state", "writer_of"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # torch.optim flags without a counterpart in fp16kit's groups: harmless at these values, dropped on import.
-_TORCH_FLAGS = ("foreach", "capturable", "differentiable", "fused")
+TORCH_FLAGS = ("foreach", "capturable", "differentiable", "fused")
+
+
+# State that is a sum or mean of squares: a negative value would become NaN in a square root.
+_NON_NEGATIVE = ("exp_avg_sq", "sum")
+
+UNKNOWN = "an unknown optimizer"
+# The optimizer families whose state only they (and the optimizers listed with them) can continue.
+ADAM_FAMILY = ("FusedAdam", "FusedLAMB", "torch.optim.Adam/AdamW")
+
+
+def writer_of(saved_groups: Sequence[dict[str, Any]], saved_state: dict[Any, Any]) -> str:
+    """The optimizer class that wrote a state_dict, told apart by its group and state keys (each family has
+    keys no other has): ``norm_type`` (NovoGrad), ``momentum``/``momentum_buffer`` (SGD), ``sum``/``lr_decay``
+    (Adagrad), ``max_grad_norm`` (LAMB), ``betas`` (Adam). torch's optimizers add ``maximize``."""
+    g: set[str] = set()
+    for group in saved_groups:
+        g.update(group if isinstance(group, dict) else ())
+    s: set[str] = set()
+    for entry in saved_state.values():
+        s.update(entry if isinstance(entry, dict) else ())
+    torch_optim = "maximize" in g
+    if "norm_type" in g or "init_zero" in g:
+        return "FusedNovoGrad"
+    if "momentum_buffer" in s or "momentum" in g or "dampening" in g:
+        return "torch.optim.SGD" if torch_optim else "FusedSGD"
+    if "sum" in s or "lr_decay" in g:
+        return "torch.optim.Adagrad" if torch_optim or "lr_decay" in g else "FusedAdagrad"
+    if "max_grad_norm" in g:
+        return "FusedLAMB"
+    if "betas" in g or "exp_avg" in s:
+        return "torch.optim.Adam/AdamW" if torch_optim or "amsgrad" in g else "FusedAdam"
+    if "eps" in g:
+        return "FusedAdagrad"  # lr, eps, weight_decay and nothing else
+    return UNKNOWN
+
+
+def refuse_foreign(fn: str, state_dict: dict[str, Any], accepts: Sequence[str]) -> str:
+    """The writer of ``state_dict`` (:func:`writer_of`) when it is one of ``accepts``; otherwise a ValueError
+    naming both classes (before anything changes). ``fn`` is the loading class's name."""
+    writer = writer_of(state_dict["param_groups"], state_dict["state"])
+    if writer not in accepts and writer != UNKNOWN:  # no marker at all: left to the checks of keys and shapes
+        groups = sorted({k for g in state_dict["param_groups"] for k in g if k != "params"})
+        keys = sorted({k for s in state_dict["state"].values() if isinstance(s, dict) for k in s})
+        raise ValueError(
+            f"{fn}.load_state_dict: this state_dict was saved by {writer} (param group keys {groups}, state keys "
+            f"{keys}), not by a {fn}: its state and hyper-parameters belong to another update rule and cannot "
+            f"continue a {fn} run ({fn} loads the state of {' and '.join(accepts)}). Load the checkpoint of the "
+            f"same optimizer class, or start fresh."
+        )
+    return writer
 
 
 def import_groups(
@@ -48,7 +98,7 @@ def import_groups(
             )
         if group.pop("maximize", False):
             raise ValueError(f"{where} has maximize=True; {fn} minimizes. Negate the loss instead, and start afresh.")
-        for key in _TORCH_FLAGS:
+        for key in TORCH_FLAGS:
             group.pop(key, None)
         if "decoupled_weight_decay" in group:
             decoupled = bool(group.pop("decoupled_weight_decay"))
@@ -73,7 +123,9 @@ def restore_state(
     moment_keys: Sequence[str],
     master_weights: bool,
 ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
-    """The new ``optimizer.state`` (see the module docstring, step 2); sets each group's ``step``."""
+    """The new ``optimizer.state`` (see the module docstring, step 2); sets each group's ``step``. The state of
+    another family (SGD, Adagrad, NovoGrad) is refused naming both classes (:func:`refuse_foreign`)."""
+    refuse_foreign(fn, {"param_groups": saved_groups, "state": saved_state}, ADAM_FAMILY)
     state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     rebuilt = dropped = 0
     for gi, (group, saved_group) in enumerate(zip(groups, saved_groups)):
@@ -181,7 +233,7 @@ def check_state_values(fn: str, entries: Sequence[tuple[int, int, str, torch.Ten
     for gi, i, key, t in entries:
         names.append((gi, i, key, "holds inf or NaN"))
         flags.append(_whole(~torch.isfinite(t).all()))
-        if key == "exp_avg_sq":
+        if key in _NON_NEGATIVE:
             names.append((gi, i, key, "holds negative values (a second moment is a mean of squares)"))
             flags.append(_whole((t < 0).any()))
     if not flags:

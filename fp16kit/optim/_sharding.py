@@ -1,4 +1,5 @@
-"""FusedLAMB and FusedAdam on sharded parameters: FSDP2 (DTensor) and ZeRO-1 (``process_group=``).
+"""FusedLAMB, FusedAdam, FusedSGD and FusedAdagrad on sharded parameters: FSDP2 (DTensor) and ZeRO-1
+(``process_group=``, LAMB and Adam).
 
 The kernels run on each rank's local shards. What a step sums over whole tensors is completed over the
 shard group with **one batched all-reduce per norm stage** (the schedule of apex's DistributedFusedLAMB)::
@@ -9,7 +10,10 @@ shard group with **one batched all-reduce per norm stage** (the schedule of apex
     all-reduce #2          [sum p^2 ..., sum u^2 ...] (2 float64 per sharded param, SUM)
     stage 2  (LAMB)        p -= lr * sqrt(P) / sqrt(U) * u   with the *full-tensor* norms
 
-FusedAdam needs only #1 (the flag: every rank must skip together). #2 runs only when a trust ratio is
+FusedAdam, FusedSGD and FusedAdagrad need only #1 (the flag: every rank must skip together; their updates are
+elementwise, so a shard's step is bit for bit the single-process step of those elements; the result check of
+the apex optimizers, ``_apex_common.py``, raises the flag before #1, so an overflow in one rank's shard skips
+every rank). #2 runs only when a trust ratio is
 used (``weight_decay != 0`` or ``use_nvlamb``) and some parameter is split; under ZeRO-1 parameters are
 whole on their owner, so their norms are local and only #1 runs, over the given ``process_group``.
 
@@ -30,13 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fp16kit.distributed import is_sharded, local, same_group, shard_group
+from fp16kit.distributed import is_dtensor, is_sharded, local, same_group, shard_group
 from fp16kit.kernels import LambStaged, lamb_stage1, lamb_stage2
 
 if TYPE_CHECKING:
     from ._base import FusedOptimizer, _Rows
 
-__all__ = ["ShardPlan", "defer_lamb", "localize"]
+__all__ = ["ShardPlan", "defer_lamb", "localize", "refuse_dtensors"]
 
 F64 = torch.float64
 
@@ -128,13 +132,40 @@ def localize(optimizer: FusedOptimizer, all_rows: Sequence[_Rows]) -> ShardPlan 
     split: dict[int, list[bool]] = {}
     for rows in all_rows:
         split[id(rows)] = [is_sharded(p if m is None else m) for p, m in zip(rows.params, rows.models)]
-        for name in ("params", "grads", "exp_avgs", "exp_avg_sqs"):
-            setattr(rows, name, [local(t) for t in getattr(rows, name)])
-        rows.models = [None if m is None else local(m) for m in rows.models]
+        _localize_rows(rows)
     device = local(params[0]).device if params else torch.device("cpu")
     plan = ShardPlan(optimizer._name, group if group is not None else explicit, device, split)
     cache["shard_plan"] = plan
     return plan
+
+
+def _localize_rows(rows: Any) -> None:
+    """Every DTensor of one group's rows replaced by its local shard (the same storage: writes land in the
+    DTensor). LAMB/Adam rows (``_Rows``) list their moments; apex rows (``_apex_common.ApexRows``) keep each
+    param's state in a dict: the row gets its own dict of local tensors, the optimizer's state is untouched."""
+    for name in ("params", "grads", "exp_avgs", "exp_avg_sqs"):
+        if hasattr(rows, name):
+            setattr(rows, name, [local(t) for t in getattr(rows, name)])
+    rows.models = [None if m is None else local(m) for m in rows.models]
+    if hasattr(rows, "states"):
+        rows.states = [{k: local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()} for s in rows.states]
+
+
+def refuse_dtensors(name: str, param_group: Any, why: str) -> None:
+    """A clear ``ValueError`` at construction (or ``add_param_group``) when a param of ``param_group`` is a
+    DTensor (FSDP2) and the optimizer's math needs what a shard alone cannot give (``why``): better than a
+    wrong step or an error deep in a step. An iterator of params is materialized into the group's list."""
+    if not isinstance(param_group, dict):
+        return  # the optimizer's own add_param_group names that error
+    params = param_group.get("params")
+    if not isinstance(params, (torch.Tensor, list, tuple, set)) and params is not None:
+        params = param_group["params"] = list(params)
+    if any(is_dtensor(p) for p in ([params] if isinstance(params, torch.Tensor) else params or ())):
+        raise ValueError(
+            f"{name} does not support FSDP2/DTensor parameters: {why}. Use FusedAdam, FusedLAMB, FusedSGD or "
+            f"FusedAdagrad on sharded parameters (they step the local shards, combining what is needed across "
+            f"ranks), or keep this optimizer for unsharded models."
+        )
 
 
 def defer_lamb(

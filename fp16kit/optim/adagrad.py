@@ -27,7 +27,10 @@ class FusedAdagrad(ApexStateOptimizer):
         p = p - lr * u
 
     One fused pass reads g, p, h and writes p, h (and the rounded model copy in master-weights mode), after a
-    read-only check pass over the grads that detects inf/NaN (a step with a non-finite grad is skipped).
+    read-only check pass over the grads that detects inf/NaN (a step with a non-finite grad is skipped), and a
+    result check that skips a step whose update would store inf/NaN (``g * g`` overflows fp32 for |g| > 1.8e19;
+    docs/guarantees.md 2.15). ``torch.optim.Adagrad`` state loads (``lr_decay=0``). FSDP2/DTensor params step
+    on their local shards.
     ``h`` is fp32 for fp16/bf16 params (fp64 for fp64 params).
 
     Args:
@@ -43,6 +46,7 @@ class FusedAdagrad(ApexStateOptimizer):
 
     _name = "FusedAdagrad"
     _state_spec: ClassVar[dict[str, str]] = {"sum": "param"}
+    _accepts: ClassVar[tuple[str, ...]] = ("FusedAdagrad", "torch.optim.Adagrad")
 
     def __init__(
         self,
@@ -70,6 +74,28 @@ class FusedAdagrad(ApexStateOptimizer):
         check_range(fn, "eps", group["eps"], low_open=True, hint=hint)
         check_range(fn, "weight_decay", group["weight_decay"])
 
+    def _import(self, state_dict: dict[str, Any], writer: str) -> dict[str, Any]:
+        """``torch.optim.Adagrad`` state continues here when the math is the same: ``lr_decay=0`` and, with a
+        weight decay, ``adagrad_w_mode=False`` (torch's decay is the L2 penalty); its ``sum`` is this ``sum``
+        (``initial_accumulator_value`` is already in it). Anything else fails at load."""
+        out = super()._import(state_dict, writer)
+        if writer != "torch.optim.Adagrad":
+            return out
+        fn = f"{self._name}.load_state_dict"
+        for gi, group in enumerate(out["param_groups"]):
+            if float(group.pop("lr_decay", 0.0)) != 0.0:
+                raise ValueError(
+                    f"{fn}: the checkpoint's param_groups[{gi}] comes from torch.optim.Adagrad with lr_decay != 0; "
+                    f"{self._name} has no learning-rate decay. Resume it with torch.optim.Adagrad."
+                )
+            group.pop("initial_accumulator_value", None)
+            if self.adagrad_w_mode and float(group["weight_decay"]) != 0.0:
+                raise ValueError(
+                    f"{fn}: the checkpoint's param_groups[{gi}] comes from torch.optim.Adagrad (L2 weight decay), "
+                    f"but this {self._name} has adagrad_w_mode=True. Construct it with adagrad_w_mode=False."
+                )
+        return out
+
     def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
         state["sum"] = torch.zeros_like(p, dtype=self._math_dtype(p), memory_format=torch.contiguous_format)
 
@@ -80,7 +106,8 @@ class FusedAdagrad(ApexStateOptimizer):
         step: torch.Tensor,
         inv_scale64: torch.Tensor,
         found_inf: torch.Tensor,
-        grad_norm: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+        verify: bool = False,
     ) -> None:
         if not rows.params:
             return
@@ -89,4 +116,4 @@ class FusedAdagrad(ApexStateOptimizer):
         hp64 = hparams64(group["lr"], (float(group["eps"]), wd), device, (inv_scale64,))
         sums = rows.state("sum")
         modes = {"l2_mode": not self.adagrad_w_mode and wd != 0, "decoupled": self.adagrad_w_mode and wd != 0}
-        adagrad_update(rows.params, rows.grads, sums, rows.models, hp64, found_inf, **modes)
+        adagrad_update(rows.params, rows.grads, sums, rows.models, hp64, found_inf, verify=verify, **modes)

@@ -10,6 +10,9 @@ import torch
 from fp16kit.kernels import common_device, l2norm
 
 from ._apex_common import check_range
+from ._sharding import refuse_dtensors
+
+_SHARDED_WHY = "its local learning rate is the ratio of each whole param's norm to its whole gradient's"
 
 __all__ = ["LARC"]
 
@@ -56,6 +59,8 @@ class LARC(torch.optim.Optimizer):
         # No torch.optim.Optimizer.__init__: every piece of optimizer state is the wrapped optimizer's.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"LARC wraps a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        for group in optimizer.param_groups:
+            refuse_dtensors("LARC", group, _SHARDED_WHY)
         self.optim = optimizer
         self.trust_coefficient = check_range("LARC", "trust_coefficient", trust_coefficient)
         self.eps = check_range("LARC", "eps", eps)
@@ -109,6 +114,7 @@ class LARC(torch.optim.Optimizer):
             self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        refuse_dtensors("LARC", param_group, _SHARDED_WHY)
         self.optim.add_param_group(param_group)
 
     # -- step ----------------------------------------------------------------------------------------------

@@ -11,11 +11,13 @@ from fp16kit.kernels import novograd_update
 
 from . import functional as F
 from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
+from ._sharding import refuse_dtensors
 from ._validate import check_hyperparams
 
 __all__ = ["FusedNovoGrad"]
 
 F64 = torch.float64
+_SHARDED_WHY = "its second moment is the norm of each whole gradient tensor, which no shard holds"
 
 
 class FusedNovoGrad(ApexStateOptimizer):
@@ -25,7 +27,7 @@ class FusedNovoGrad(ApexStateOptimizer):
     Per group, ``t`` = the group's step counter after the increment; per param, ``n`` = the L2 norm of its
     (unscaled) gradient (``norm_type=2``) or its max |g| (``norm_type=0``)::
 
-        v = n on the first step (v = 0 with init_zero=True), else the stored value (state "exp_avg_sq")
+        v = n on the first step taken (v = 0 with init_zero=True), else the stored value (state "exp_avg_sq")
         v = sqrt(b2 v^2 + (1 - b2) n^2)   (L2)        v = b2 v + (1 - b2) n   (inf-norm)
         bc1, bc2 = (1 - b1^t, sqrt(1 - b2^t)) if bias_correction else (1, 1);  beta3 = 1 - b1 or 1 (grad_averaging)
         denom = v / bc2 + eps
@@ -36,7 +38,11 @@ class FusedNovoGrad(ApexStateOptimizer):
     The per-tensor norms are one multi-tensor pass over the grads (``fp16kit.kernels.l2norm`` or the inf-norm
     kernel of ``novograd_kernel.py``), the blend of ``v`` is float64 arithmetic on the N norms (rounded once to
     fp32: no overflow of ``n^2`` for large fp32 norms), and the update one fused pass reading g, p, m and
-    writing p, m. A non-finite gradient skips the step (``v`` included) instead of writing NaN.
+    writing p, m. A non-finite gradient skips the step (``v`` included) instead of writing NaN, and so does a
+    step whose result would be non-finite (a norm beyond fp32, an overflowing moment: the result check,
+    docs/guarantees.md 2.15). A new ``v`` is -0.0, "no step taken yet": a step skipped on the device leaves it
+    so, and the first step taken sets ``v = n`` (apex's amp skips the whole ``step()``, with the same effect).
+    FSDP2/DTensor params are refused (the norms are of whole tensors).
 
     Args:
         params: parameters or param groups (groups may override lr, bias_correction, betas, eps, weight_decay,
@@ -55,6 +61,7 @@ class FusedNovoGrad(ApexStateOptimizer):
 
     _name = "FusedNovoGrad"
     _state_spec: ClassVar[dict[str, str]] = {"exp_avg": "param", "exp_avg_sq": "scalar"}
+    _accepts: ClassVar[tuple[str, ...]] = ("FusedNovoGrad",)
 
     def __init__(
         self,
@@ -94,11 +101,17 @@ class FusedNovoGrad(ApexStateOptimizer):
             params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
         )
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` (each group at construction too); FSDP2/DTensor params are refused."""
+        refuse_dtensors(self._name, param_group, _SHARDED_WHY)
+        super().add_param_group(param_group)
+
     def _check_group(self, group: dict[str, Any]) -> None:
         fn = self._name
         check_lr(fn, group["lr"])
         check_hyperparams(fn, lr=0.0, betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
         check_range(fn, "eps", group["eps"], low_open=True, hint=" (e.g. 1e-8; 0 turns all-zero gradients into NaN)")
+        check_range(fn, "weight_decay", group["weight_decay"])
         if group["norm_type"] not in (0, 2) or isinstance(group["norm_type"], bool):
             raise ValueError(
                 f"{fn}: norm_type={group['norm_type']!r} is not supported; use 2 (L2 norm) or 0 (infinity norm), "
@@ -108,7 +121,8 @@ class FusedNovoGrad(ApexStateOptimizer):
     def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
         math = self._math_dtype(p)
         state["exp_avg"] = torch.zeros_like(p, dtype=math, memory_format=torch.contiguous_format)
-        state["exp_avg_sq"] = torch.zeros(1, dtype=math, device=p.device)
+        # -0.0: "no step taken yet"; the first step that is not skipped sets v = n (apex), on the device
+        state["exp_avg_sq"] = torch.full((1,), -0.0, dtype=math, device=p.device)
 
     def _update_group(
         self,
@@ -117,7 +131,8 @@ class FusedNovoGrad(ApexStateOptimizer):
         step: torch.Tensor,
         inv_scale64: torch.Tensor,
         found_inf: torch.Tensor,
-        grad_norm: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+        verify: bool = False,
     ) -> None:
         if not rows.params:
             return
@@ -143,4 +158,5 @@ class FusedNovoGrad(ApexStateOptimizer):
             norm_type=int(group["norm_type"]),
             init_zero=bool(group["init_zero"]),
             reg_inside_moment=self.reg_inside_moment,
+            verify=verify,
         )

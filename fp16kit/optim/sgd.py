@@ -30,13 +30,17 @@ class FusedSGD(ApexStateOptimizer):
 
     One fused pass reads g, p, m and writes p, m (and the rounded model copy in master-weights mode), after a
     read-only check pass over the grads that detects inf/NaN (a step with a non-finite grad is skipped: nothing
-    changes). fp32 math; momentum buffers are fp32 for fp16/bf16 params (fp64 for fp64 params).
+    changes), and a step whose result would be inf/NaN (``lr * g`` or the buffer past fp32's range) is skipped
+    the same way (the result check, docs/guarantees.md 2.15). fp32 math; momentum buffers are fp32 for fp16/bf16
+    params (fp64 for fp64 params). FSDP2/DTensor params step on their local shards.
 
     Args:
         params: parameters or param groups (groups may override lr, momentum, dampening, weight_decay, nesterov).
         lr: learning rate (required, as in apex and torch); a float or a one-element device tensor.
         momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``; ``nesterov`` needs
-            ``momentum > 0`` and ``dampening == 0``.
+            ``momentum > 0`` and ``dampening == 0``. Unlike torch, ``momentum`` and ``dampening`` must lie in
+            [0, 1] (a momentum above 1 grows the buffer geometrically until it overflows) and ``lr`` and
+            ``weight_decay`` in [0, 3.4028235e+38] (float32's range); ``ValueError`` otherwise.
         wd_after_momentum: add the weight decay after the momentum update instead of before (apex).
         materialize_master_grads: accepted for apex compatibility. Under fp16kit's amp O2 the fp32 master
             grads are always materialized (the unscale pass writes them), which is apex's default ``True``;
@@ -51,6 +55,7 @@ class FusedSGD(ApexStateOptimizer):
 
     _name = "FusedSGD"
     _state_spec: ClassVar[dict[str, str]] = {"momentum_buffer": "param"}
+    _accepts: ClassVar[tuple[str, ...]] = ("FusedSGD", "torch.optim.SGD")
 
     def __init__(
         self,
@@ -86,8 +91,8 @@ class FusedSGD(ApexStateOptimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         fn = self._name
         check_lr(fn, group["lr"])
-        momentum = check_range(fn, "momentum", group["momentum"])
-        dampening = check_range(fn, "dampening", group["dampening"], low=float("-inf"))
+        momentum = check_range(fn, "momentum", group["momentum"], high=1.0, hint=" (the weight of the old buffer)")
+        dampening = check_range(fn, "dampening", group["dampening"], high=1.0, hint=" (the grad gets 1 - dampening)")
         check_range(fn, "weight_decay", group["weight_decay"])
         if group["nesterov"] and (momentum <= 0 or dampening != 0):
             raise ValueError(
@@ -113,22 +118,17 @@ class FusedSGD(ApexStateOptimizer):
         step: torch.Tensor,
         inv_scale64: torch.Tensor,
         found_inf: torch.Tensor,
-        grad_norm: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+        verify: bool = False,
     ) -> None:
         if not rows.params:
             return
         device = rows.params[0].device
         momentum, wd = float(group["momentum"]), float(group["weight_decay"])
-        # A buffer created now has its first use in this step (apex and torch: buffer = grad).
+        # A buffer created in this step (``_state_for_group``: a new param, or momentum switched on later) has
+        # its first use now (apex and torch: buffer = grad).
         first = list(rows.new) if momentum != 0 else [False] * len(rows.params)
-        if momentum != 0:
-            for i, (p, state) in enumerate(zip(rows.params, rows.states)):
-                if "momentum_buffer" not in state:  # momentum switched on after earlier steps
-                    state["momentum_buffer"] = torch.zeros_like(
-                        p, dtype=self._math_dtype(p), memory_format=torch.contiguous_format
-                    )
-                    first[i] = True
         hp64 = hparams64(group["lr"], (momentum, 1.0 - float(group["dampening"]), wd), device, (inv_scale64,))
         bufs = rows.state("momentum_buffer") if momentum != 0 else None
         modes = {"weight_decay": wd != 0, "wd_after_momentum": self.wd_after_momentum, "nesterov": group["nesterov"]}
-        sgd_update(rows.params, rows.grads, bufs, rows.models, hp64, found_inf, first_run=first, **modes)
+        sgd_update(rows.params, rows.grads, bufs, rows.models, hp64, found_inf, first_run=first, verify=verify, **modes)

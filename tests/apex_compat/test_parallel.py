@@ -12,7 +12,6 @@ difference of three terms, each within the same relative error of its own magnit
 from __future__ import annotations
 
 import os
-import socket
 import time
 import warnings
 
@@ -29,12 +28,6 @@ from fp16kit.parallel import distributed as apex_ddp
 F64 = torch.float64
 U32 = 2.0**-24
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -151,10 +144,12 @@ def _ddp_check(rank: int) -> None:
         assert torch.equal(p.grad, (sum(gs) / WORLD).half())
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def _worker(rank: int, store: str, out_dir: str) -> None:
+    os.environ["MASTER_ADDR"], os.environ["GLOO_SOCKET_IFNAME"] = "127.0.0.1", "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=__import__("datetime").timedelta(seconds=60))
+    # a file:// rendezvous: no free port to pick, so none another process can take first (issue 22)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, init_method=f"file://{store}",
+                            timeout=__import__("datetime").timedelta(seconds=60))
     try:
         _syncbn_check(rank)
         _ddp_check(rank)
@@ -165,7 +160,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_two_processes_syncbn_matches_full_batch_and_ddp_matches_torch(tmp_path) -> None:
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False,
+    store = tmp_path.parent / f"{tmp_path.name}-rendezvous"
+    ctx = mp.start_processes(_worker, args=(str(store), str(tmp_path)), nprocs=WORLD, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + 180
     while not ctx.join(timeout=5):

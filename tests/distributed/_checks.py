@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from fp16kit.optim import FusedAdam, FusedLAMB
+from fp16kit.optim import LARC, FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 # Shapes chosen so that sharding on dim 0 is uneven, and at 4 ranks some shards are empty.
 SHAPES = [(7, 5), (3,), (1,), (13, 4, 2), (2, 3), (9,)]
@@ -365,6 +365,73 @@ def edge_cases(rank: int, world: int) -> dict:
     return out
 
 
+APEX_CASES = {
+    "sgd": (FusedSGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}),
+    "sgd_nesterov": (FusedSGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "wd_after_momentum": True,
+                                "weight_decay": 0.01}),
+    "adagrad": (FusedAdagrad, {"lr": 0.05, "weight_decay": 0.01}),
+    "adagrad_w": (FusedAdagrad, {"lr": 0.05, "weight_decay": 0.01, "adagrad_w_mode": True}),
+}
+
+
+def apex_parity(rank: int, world: int) -> dict:
+    """FusedSGD/FusedAdagrad on DTensor params (Shard(0), uneven and empty shards) vs the same optimizer on the
+    full tensors, over STEPS steps, then one step whose finite grads overflow the update in the last rank's shard
+    (every rank must skip it: the result check raises the flag before it is shared). And FusedNovoGrad / LARC
+    refuse DTensor params at construction with a clear error (issue 22, item 5)."""
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name, (cls, cfg) in APEX_CASES.items():
+        init = _full_tensors(0, 1.0)
+        sharded = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]
+        full = [nn.Parameter(t.clone()) for t in init]
+        opts = [_make(cls, ps, cfg) for ps in (sharded, full)]
+        for step in range(STEPS + 1):
+            grads = _full_tensors(100 + step, 3.0)
+            if step == STEPS:  # finite, but g * g (Adagrad) or lr * g (SGD) overflows: in the last row only
+                grads[0][-1] = 3e37 if cls is FusedSGD else 3e19
+                for o in opts:
+                    for g in o.param_groups:
+                        g["lr"] = 1e2 if cls is FusedSGD else g["lr"]
+            for ps, gs in ((sharded, [distribute_tensor(g, mesh, [Shard(0)]) for g in grads]), (full, grads)):
+                for p, g in zip(ps, gs):
+                    p.grad = g
+            for o in opts:
+                o.on_nonfinite = "skip"
+                o.step()
+        out[name] = {
+            "sharded": [p.full_tensor() for p in sharded],
+            "full": [p.detach().clone() for p in full],
+            "state": [
+                {k: v.full_tensor() for k, v in opts[0].state[p].items()} for p in sharded if opts[0].state[p]
+            ],
+            "state_full": [{k: v.clone() for k, v in opts[1].state[p].items()} for p in full if opts[1].state[p]],
+            "skips": int(opts[0].nonfinite_skips),
+            "skips_full": int(opts[1].nonfinite_skips),
+            "comm": (opts[0]._shard_plan.all_reduces, opts[0]._shard_plan.bytes_reduced),
+        }
+    refusals = {}
+    p = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    for label, make in (("FusedNovoGrad", lambda: FusedNovoGrad([p], lr=0.1)),
+                        ("LARC", lambda: LARC(torch.optim.SGD([p], lr=0.1))),
+                        ("LARC.add_param_group", lambda: LARC(torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1))
+                         .add_param_group({"params": [p]}))):
+        try:
+            make()
+            refusals[label] = None
+        except ValueError as e:
+            refusals[label] = str(e)
+    out["refusals"] = refusals
+    return out
+
+
+def ping(rank: int, world: int, out_dir: str) -> None:
+    """The smallest job: one all-reduce, its result saved (``tests/distributed/test_local.py``)."""
+    t = torch.ones(1) * (rank + 1)
+    dist.all_reduce(t)
+    torch.save(float(t), f"{out_dir}/ping{rank}.pt")
+
+
 def job(rank: int, world: int, out_dir: str) -> None:
     """Everything one spawned job checks (one process start-up for all of it), saved as ``rank{r}.pt``."""
     import time
@@ -374,7 +441,8 @@ def job(rank: int, world: int, out_dir: str) -> None:
 
     res, seconds = {}, {}
     with use_backend("torch"):
-        checks = [optimizer_parity, zero1_parity, scaler_parity, zero_scaler, fsdp_mixed_precision, edge_cases]
+        checks = [optimizer_parity, zero1_parity, scaler_parity, zero_scaler, fsdp_mixed_precision, edge_cases,
+                  apex_parity]
         if world == 2:  # see fsdp_vs_single_process: bit-identical gradients need a two-term sum
             checks.append(fsdp_vs_single_process)
         for fn in checks:
@@ -392,5 +460,7 @@ def job(rank: int, world: int, out_dir: str) -> None:
                 rank, world, names=("lamb", "lamb_l2_bf16"), per_shard_run=False
             )
         seconds["optimizer_parity_triton"] = time.perf_counter() - t
+        with use_backend("auto"):  # the apex kernels' shard steps (and their result check) on Triton too
+            res["apex_parity_triton"] = apex_parity(rank, world)
     res["seconds"] = seconds
     torch.save(res, f"{out_dir}/rank{rank}.pt")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -37,3 +40,29 @@ def test_single_process_step_plans_no_collectives():
     opt = FusedLAMB([p])
     opt.step()
     assert opt._shard_plan is None and opt.process_group is None
+
+
+def test_spawned_ranks_meet_without_a_tcp_port(tmp_path, monkeypatch):
+    """Issue 22, item 9: the ranks of every multi-process test meet through a ``file://`` store, so a port
+    another process takes first cannot kill a run (rank 1 died with SIGABRT on a busy machine). Here a
+    neighbour already listens on the port a "bind port 0, close, reuse" helper is made to pick; the run must
+    not care."""
+    import _checks
+    import _spawn
+
+    thief = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    thief.bind(("127.0.0.1", 0))
+    thief.listen()
+    port = thief.getsockname()[1]
+
+    class Stolen(socket.socket):
+        def getsockname(self):
+            return ("127.0.0.1", port)
+
+    fake = SimpleNamespace(socket=Stolen, AF_INET=socket.AF_INET, SOCK_STREAM=socket.SOCK_STREAM)
+    monkeypatch.setattr(_spawn, "socket", fake, raising=False)
+    try:
+        _spawn.run(_checks.ping, 2, tmp_path, timeout=60)
+    finally:
+        thief.close()
+    assert [torch.load(tmp_path / f"ping{r}.pt") for r in range(2)] == [3.0, 3.0]

@@ -10,18 +10,20 @@ way each step's gradient differs from the single-process one by at most ~2 fp16 
 (two roundings of the halves, one of their sum), so after the steps the fp32 params differ by at most
 ``sum_k lr * 2 * ulp_fp16(|g_k|)``; we allow twice that for the second-order effect (later gradients
 computed at params that already differ by that much).
+
+The two ranks start through ``tests/distributed/_spawn.py``: a ``file://`` rendezvous (no free-port race: the
+SIGABRT of issue 22), gloo on 127.0.0.1 only, and a hard timeout.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from frontend_helpers import batch
 from torch import nn
 from torch.nn import functional as F
@@ -30,13 +32,10 @@ from fp16kit import amp
 from fp16kit.kernels import use_backend
 from fp16kit.numerics.formats import ulp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+import _spawn
+
 STEPS, LR, GLOBAL_BATCH = 3, 0.1, 64
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(level: str, rank: int, world: int) -> dict[str, list[torch.Tensor]]:
@@ -62,24 +61,22 @@ def _run(level: str, rank: int, world: int) -> dict[str, list[torch.Tensor]]:
             "masters": [p.detach().clone() for p in amp.master_params(opt)], "grads": grads, "start": start}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    sys.stdout = open(os.path.join(out_dir, f"stdout{rank}.txt"), "w")  # noqa: SIM115
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    """One rank (``_spawn`` has joined the gloo group); what it prints goes to ``stdout<rank>.txt``."""
+    log, sys.stdout = sys.stdout, open(os.path.join(out_dir, f"stdout{rank}.txt"), "w")  # noqa: SIM115
     try:
         with use_backend("torch"):
             results = {level: _run(level, rank, world) for level in ("O1", "O2")}
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "rank0.pt"))
     finally:
-        dist.destroy_process_group()
         sys.stdout.close()
+        sys.stdout = log
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_two_process_ddp_matches_single_process(tmp_path, capsys):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    _spawn.run(_worker, 2, tmp_path, timeout=240)
     got = torch.load(tmp_path / "rank0.pt")
     rank0 = (tmp_path / "stdout0.txt").read_text()
     rank1 = (tmp_path / "stdout1.txt").read_text()

@@ -141,14 +141,15 @@ CASES = {
     "sgd (fp32 masters -> fp16 model, nesterov)": (
         sgd_kernel._sgd_kernel,
         dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, WD=True, WD_AFTER=False, MOMENTUM=True,
-             NESTEROV=True, FIRST_RUN=False, BLOCK=4096, ALIGNED=True)),
+             NESTEROV=True, FIRST_RUN=False, VERIFY=False, BLOCK=4096, ALIGNED=True)),
     "adagrad (fp32 masters -> bf16 model, decoupled)": (
         adagrad_kernel._adagrad_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=True, L2_MODE=False, DECOUPLED=True, BLOCK=4096,
-             ALIGNED=True)),
+        dict(P_DTYPE=F32, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=True, L2_MODE=False, DECOUPLED=True, VERIFY=False,
+             BLOCK=4096, ALIGNED=True)),
     "novograd (fp32 masters -> fp16 model)": (
         novograd_kernel._novograd_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, REG_INSIDE=False, BLOCK=4096, ALIGNED=True)),
+        dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, REG_INSIDE=False, VERIFY=False, BLOCK=4096,
+             ALIGNED=True)),
     "novograd absmax bf16": (novograd_kernel._absmax_kernel, dict(IN_DTYPE=BF16, BLOCK=4096, ALIGNED=True)),
     **{
         f"exponent histogram {name}": (histogram_kernel._histogram_kernel, consts, HISTOGRAM_SIG)

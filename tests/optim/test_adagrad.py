@@ -197,6 +197,7 @@ def test_kernel_compiles_for_sm90_with_vector_memory_ops():
                     "HAS_MODEL": False,
                     "L2_MODE": True,
                     "DECOUPLED": False,
+                    "VERIFY": False,
                     "BLOCK": 4096,
                     "ALIGNED": True,
                 },

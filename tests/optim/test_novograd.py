@@ -212,6 +212,7 @@ def test_kernels_compile_for_sm90_with_vector_memory_ops():
                     "MODEL_DTYPE": "bfloat16",
                     "HAS_MODEL": True,
                     "REG_INSIDE": False,
+                    "VERIFY": False,
                     "BLOCK": 4096,
                     "ALIGNED": True,
                 },
