@@ -350,20 +350,28 @@ class Report:
     def rescored(
         self,
         dtype: torch.dtype | None = None,
-        loss_scale: float | None = None,
+        loss_scale: float | str | None = None,
         *,
         keep: float | None = None,
         fp32_threshold: float | None = None,
     ) -> Report:
         """The same histograms judged for another format, loss scale (a power of two) or thresholds.
 
-        Without ``loss_scale`` the scale stays, except a recommended one, which is recommended anew for the
-        new format and thresholds."""
+        ``loss_scale="recommended"`` judges at the scale recommended for the format (as for a run without a
+        scaler). Without ``loss_scale`` the scale stays, except a recommended one, which is recommended anew for
+        the new format and thresholds."""
+        if loss_scale == "recommended":
+            return Report(self.entries, dtype=self.dtype if dtype is None else dtype, scale_exp=None,
+                          scale_source="asked for", steps=self.steps, samples=self.samples, every=self.every,
+                          keep=self.keep if keep is None else keep,
+                          fp32_threshold=self.fp32_threshold if fp32_threshold is None else fp32_threshold,
+                          scaler=self.scaler, consumers=self.consumers)
         recommend = loss_scale is None and self.scale_basis == "recommended"
         return Report(
             self.entries,
             dtype=self.dtype if dtype is None else dtype,
-            scale_exp=None if recommend else self.scale_exp if loss_scale is None else scale_exponent(loss_scale),
+            scale_exp=(None if recommend else self.scale_exp if loss_scale is None
+                       else scale_exponent(float(loss_scale))),
             scale_source=(self._plain_source if recommend else self.scale_source if loss_scale is None else "given"),
             steps=self.steps, samples=self.samples, every=self.every,
             keep=self.keep if keep is None else keep,
