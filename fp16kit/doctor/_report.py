@@ -322,8 +322,10 @@ class Report:
         scale_basis: str | None = None,
         scaler: str | None = None,
         consumers: dict[str, list[str]] | None = None,
+        run_scale_exp: int | None = None,
     ) -> None:
         check_report_args(dtype, keep, fp32_threshold)
+        self.run_scale_exp = run_scale_exp  # the scale the run used (0 without a scaler), None if unknown
         self.entries = list(entries)
         self.dtype = dtype
         self.keep, self.fp32_threshold = keep, fp32_threshold
@@ -365,7 +367,7 @@ class Report:
                           scale_source="asked for", steps=self.steps, samples=self.samples, every=self.every,
                           keep=self.keep if keep is None else keep,
                           fp32_threshold=self.fp32_threshold if fp32_threshold is None else fp32_threshold,
-                          scaler=self.scaler, consumers=self.consumers)
+                          scaler=self.scaler, consumers=self.consumers, run_scale_exp=self.run_scale_exp)
         recommend = loss_scale is None and self.scale_basis == "recommended"
         return Report(
             self.entries,
@@ -377,7 +379,7 @@ class Report:
             keep=self.keep if keep is None else keep,
             fp32_threshold=self.fp32_threshold if fp32_threshold is None else fp32_threshold,
             scale_basis=self.scale_basis if loss_scale is None else "given",
-            scaler=self.scaler, consumers=self.consumers,
+            scaler=self.scaler, consumers=self.consumers, run_scale_exp=self.run_scale_exp,
         )
 
     @property
@@ -401,7 +403,9 @@ class Report:
             if share > threshold:
                 if e.name in self.noise:
                     noise.append((e.name, share))
-                elif self.mixed and e.dtypes == ("float32",):
+                elif self.mixed and e.dtypes == ("float32",) and self.scale_exp == self.run_scale_exp:
+                    # seen in fp32 at the run's own scale with values fp16/bf16 would lose: they never went
+                    # through a cast (a gradient cast back from fp16 is fp32 too, but holds only fp16 values)
                     already.append((e.name, share))
                 else:
                     lost.append((e.name, share))
@@ -462,6 +466,7 @@ class Report:
             "loss_scale_source": self.scale_source,
             "loss_scale_basis": self.scale_basis,
             "scaler": self.scaler,
+            "run_loss_scale": None if self.run_scale_exp is None else 2.0**self.run_scale_exp,
             "steps": self.steps,
             "samples": self.samples,
             "every": self.every,
@@ -497,7 +502,9 @@ class Report:
                    scale_source=data.get("loss_scale_source", "saved"), steps=int(data["steps"]),
                    samples=int(data["samples"]), every=int(data["every"]), keep=float(data.get("keep", 0.99)),
                    fp32_threshold=float(data.get("fp32_threshold", 0.01)), scale_basis=basis,
-                   scaler=data.get("scaler"), consumers=data.get("consumers"))
+                   scaler=data.get("scaler"), consumers=data.get("consumers"),
+                   run_scale_exp=(None if data.get("run_loss_scale") is None
+                                  else scale_exponent(data["run_loss_scale"])))
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)

@@ -305,20 +305,21 @@ class Watcher:
             keep: the share of nonzero values the recommended range keeps at or above the smallest normal.
             fp32_threshold: an entry losing more than this share (flush + overflow) is listed to stay fp32.
 
-        .. warning:: Reads the histograms back to the host (one sync), and the scaler's scale if asked.
+        .. warning:: Reads the histograms back to the host (one sync), and the watched scaler's scale.
         """
         check_report_args(dtype, keep, fp32_threshold)
+        current = self._read_scale()
+        run_exp = 0
+        if current is not None:
+            value = float(current.reshape(()).item() if isinstance(current, torch.Tensor) else current)
+            run_exp = int(np.frexp(value)[1]) - 1  # not a power of two: rounded down, as in the histograms
         scale_exp: int | None = None
         if loss_scale is not None:
             scale_exp, source, basis = scale_exponent(loss_scale), "given", "given"
+        elif current is None:
+            source, basis = "no scaler watched" if not self._scaler_given else "scaler disabled", "recommended"
         else:
-            current = self._read_scale()
-            if current is None:
-                source, basis = "no scaler watched" if not self._scaler_given else "scaler disabled", "recommended"
-            else:
-                value = float(current.reshape(()).item() if isinstance(current, torch.Tensor) else current)
-                _, k = np.frexp(value)  # a scale that is not a power of two: rounded down, as in the histograms
-                scale_exp, source, basis = int(k) - 1, f"the run's: watched scaler ({self.scale_source})", "run"
+            scale_exp, source, basis = run_exp, f"the run's: watched scaler ({self.scale_source})", "run"
         acc = self.histograms().cpu().numpy()
         entries = [
             Entry(name, kind, module, acc[i, :NUM_EXPONENTS].copy(), *(int(v) for v in acc[i, NUM_EXPONENTS:]),
@@ -331,7 +332,7 @@ class Watcher:
         return Report(entries, dtype=dtype, scale_exp=scale_exp, scale_source=source, steps=self.steps,
                       samples=self.samples, every=self.every, keep=keep, fp32_threshold=fp32_threshold,
                       scale_basis=basis, scaler=self._scaler_kind if self._scaler_given else None,
-                      consumers=consumers)
+                      consumers=consumers, run_scale_exp=run_exp)
 
 
 def watch(model: nn.Module, every: int = 100, activations: bool = False, scaler: Any = None) -> Watcher:

@@ -142,3 +142,29 @@ def test_rescored_rejects_what_is_not_a_power_of_two(bad):
     w, _ = run([1.0])
     with pytest.raises((ValueError, TypeError)):
         w.report().rescored(loss_scale=bad)
+
+
+class Mixed(nn.Module):
+    """An fp16 parameter and an fp32 one: a mixed-precision run in miniature."""
+
+    def __init__(self):
+        super().__init__()
+        self.low = nn.Parameter(torch.zeros(2, dtype=torch.float16))
+        self.full = nn.Parameter(torch.zeros(2))
+
+    def forward(self):
+        return (self.low.float() * 2.0**-16).sum() + (self.full * 2.0**-26).sum()  # 10 binades apart: no noise
+
+
+def test_fp32_gradients_of_a_mixed_run_are_already_fp32_only_at_the_runs_scale():
+    model = Mixed()
+    with doctor.watch(model, every=1) as w:
+        model().backward()
+    at_run = w.report(torch.float16, loss_scale=1.0)  # no scaler: the run's scale is 2^0
+    assert at_run.run_scale_exp == 0
+    assert at_run.primary.already_fp32 == [("full", 1.0)] and at_run.primary.keep_fp32 == []
+    assert "fp32 in this run already (not cast): full" in str(at_run)
+    # at another scale the dtype proves nothing (a gradient cast back from fp16 is fp32 too): listed to keep
+    other = at_run.rescored(loss_scale=2.0**-8)
+    assert [n for n, _ in other.primary.keep_fp32] == ["full"]
+    assert other.primary.already_fp32 == []
