@@ -356,15 +356,16 @@ class Report:
         *,
         keep: float | None = None,
         fp32_threshold: float | None = None,
+        reason: str = "asked for",
     ) -> Report:
         """The same histograms judged for another format, loss scale (a power of two) or thresholds.
 
         ``loss_scale="recommended"`` judges at the scale recommended for the format (as for a run without a
-        scaler). Without ``loss_scale`` the scale stays, except a recommended one, which is recommended anew for
-        the new format and thresholds."""
+        scaler); ``reason`` says why, in the report's description of its scale. Without ``loss_scale`` the
+        scale stays, except a recommended one, which is recommended anew for the new format and thresholds."""
         if loss_scale == "recommended":
             return Report(self.entries, dtype=self.dtype if dtype is None else dtype, scale_exp=None,
-                          scale_source="asked for", steps=self.steps, samples=self.samples, every=self.every,
+                          scale_source=reason, steps=self.steps, samples=self.samples, every=self.every,
                           keep=self.keep if keep is None else keep,
                           fp32_threshold=self.fp32_threshold if fp32_threshold is None else fp32_threshold,
                           scaler=self.scaler, consumers=self.consumers, run_scale_exp=self.run_scale_exp)

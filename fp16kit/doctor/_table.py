@@ -49,8 +49,9 @@ def _advice(f: FormatReport) -> str:
             f"({_pct(f.normal_at_max or 0.0)} normal)")
 
 
-def _wrap(text: str, indent: str = "  ", first: str = "") -> list[str]:
-    return textwrap.wrap(text, WIDTH, initial_indent=first or indent, subsequent_indent=indent + "  ",
+def _wrap(text: str, indent: str = "  ", first: str | None = None) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent if first is None else first,
+                         subsequent_indent=indent + "  ",
                          break_on_hyphens=False, break_long_words=False)
 
 
@@ -154,9 +155,10 @@ def format_report(r: Report, top: int = TOP) -> str:
             out += _code(f"O2: {o2}") if o2.startswith("amp.") else _wrap(f"O2: {o2}", indent="    ")
     else:
         out.append(f"keep in fp32: none (no gradient would {limit})")
-    if p.noise:
+    noise = [(e.name, p.lost(e.name)) for e in r.entries if e.name in r.noise]
+    if noise:
         out.append("rounding noise, not a layer problem (*; losing it costs nothing, docs/doctor.md):")
-        for name, share in p.noise:
+        for name, share in sorted(noise, key=lambda item: -item[1]):
             out += _wrap(f"{name}: {_pct(share)} lost; {r.noise[name]}", first="  - ")
     if p.already_fp32:
         out += _wrap(f"fp32 in this run already (not cast): {', '.join(n for n, _ in p.already_fp32)}", indent="",

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         fp32_run = False
     # judged at: the given scale; for an fp32 run (O0) the recommended one; else the run's
     scale: float | str | None = args.loss_scale if args.loss_scale is not None else "recommended" if fp32_run else None
-    report = report.rescored(dtype=dtype, loss_scale=scale)
+    report = report.rescored(dtype=dtype, loss_scale=scale, reason=f"an fp32 run (amp {args.opt_level})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = f"{title}\n\n{report}"
