@@ -13,7 +13,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="train a small model at opt levels O0-O3 and bf16; table and plot",
                           add_help=False)
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
-    sub.add_parser("doctor", help="watch the demo model's gradients: fp16/bf16 ranges, loss scale, layers for fp32",
+    sub.add_parser("doctor", help="watch a model's gradients (the demo's, or yours: --model MODULE:FACTORY): "
+                   "fp16/bf16 ranges, loss scale, layers for fp32",
                    add_help=False)
     sub.add_parser("run", help="run an unmodified apex script on fp16kit: run [--force] SCRIPT [ARGS...]",
                    add_help=False)

@@ -24,12 +24,19 @@ the histogram by ``-log2(S)`` with device-side indexing (``S`` a power of two ma
 ``S`` is rounded down to a power of two), so the accumulated histograms describe the unscaled
 gradients, whatever the scale was at each sample, and ``report`` can ask what any other scale would do.
 
+With activations, the sampled forward also notes which watched module consumed each module's output (a
+forward pre-hook compares its inputs with the outputs seen so far, by identity): a module's output gradient
+is computed by its consumers' backward, so the code that keeps it fp32 names them (``_report.fix_for``).
+Each entry also records the dtypes its gradients came in (metadata, no sync): a mixed-precision run shows
+which ones were fp32 already.
+
 Float64 gradients are histogrammed as fp32 (``exponent_histogram`` covers fp32's range). Everything
 stays on the device until :meth:`Watcher.report`, which reads the counts back once.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -98,6 +105,7 @@ class Watcher:
             raise ValueError(f"doctor.watch: every must be an integer >= 1 (sample every N-th step), got {every!r}.")
         self.model, self.every, self.activations = model, every, bool(activations)
         self._read_scale, self.scale_source = _scale_reader(scaler)
+        self._scaler_kind = None if scaler is None else type(scaler).__name__
         self._scaler_given = scaler is not None
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named and not activations:
@@ -107,6 +115,9 @@ class Watcher:
         self._names = [n for n, _ in named] + [n for n, _ in self._leaves]
         self._kinds = ["param"] * len(named) + ["activation"] * len(self._leaves)
         self._modules = [self._owner(n) for n, _ in named] + [type(m).__name__ for _, m in self._leaves]
+        self._dtypes: list[set[torch.dtype]] = [set() for _ in self._names]
+        self._produced: dict[int, tuple[int, Any]] = {}  # id(output) -> (leaf index, weakref), sampled forward
+        self._consumers: dict[int, set[int]] = {}  # leaf index -> indices of the leaves that consumed its output
         # created at the first sample, on the gradients' device (the model may move after watch() is called)
         self._acc: torch.Tensor | None = None
         self._cols_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -152,12 +163,26 @@ class Watcher:
         if self._params:
             self._armed.append(torch.autograd.graph.register_multi_grad_hook(self._params, self._on_param_grads))
         for i, (_, leaf) in enumerate(self._leaves):
+            self._armed.append(leaf.register_forward_pre_hook(self._consumer_hook(i)))
             self._armed.append(leaf.register_forward_hook(self._activation_hook(len(self._params) + i)))
 
     def _disarm(self) -> None:
         for h in self._armed:
             h.remove()
         self._armed = []
+        self._produced.clear()
+
+    def _consumer_hook(self, leaf: int) -> Callable[..., None]:
+        """A forward pre-hook noting which earlier leaves' outputs this leaf takes as inputs."""
+
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            for arg in args:
+                if isinstance(arg, torch.Tensor):
+                    seen = self._produced.get(id(arg))
+                    if seen is not None and seen[1]() is arg and seen[0] != leaf:
+                        self._consumers.setdefault(seen[0], set()).add(leaf)
+
+        return pre_hook
 
     def _shift(self, device: torch.device) -> torch.Tensor:
         """``s = floor(log2 S)`` of the current loss scale, an int64 tensor on ``device`` (no host sync)."""
@@ -197,12 +222,14 @@ class Watcher:
     def _accumulate(self, rows: list[int], tensors: list[torch.Tensor]) -> None:
         """Histogram ``tensors`` (observed, scaled values) into the accumulator rows, unscaled."""
         by_device: dict[torch.device, list[int]] = {}
+        for row, t in zip(rows, tensors):
+            self._dtypes[row].add(t.dtype)
         for i, t in enumerate(tensors):
             by_device.setdefault(t.device, []).append(i)
         for device, idx in by_device.items():
             if self._acc is None:
                 self._acc = torch.zeros(len(self._names), _WIDTH, dtype=torch.int64, device=device)
-            group = [tensors[i] for i in idx]
+            group = [tensors[i].float() if tensors[i].dtype == torch.float64 else tensors[i] for i in idx]
             counts = exponent_histogram(group)
             dest = [rows[i] for i in idx]
             base, is_exp = self._columns(device)
@@ -222,7 +249,7 @@ class Watcher:
             if g.layout != torch.strided:
                 g = g.coalesce().values()
             rows.append(i)
-            tensors.append(g.float() if g.dtype == torch.float64 else g)
+            tensors.append(g)
         if tensors:
             self._accumulate(rows, tensors)
         self.samples += 1
@@ -232,13 +259,14 @@ class Watcher:
 
         def on_grad(g: torch.Tensor) -> None:
             if g.layout == torch.strided:
-                self._accumulate([row], [g.float() if g.dtype == torch.float64 else g])
+                self._accumulate([row], [g])
 
         def forward_hook(module: nn.Module, args: Any, output: Any) -> None:
             outputs = output if isinstance(output, (tuple, list)) else (output,)
             for out in outputs:
                 if isinstance(out, torch.Tensor) and out.requires_grad and out.is_floating_point():
                     out.register_hook(on_grad)
+                    self._produced[id(out)] = (row - len(self._params), weakref.ref(out))
 
         return forward_hook
 
@@ -255,6 +283,8 @@ class Watcher:
         """Forget the accumulated histograms (and the sample count)."""
         self._acc = None
         self.samples = 0
+        self._dtypes = [set() for _ in self._names]
+        self._consumers = {}
 
     def report(
         self,
@@ -269,29 +299,40 @@ class Watcher:
         Args:
             dtype: the format the table and picture lead with (``torch.float16`` or ``torch.bfloat16``;
                 the report always holds both).
-            loss_scale: a power of two; ``None`` means the watched scaler's current scale (1 without one).
+            loss_scale: a power of two; ``None`` means the scale the run used, i.e. the watched scaler's current
+                scale, or, with no scaler watched, the one recommended for ``dtype`` (``Report.scale_basis`` says
+                which; ``_report.recommended_scale_exp`` how it is chosen).
             keep: the share of nonzero values the recommended range keeps at or above the smallest normal.
             fp32_threshold: an entry losing more than this share (flush + overflow) is listed to stay fp32.
 
-        .. warning:: Reads the histograms back to the host (one sync), and the scaler's scale if asked.
+        .. warning:: Reads the histograms back to the host (one sync), and the watched scaler's scale.
         """
         check_report_args(dtype, keep, fp32_threshold)
-        source = self.scale_source
-        if loss_scale is None:
-            current = self._read_scale()
-            loss_scale = 1.0 if current is None else float(current.reshape(()).item()
-                                                            if isinstance(current, torch.Tensor) else current)
-            source = f"watched scaler ({source})" if self._scaler_given else "1 (no scaler watched)"
+        current = self._read_scale()
+        run_exp = 0
+        if current is not None:
+            value = float(current.reshape(()).item() if isinstance(current, torch.Tensor) else current)
+            run_exp = int(np.frexp(value)[1]) - 1  # not a power of two: rounded down, as in the histograms
+        scale_exp: int | None = None
+        if loss_scale is not None:
+            scale_exp, source, basis = scale_exponent(loss_scale), "given", "given"
+        elif current is None:
+            source, basis = "no scaler watched" if not self._scaler_given else "scaler disabled", "recommended"
         else:
-            source = "given"
-        scale_exp = scale_exponent(loss_scale)
+            scale_exp, source, basis = run_exp, f"the run's: watched scaler ({self.scale_source})", "run"
         acc = self.histograms().cpu().numpy()
         entries = [
-            Entry(name, kind, module, acc[i, :NUM_EXPONENTS].copy(), *(int(v) for v in acc[i, NUM_EXPONENTS:]))
+            Entry(name, kind, module, acc[i, :NUM_EXPONENTS].copy(), *(int(v) for v in acc[i, NUM_EXPONENTS:]),
+                  tuple(sorted(str(d).replace("torch.", "") for d in self._dtypes[i])))
             for i, (name, kind, module) in enumerate(zip(self._names, self._kinds, self._modules))
         ]
+        first = len(self._params)
+        consumers = {self._names[first + i]: [self._names[first + j] for j in sorted(js)]
+                     for i, js in self._consumers.items()}
         return Report(entries, dtype=dtype, scale_exp=scale_exp, scale_source=source, steps=self.steps,
-                      samples=self.samples, every=self.every, keep=keep, fp32_threshold=fp32_threshold)
+                      samples=self.samples, every=self.every, keep=keep, fp32_threshold=fp32_threshold,
+                      scale_basis=basis, scaler=self._scaler_kind if self._scaler_given else None,
+                      consumers=consumers, run_scale_exp=run_exp)
 
 
 def watch(model: nn.Module, every: int = 100, activations: bool = False, scaler: Any = None) -> Watcher:

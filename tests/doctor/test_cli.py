@@ -1,4 +1,4 @@
-"""``python -m fp16kit doctor`` and the demo's doctor picture, in their short modes."""
+"""``python -m fp16kit doctor`` on the demo model, and the demo's doctor picture, in their short modes."""
 
 from __future__ import annotations
 
@@ -21,11 +21,14 @@ def test_doctor_command_writes_table_json_and_pictures(tmp_path, capsys):
     assert "fp16kit doctor on the demo MLP" in text and "recommended loss scale" in text
     assert (out / "doctor.txt").read_text().startswith("fp16kit doctor on the demo MLP")
     data = json.loads((out / "doctor.json").read_text())
-    assert data["samples"] == 3 and data["steps"] == 60 and data["loss_scale"] == 1.0  # O0: a static scale of 1
+    assert data["samples"] == 3 and data["steps"] == 60
+    # O0 trains in fp32: the advice is at the scale recommended for fp16, and says so
+    assert data["loss_scale_basis"] == "recommended" and data["loss_scale"] > 1.0
+    assert "recommended for float16" in text
     assert [e["kind"] for e in data["entries"]].count("activation") == 6  # 3 Linear, BatchNorm, 2 ReLU
     fp16 = data["formats"]["float16"]
     assert abs(sum(fp16["total"]["fractions"].values()) - 1.0) < 1e-12
-    for name in ("doctor.png", "doctor-scaled.png"):
+    for name in ("doctor.png", "doctor-unscaled.png"):
         assert (out / name).read_bytes()[:8] == PNG
 
 

@@ -160,8 +160,10 @@ def test_recommended_loss_scale_and_keep_range():
 
 
 def test_layers_that_lose_most_are_listed_for_fp32_worst_first():
-    w, _ = run([2.0**-30, 1.0, 1.0, 1.0], other=[2.0**-30, 2.0**-30, 1.0])
+    # medians 2^-20 and 2^-30: 10 binades apart, less than NOISE_BINADES, so neither is rounding noise
+    w, _ = run([2.0**-30, 2.0**-20, 2.0**-20, 2.0**-20], other=[2.0**-30, 2.0**-30, 2.0**-20])
     report = w.report(torch.float16, loss_scale=1.0, fp32_threshold=0.2)
+    assert report.noise == {}
     assert report.primary.keep_fp32 == [("q", 2 / 3), ("p", 1 / 4)]
     assert w.report(torch.float16, loss_scale=1.0, fp32_threshold=0.3).primary.keep_fp32 == [("q", 2 / 3)]
     assert w.report(torch.bfloat16, loss_scale=1.0).primary.keep_fp32 == []
@@ -198,8 +200,10 @@ def test_outputs_table_json_png(tmp_path):
     w, _ = run([2.0**-30, 2.0**-10, 1.0, 2.0**20], activations=True)
     report = w.report(torch.float16, loss_scale=1.0)
     text = str(report)
-    for part in ("p ", "leaf", "fp16 flush", "bf16 overflow", "recommended loss scale", "keep in fp32"):
+    for part in ("p ", "leaf", "fp16 at 2^0", "flush", "bf16 at 2^0: flush 0", "recommended loss scale",
+                 "keep in fp32"):
         assert part in text
+    assert max(len(line) for line in text.splitlines()) <= 100
     data = json.loads(json.dumps(report.to_dict()))
     assert data["formats"]["float16"]["entries"]["p"]["counts"] == {
         "flush": 1, "subnormal": 0, "normal": 2, "overflow": 1}
