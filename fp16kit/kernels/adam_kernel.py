@@ -32,12 +32,12 @@ import triton.language as tl
 from ._chunks import store_chunk
 from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
 from ._step_skeleton import chunk_rows, load_grad, load_param_moments, skip_and_stop, store_param
-from ._table import chunk_table, num_programs, triton_dtype
+from ._table import STEP_PROGRAMS_PER_SM, STEP_WARPS_GPU, chunk_table, num_programs, step_block, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
     # _adam_kernel: each operation rounded as in ``torch.optim.Adam``'s for-each path and the torch fallback.
-    "_adam_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+    "_adam_kernel": {"num_warps": STEP_WARPS_GPU, "enable_fp_fusion": False},
 }
 
 
@@ -141,14 +141,15 @@ def launch_adam(
 
     ``hp``: the float32 vector of the module docstring, or a :class:`DeviceStep` (the hyper-parameters derived
     in the kernel from the device step counter, which the launch advances when ``hp.advance``)."""
+    device = params[0].device
     table = chunk_table(
         [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
+        step_block(device),
         written=(0, 2, 3) if models is None else (0, 2, 3, 4),
     )
-    device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
     hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, ("lr", "beta1", "beta2", "eps", "weight_decay"))
-    _adam_kernel[(num_programs(device, table.num_chunks),)](
+    _adam_kernel[(num_programs(device, table.num_chunks, STEP_PROGRAMS_PER_SM),)](
         *table.leading_args(),
         hp_ptr,
         found_inf,

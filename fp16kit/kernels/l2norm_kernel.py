@@ -23,13 +23,21 @@ import triton.language as tl
 from ._chunks import chunk_span, load_chunk, row_pointer
 from ._rounding import to_fp32
 from ._step_scalars import finish_ticket
-from ._table import ChunkTable, chunk_table, num_programs, triton_dtype
+from ._table import (
+    STEP_PROGRAMS_PER_SM,
+    STEP_WARPS_GPU,
+    ChunkTable,
+    chunk_table,
+    num_programs,
+    step_block,
+    triton_dtype,
+)
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
     # _sumsq_kernel: ``y * y`` must not contract into the float64 sum: the same bits as the unscale kernel's norm
     # partials and the torch fallback.
-    "_sumsq_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+    "_sumsq_kernel": {"num_warps": STEP_WARPS_GPU, "enable_fp_fusion": False},
     # _segment_sum_kernel: a plain sum, no multiply-add.
     "_segment_sum_kernel": {"num_warps": 8, "enable_fp_fusion": False},
 }
@@ -134,10 +142,10 @@ def launch_sumsq(
     found_inf: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ChunkTable]:
     """One launch over contiguous, non-empty ``tensors`` of one dtype: per-chunk float64 sums of squares."""
-    table = chunk_table([tensors])
     device = tensors[0].device
+    table = chunk_table([tensors], step_block(device))
     partials = torch.empty(table.num_chunks, dtype=torch.float64, device=device)
-    grid = (num_programs(device, table.num_chunks),)
+    grid = (num_programs(device, table.num_chunks, STEP_PROGRAMS_PER_SM),)
     flag = found_inf if found_inf is not None else partials
     _sumsq_kernel[grid](
         *_sumsq_leading(table), pre_scale, flag, partials, partials, partials, partials, partials, 1.0,
@@ -172,8 +180,8 @@ def launch_step_check(
     written whole (no need to zero it first). ``norm_out`` (float32 ``[1]``, optional) receives the global L2 norm
     (float64 squares and sums, rounded once). ``skip_count`` (int64 ``[1]``, optional) is increased by one when
     the flag ends up raised."""
-    table = chunk_table([grads])
     device = grads[0].device
+    table = chunk_table([grads], step_block(device))
     norm = norm_out is not None
     partials = table.scratch_buffer("check_partials", table.num_chunks if norm else 1, torch.float64)
     bad = table.scratch_buffer("check_bad", 1, torch.int32, zero=True)
@@ -183,7 +191,7 @@ def launch_step_check(
             scale = table.scratch["one"] = torch.ones(1, dtype=torch.float32, device=device)
     else:
         scale = grad_scale
-    _sumsq_kernel[(num_programs(device, table.num_chunks),)](
+    _sumsq_kernel[(num_programs(device, table.num_chunks, STEP_PROGRAMS_PER_SM),)](
         *_sumsq_leading(table), scale, found_inf, partials, table.scratch_ticket(), bad,
         norm_out if norm else partials, skip_count if skip_count is not None else partials, float(check_factor),
         IN_DTYPE=triton_dtype(grads[0].dtype),

@@ -39,14 +39,22 @@ import triton.language as tl
 from ._chunks import store_chunk
 from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
 from ._step_skeleton import chunk_rows, load_grad, load_param_moments, skip_and_stop, store_param
-from ._table import ChunkTable, chunk_table, num_programs, triton_dtype
+from ._table import (
+    STEP_PROGRAMS_PER_SM,
+    STEP_WARPS_GPU,
+    ChunkTable,
+    chunk_table,
+    num_programs,
+    step_block,
+    triton_dtype,
+)
 from .l2norm_kernel import segment_sums
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
     # _lamb_stage1_kernel: the moments and ``u`` must round each operation as the torch fallback and the float64
     # reference do.
-    "_lamb_stage1_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+    "_lamb_stage1_kernel": {"num_warps": STEP_WARPS_GPU, "enable_fp_fusion": False},
     # _lamb_stage2_kernel: the same ``u`` as stage 1 bit for bit (the trust-ratio norms were taken from stage 1's
     # ``u``); 8 warps: at 16 ptxas (with Triton's ``--regAllocOptLevel=2``) caps it at 64 registers and spills.
     "_lamb_stage2_kernel": {"num_warps": 8, "enable_fp_fusion": False},
@@ -294,11 +302,12 @@ def launch_lamb_stage1(
     built for the whole step) and two ``[N]`` sums. A sharded step all-reduces the sums in between
     (``fp16kit/kernels/optimizers.py``); :func:`launch_lamb` hands them straight to :func:`launch_lamb_stage2`.
     """
+    device = params[0].device
     table = chunk_table(
         [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
+        step_block(device),
         written=(0, 2, 3) if models is None else (0, 2, 3, 4),
     )
-    device = params[0].device
     hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, _LAMB_HOST)
     finish = isinstance(hp, DeviceStep)
     n = table.num_tensors
@@ -312,7 +321,7 @@ def launch_lamb_stage1(
         u_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
         p_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
         sums = done = gnorm = u_partials
-    _lamb_stage1_kernel[(num_programs(device, table.num_chunks),)](
+    _lamb_stage1_kernel[(num_programs(device, table.num_chunks, STEP_PROGRAMS_PER_SM),)](
         *table.leading_args(),
         hp_ptr,
         found_inf,
@@ -358,7 +367,7 @@ def launch_lamb_stage2(
     p_dtype = triton_dtype(params[0].dtype)
     hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, _LAMB_HOST)
     gnorm = hp.gnorm if isinstance(hp, DeviceStep) and hp.gnorm is not None else hp_ptr
-    _lamb_stage2_kernel[(num_programs(device, table.num_chunks),)](
+    _lamb_stage2_kernel[(num_programs(device, table.num_chunks, STEP_PROGRAMS_PER_SM),)](
         *table.leading_args(),
         hp_ptr,
         found_inf,

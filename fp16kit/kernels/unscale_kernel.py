@@ -18,13 +18,13 @@ import triton.language as tl
 
 from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
-from ._table import chunk_table, num_programs, triton_dtype
+from ._table import STEP_PROGRAMS_PER_SM, STEP_WARPS_GPU, chunk_table, num_programs, step_block, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
     # _unscale_kernel: the unscale result must be bit-exact against the float64 reference, and its float64 norm
     # partials must equal ``l2norm``'s (no contraction of ``y * y`` into the sum).
-    "_unscale_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+    "_unscale_kernel": {"num_warps": STEP_WARPS_GPU, "enable_fp_fusion": False},
 }
 
 
@@ -75,10 +75,10 @@ def launch_unscale(
 
     Returns the per-chunk partial sums of squares (float64, one per chunk) when ``with_norm``.
     """
-    table = chunk_table([inputs, outputs])  # outputs checked by ops.unscale_and_check (check_writes)
     device = inputs[0].device
+    table = chunk_table([inputs, outputs], step_block(device))  # outputs checked by ops.unscale_and_check
     partials = torch.empty(table.num_chunks if with_norm else 1, dtype=torch.float64, device=device)
-    grid = (num_programs(device, table.num_chunks),)
+    grid = (num_programs(device, table.num_chunks, STEP_PROGRAMS_PER_SM),)
     _unscale_kernel[grid](
         *table.leading_args(),
         inv_scale,

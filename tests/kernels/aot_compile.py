@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fp16kit.kernels import (
+    _table,
     adagrad_kernel,
     adam_kernel,
     copy_kernel,
@@ -84,59 +85,61 @@ F16, BF16, F32 = tl.float16, tl.bfloat16, tl.float32
 #: and norm partials are float64 (docs/kernels.md, "Norm range").
 F64_SCALE = {"inv_scale_ptr": "*fp64", "pre_scale_ptr": "*fp64"}
 F64_PARTIALS = {"partials_ptr": "*fp64", "out_ptr": "*fp64"}
+#: the optimizer-step kernels are compiled with the chunk size the GPU uses (fp16kit/kernels/_table.py)
+SB = _table.STEP_BLOCK_GPU
 CASES = {
     "unscale fp32 in place, aligned": (unscale_kernel._unscale_kernel,
-                                       dict(IN_DTYPE=F32, OUT_DTYPE=F32, WITH_NORM=False, BLOCK=4096, ALIGNED=True)),
+                                       dict(IN_DTYPE=F32, OUT_DTYPE=F32, WITH_NORM=False, BLOCK=SB, ALIGNED=True)),
     "unscale fp16->fp32 +norm, aligned": (unscale_kernel._unscale_kernel,
-                                          dict(IN_DTYPE=F16, OUT_DTYPE=F32, WITH_NORM=True, BLOCK=4096, ALIGNED=True),
+                                          dict(IN_DTYPE=F16, OUT_DTYPE=F32, WITH_NORM=True, BLOCK=SB, ALIGNED=True),
                                           {**F64_SCALE, **F64_PARTIALS}),
     "unscale fp32->bf16, unaligned": (unscale_kernel._unscale_kernel,
-                                      dict(IN_DTYPE=F32, OUT_DTYPE=BF16, WITH_NORM=False, BLOCK=4096, ALIGNED=False)),
+                                      dict(IN_DTYPE=F32, OUT_DTYPE=BF16, WITH_NORM=False, BLOCK=SB, ALIGNED=False)),
     "copy fp32->fp16, aligned": (copy_kernel._copy_kernel,
                                  dict(SRC_DTYPE=F32, DST_DTYPE=F16, BLOCK=4096, ALIGNED=True)),
     "copy bf16->bf16, unaligned": (copy_kernel._copy_kernel,
                                    dict(SRC_DTYPE=BF16, DST_DTYPE=BF16, BLOCK=4096, ALIGNED=False)),
     "sumsq bf16 +check, aligned": (l2norm_kernel._sumsq_kernel,
-                                   dict(IN_DTYPE=BF16, CHECK=True, BLOCK=4096, ALIGNED=True, **SUMSQ_PLAIN),
+                                   dict(IN_DTYPE=BF16, CHECK=True, BLOCK=SB, ALIGNED=True, **SUMSQ_PLAIN),
                                    {**F64_SCALE, **F64_PARTIALS}),
     "step check fp16, finished on the device": (
         l2norm_kernel._sumsq_kernel,
-        dict(IN_DTYPE=F16, CHECK=True, BLOCK=4096, ALIGNED=True, FINISH=True, NORM=True, OWN_FLAG=True, COUNT=True,
+        dict(IN_DTYPE=F16, CHECK=True, BLOCK=SB, ALIGNED=True, FINISH=True, NORM=True, OWN_FLAG=True, COUNT=True,
              SCALE_IS_GRAD_SCALE=True),
         {**F64_PARTIALS}),
     "segment sums": (l2norm_kernel._segment_sum_kernel, dict(BLOCK=1024)),
     "segment sums fp64": (l2norm_kernel._segment_sum_kernel, dict(BLOCK=1024), F64_PARTIALS),
     "lamb stage 1 (fp16 params, L2)": (
         lamb_kernel._lamb_stage1_kernel,
-        dict(P_DTYPE=F16, G_DTYPE=F16, L2_MODE=True, DECOUPLED=False, BLOCK=4096, ALIGNED=True, FINISH_SUMS=False,
+        dict(P_DTYPE=F16, G_DTYPE=F16, L2_MODE=True, DECOUPLED=False, BLOCK=SB, ALIGNED=True, FINISH_SUMS=False,
              **HP_LEGACY)),
     "lamb stage 1 on the device (fp32, decoupled)": (
         lamb_kernel._lamb_stage1_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F32, L2_MODE=False, DECOUPLED=True, BLOCK=4096, ALIGNED=True, FINISH_SUMS=True,
+        dict(P_DTYPE=F32, G_DTYPE=F32, L2_MODE=False, DECOUPLED=True, BLOCK=SB, ALIGNED=True, FINISH_SUMS=True,
              **HP_ON_DEVICE)),
     "lamb stage 2 on the device (fp32 masters -> fp16 model)": (
         lamb_kernel._lamb_stage2_kernel,
-        dict(P_DTYPE=F32, MODEL_DTYPE=F16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=4096, ALIGNED=True,
+        dict(P_DTYPE=F32, MODEL_DTYPE=F16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
              **HP_ON_DEVICE)),
     "adam on the device (fp32)": (
         adam_kernel._adam_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F32, MODEL_DTYPE=F32, HAS_MODEL=False, L2_MODE=False, DECOUPLED=True, BLOCK=4096,
+        dict(P_DTYPE=F32, G_DTYPE=F32, MODEL_DTYPE=F32, HAS_MODEL=False, L2_MODE=False, DECOUPLED=True, BLOCK=SB,
              ALIGNED=True, **HP_ON_DEVICE)),
     "lamb stage 2 (fp32 masters -> bf16 model)": (
         lamb_kernel._lamb_stage2_kernel,
-        dict(P_DTYPE=F32, MODEL_DTYPE=BF16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=4096, ALIGNED=True,
+        dict(P_DTYPE=F32, MODEL_DTYPE=BF16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
              **HP_LEGACY)),
     "adam (fp32 masters -> fp16 model)": (
         adam_kernel._adam_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, L2_MODE=False, DECOUPLED=True, BLOCK=4096,
+        dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, L2_MODE=False, DECOUPLED=True, BLOCK=SB,
              ALIGNED=True, **HP_LEGACY)),
     "adam (fp16 params, L2)": (
         adam_kernel._adam_kernel,
-        dict(P_DTYPE=F16, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=False, L2_MODE=True, DECOUPLED=False, BLOCK=4096,
+        dict(P_DTYPE=F16, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=False, L2_MODE=True, DECOUPLED=False, BLOCK=SB,
              ALIGNED=True, **HP_LEGACY)),
     "lamb stage 1 (fp32 masters, fp16 grads, decoupled)": (
         lamb_kernel._lamb_stage1_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F16, L2_MODE=False, DECOUPLED=True, BLOCK=4096, ALIGNED=True, FINISH_SUMS=False,
+        dict(P_DTYPE=F32, G_DTYPE=F16, L2_MODE=False, DECOUPLED=True, BLOCK=SB, ALIGNED=True, FINISH_SUMS=False,
              **HP_LEGACY)),
     "sgd (fp32 masters -> fp16 model, nesterov)": (
         sgd_kernel._sgd_kernel,
