@@ -1,0 +1,79 @@
+"""Launches and torch ops per optimizer step, counted on the CPU (Triton's interpreter): the device-resident step
+against the host-vector step it replaced (the same kernels fed a float32 hyper-parameter vector built by torch ops).
+
+Triton launches are counted at the launchers; every other torch op by a ``TorchDispatchMode`` around one step (grads
+kept between steps). On a GPU each torch op here is a kernel launch or a copy. Prints markdown.
+
+Usage: ``TRITON_INTERPRET=1 python benchmarks/bench_step_launches.py [--sizes 12,48]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "optim"))
+from test_device_step import counting
+
+from fp16kit.amp import GradScaler
+from fp16kit.optim import FusedAdam, FusedLAMB
+from fp16kit.optim._base import FusedOptimizer
+
+MAKERS = {
+    "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01),
+    "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-3, weight_decay=0.01),
+}
+
+
+def one_step(name: str, n: int, scaler: bool) -> tuple[int, int, collections.Counter]:
+    g = torch.Generator().manual_seed(n)
+    ps = [torch.randn(8, generator=g).requires_grad_() for _ in range(n)]
+    for p in ps:
+        p.grad = torch.randn(8, generator=g) * 1e-2
+    opt = MAKERS[name](ps)
+    sc = GradScaler("cpu", init_scale=256.0) if scaler else None
+
+    def step() -> None:
+        if sc is None:
+            opt.step()
+        else:
+            sc.scale(torch.ones(()))
+            sc.step(opt)
+            sc.update()
+
+    step()
+    step()
+    with counting() as (launches, ops):
+        step()
+    return sum(launches.values()), sum(ops.counts.values()), ops.counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="12,48")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print("| optimizer | scaler | params | device step: Triton launches | torch ops | host-vector step: Triton "
+          "launches | torch ops |")
+    print("|---|---|---|---|---|---|---|")
+    original = FusedOptimizer._on_device
+    for name in MAKERS:
+        for scaler in (False, True):
+            for n in sizes:
+                FusedOptimizer._on_device = original
+                dl, do, _ = one_step(name, n, scaler)
+                FusedOptimizer._on_device = lambda self, device: False
+                ll, lo, _ = one_step(name, n, scaler)
+                FusedOptimizer._on_device = original
+                print(f"| {name} | {'GradScaler' if scaler else '-'} | {n} | {dl} | {do} | {ll} | {lo} |")
+
+
+if __name__ == "__main__":
+    main()
