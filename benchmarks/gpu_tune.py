@@ -9,6 +9,7 @@ kernel is what ``LAUNCH`` (``num_warps``), ``_table.BLOCK`` and ``_table.num_pro
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -21,11 +22,11 @@ KERNEL_MODULES = (adam_kernel, lamb_kernel, l2norm_kernel, unscale_kernel)
 
 
 def shapes() -> list[tuple[int, ...]]:
-    h, ff, layers, vocab = 1024, 4096, 24, 30522
-    out: list[tuple[int, ...]] = [(vocab, h), (512, h), (2, h), (h,), (h,)]
-    for _ in range(layers):
-        out += [(h, h), (h,)] * 4 + [(h,), (h,), (ff, h), (ff,), (h, ff), (h,), (h,), (h,)]
-    return [*out, (h, h), (h,)]
+    """The BERT-large parameter list (``gpu_step.bert_large_shapes``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_step import bert_large_shapes
+
+    return bert_large_shapes()
 
 
 def configure(block: int, warps: int, per_sm: int) -> None:
@@ -81,7 +82,6 @@ def run_config(block: int, warps: int, per_sm: int) -> str:
 
 def main() -> None:
     import subprocess
-    import sys
     import time
 
     ap = argparse.ArgumentParser()
