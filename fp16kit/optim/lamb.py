@@ -89,6 +89,7 @@ class FusedLAMB(FusedOptimizer):
         master_weights: bool = False,
         on_nonfinite: str = "warn",
         process_group: Any = None,
+        capturable: bool = False,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
@@ -106,6 +107,9 @@ class FusedLAMB(FusedOptimizer):
         }
         self.adam_w_mode = bool(adam_w_mode)
         self.use_nvlamb = bool(use_nvlamb)
+        # accepted as torch's and FusedAdam's: every eager step on the Triton backend is already capturable
+        # (docs/optim.md, "The step on the device")
+        self.capturable = bool(capturable)
         options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group}
         super().__init__(params, defaults, set_grad_none=set_grad_none, **options)
 

@@ -71,6 +71,7 @@ class FusedSGD(ApexStateOptimizer):
         *,
         master_weights: bool = False,
         on_nonfinite: str = "warn",
+        capturable: bool = False,
     ) -> None:
         # As in apex, lr may be left out when every param group sets its own (torch's add_param_group then
         # raises for a group without one).
@@ -84,6 +85,8 @@ class FusedSGD(ApexStateOptimizer):
         self._check_group({**defaults, "lr": 0.0} if lr is required else defaults)
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
+        # accepted as torch's: the step already captures into a CUDA graph (docs/optim.md, "The step on the device")
+        self.capturable = bool(capturable)
         super().__init__(
             params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
         )

@@ -188,6 +188,13 @@ def test_device_step_equals_the_host_vector_step_bit_for_bit(kind, case, monkeyp
             assert torch.equal(a, b)
 
 
+def test_capturable_is_accepted_by_every_capturable_optimizer():
+    """torch's capture recipe passes ``capturable=True``: FusedAdam, FusedLAMB and FusedSGD accept it."""
+    ps = _params(2)
+    for opt in (FusedAdam(ps, capturable=True), FusedLAMB(ps, capturable=True), FusedSGD(ps, lr=0.1, capturable=True)):
+        assert opt.capturable is True
+
+
 @pytest.mark.interpreter
 def test_skipped_step_does_not_advance_and_counts():
     ps = _params(4)
@@ -219,7 +226,7 @@ def _twins(kind: str, **kwargs) -> tuple[list, torch.optim.Optimizer, list, torc
         r.grad = p.grad.clone()
     lr = torch.tensor(1e-3, device="cuda")
     make = MAKERS.get(kind) or (lambda params, **k: FusedSGD(params, lr=1e-3, momentum=0.9, weight_decay=0.01, **k))
-    opt, ref = make(ps, **kwargs), make(ref_ps, **kwargs)
+    opt, ref = make(ps, capturable=True, **kwargs), make(ref_ps, capturable=True, **kwargs)
     for grp in opt.param_groups:
         grp["lr"] = lr
     for grp in ref.param_groups:
