@@ -181,9 +181,9 @@ class ApexStateOptimizer(FusedOptimizer):
         except BaseException:
             self.param_groups, self.state = old_groups, old_state
             raise
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             if group["params"] and "step" in group:
-                self._own_step(group, group["params"][0].device)
+                self._own_step(gi, group, group["params"][0].device)
 
     def _import(self, state_dict: dict[str, Any], writer: str) -> dict[str, Any]:
         """A copy of an accepted ``state_dict`` in this class's form: torch's flags checked (``maximize=True``

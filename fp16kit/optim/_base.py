@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from fp16kit import _versions
 from fp16kit.distributed import is_dtensor
 from fp16kit.kernels import (
     Backend,
@@ -133,7 +132,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.master_weights = bool(master_weights)
         self.on_nonfinite = on_nonfinite
         self._pending: list[tuple[Any, torch.Tensor, str]] = []
-        # step counters made or checked here, by id(group) (not id(step): Dynamo cannot key a dict by the id of
+        # step counters made or checked here, by group position (not id(step): Dynamo cannot key a dict by the id of
         # a tensor a compiled step creates); a stale id is harmless, its tensor is compared with ``is``
         self._known_steps: dict[int, torch.Tensor] = {}
         # The skip counters (``hparam_skips``, ``nonfinite_skips``) live in a dict: Dynamo keeps a compiled
@@ -173,6 +172,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         state["_known_steps"] = {}
         state["_verdicts"] = {}  # keyed by id(group) and holding C++ guards: rebuilt at the next step
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """torch's, then the host caches an optimizer pickled by an earlier fp16kit lacks (the step reads them as
+        plain attributes: Dynamo before torch 2.13 cannot trace ``__dict__.setdefault``)."""
+        super().__setstate__(state)
+        for name in ("_step_cache", "_skip_counts", "_verdicts", "_known_steps"):
+            self.__dict__.setdefault(name, {})
+        self.__dict__.setdefault("_pending", [])
 
     # -- param groups ---------------------------------------------------------------------------------------
 
@@ -230,7 +237,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             with naming_group(gi):
                 self._check_group(group)
             step = group.get("step")
-            if step is not None and self._known_steps.get(id(group)) is not step:
+            if step is not None and self._known_steps.get(gi) is not step:
                 if isinstance(step, torch.Tensor) and step.numel() == 1 and torch.compiler.is_compiling():
                     unchecked.append(step)
                     continue
@@ -268,7 +275,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         deleted, a grad appearing or disappearing) runs the full per-param check again, with its messages. Not
         while ``torch.compile`` traces (the guard is host state Dynamo need not see): the per-param check then.
         """
-        cache = self.__dict__.setdefault("_step_cache", {})  # an optimizer pickled before the dict existed
+        cache = self._step_cache
         cache["rows_device"] = None
         cache["rows_dtensors"] = True  # unknown: the step asks _sharding
         if torch.compiler.is_compiling():
@@ -391,13 +398,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             group["step"] = step
         return step
 
-    def _own_step(self, group: dict[str, Any], device: torch.device) -> torch.Tensor:
-        """The group's counter, remembered as checked: one made here, or one ``_check_groups`` read on the host
-        (a compiled step checks a counter set by hand on the device only, so the next eager step reads it)."""
+    def _own_step(self, gi: int, group: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """Group ``gi``'s counter, remembered as checked: one made here, or one ``_check_groups`` read on the host
+        (a compiled step checks a counter set by hand on the device only, so the next eager step reads it). Keyed by
+        the group's position (Dynamo before torch 2.13 cannot trace ``id()`` of a dict): a stale entry after groups
+        were removed by hand is harmless, it is compared with ``is``."""
         old = group.get("step")
         step = self._group_step(group, device)
         if step is not old or not torch.compiler.is_compiling():
-            self._known_steps[id(group)] = step
+            self._known_steps[gi] = step
         return step
 
     def master_params(self) -> list[torch.Tensor]:
@@ -447,9 +456,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.state.clear()
         self.state.update(state)
         self.__dict__.get("_verdicts", {}).clear()
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             if group["params"] and "step" in group:
-                self._own_step(group, group["params"][0].device)
+                self._own_step(gi, group, group["params"][0].device)
 
     # -- step -----------------------------------------------------------------------------------------------
 
@@ -496,7 +505,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._flush_warnings()
         unchecked_steps = self._check_groups()
         all_rows = self._collect()
-        cache = self.__dict__.setdefault("_step_cache", {})  # an optimizer pickled before the dict existed
+        cache = self._step_cache
         if self.process_group is None and not cache.get("rows_dtensors", True):
             shards = cache["shard_plan"] = None  # no DTensor param and no process group: what localize would say
         else:
@@ -540,10 +549,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         # The rows' tensors passed their group verdict's guard in _collect this step (eager, unsharded): the
         # planner may take that for its own metadata guard on the same lists (fp16kit.kernels.vouched_rows).
         verdicts = self.__dict__.get("_verdicts", {}) if shards is None and not torch.compiler.is_compiling() else {}
-        for group, rows in zip(self.param_groups, all_rows):
-            step = self._own_step(group, device)
+        for gi, (group, rows) in enumerate(zip(self.param_groups, all_rows)):
+            step = self._own_step(gi, group, device)
             F.advance_step(step, skip)
-            verdict = verdicts.get(id(group))
+            verdict = verdicts.get(id(group)) if verdicts else None  # (no id() while compiling)
             if verdict is None:
                 self._update_group(group, rows, step, inv64, skip, grad_norm)
                 continue
@@ -590,7 +599,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _device_buffers(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The optimizer's own flag and gradient norm (float32 ``[1]`` each) on ``device``, made once: a step
         writes them whole, so it needs no fill (and a captured graph replays into the same memory)."""
-        store = self.__dict__.setdefault("_skip_counts", {})
+        store = self._skip_counts
         key = f"buffers:{device}"
         bufs = store.get(key)
         if bufs is None:
@@ -634,14 +643,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         bad_hp = F.bad_lr_flag([g["lr"] for g in self.param_groups], device)
         skip = found_inf if bad_hp is None else torch.maximum(found_inf.reshape(1), bad_hp)
         verdicts = self.__dict__.get("_verdicts", {})
-        for group, rows in zip(self.param_groups, all_rows):
-            step = self._own_step(group, device)
+        for gi, (group, rows) in enumerate(zip(self.param_groups, all_rows)):
+            step = self._own_step(gi, group, device)
             if not rows.params:
                 F.advance_step(step, skip)
                 continue
             base = DeviceStep(step, {}, scale=grad_scale, gnorm=gnorm)
             ds = self._device_step(group, rows, base)
-            verdict = verdicts.get(id(group))
+            verdict = verdicts.get(id(group)) if verdicts else None  # (no id() while compiling)
             rows_t = (rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models)
             with vouched_rows(verdict, rows_t) if verdict is not None else contextlib.nullcontext():
                 self._run_device_update(group, rows, ds, skip)
@@ -666,7 +675,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _counter(self, name: str, device: torch.device) -> torch.Tensor:
         """The one-element int64 skip counter ``name`` on ``device`` (made on first use)."""
-        counts = self.__dict__.setdefault("_skip_counts", {})
+        counts = self._skip_counts
         counter = counts.get(name)
         if counter is None or counter.device != device:
             counter = counts[name] = torch.zeros(1, dtype=torch.int64, device=device)
@@ -728,8 +737,3 @@ class FusedOptimizer(torch.optim.Optimizer):
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
         self._pending = still
 
-
-if not _versions.dynamo_traces_any_id():
-    # torch < 2.13: Dynamo cannot trace the step (id() of a param group), so torch.compile runs it eagerly (one graph
-    # break, the same results) instead of failing inside it.
-    FusedOptimizer.step = torch.compiler.disable(FusedOptimizer.step)  # type: ignore[method-assign]
