@@ -154,6 +154,9 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
         _syncbn_check(rank)
         _ddp_check(rank)
         open(os.path.join(out_dir, f"ok{rank}"), "w").close()
+        # both ranks done with their collectives before either tears gloo down: a rank destroying its group while
+        # the other still talks to it can abort the other (SIGABRT seen on a loaded machine)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

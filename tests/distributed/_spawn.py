@@ -46,6 +46,7 @@ def _entry(rank: int, fn: Callable, world: int, store: str, out_dir: str) -> Non
     init_gloo(rank, world, store)
     try:
         fn(rank, world, out_dir)
+        dist.barrier()  # every rank done before any tears gloo down (a peer's teardown can abort a busy rank)
     except BaseException:
         traceback.print_exc()
         log.flush()
