@@ -10,17 +10,15 @@ Usage: ``TRITON_INTERPRET=1 python benchmarks/bench_step_launches.py [--sizes 12
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "optim"))
-from test_device_step import counting
+from test_device_step import _params, _step_fn, counting
 
 from fp16kit.amp import GradScaler
 from fp16kit.optim import FusedAdam, FusedLAMB
@@ -32,27 +30,15 @@ MAKERS = {
 }
 
 
-def one_step(name: str, n: int, scaler: bool) -> tuple[int, int, collections.Counter]:
-    g = torch.Generator().manual_seed(n)
-    ps = [torch.randn(8, generator=g).requires_grad_() for _ in range(n)]
-    for p in ps:
-        p.grad = torch.randn(8, generator=g) * 1e-2
-    opt = MAKERS[name](ps)
-    sc = GradScaler("cpu", init_scale=256.0) if scaler else None
-
-    def step() -> None:
-        if sc is None:
-            opt.step()
-        else:
-            sc.scale(torch.ones(()))
-            sc.step(opt)
-            sc.update()
-
+def one_step(name: str, n: int, scaler: bool) -> tuple[int, int]:
+    """Triton launches and torch ops of the third step over ``n`` params of 8 elements (grads kept)."""
+    opt = MAKERS[name](_params(n, numel=8, seed=n))
+    step = _step_fn(opt, GradScaler("cpu", init_scale=256.0) if scaler else None)
     step()
     step()
     with counting() as (launches, ops):
         step()
-    return sum(launches.values()), sum(ops.counts.values()), ops.counts
+    return sum(launches.values()), sum(ops.counts.values())
 
 
 def main() -> None:
@@ -68,9 +54,9 @@ def main() -> None:
         for scaler in (False, True):
             for n in sizes:
                 FusedOptimizer._on_device = original
-                dl, do, _ = one_step(name, n, scaler)
+                dl, do = one_step(name, n, scaler)
                 FusedOptimizer._on_device = lambda self, device: False
-                ll, lo, _ = one_step(name, n, scaler)
+                ll, lo = one_step(name, n, scaler)
                 FusedOptimizer._on_device = original
                 print(f"| {name} | {'GradScaler' if scaler else '-'} | {n} | {dl} | {do} | {ll} | {lo} |")
 

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "optim"))
+from test_device_step import replay_against_eager  # the GPU test's capture recipe: one definition
 
 from fp16kit.amp import GradScaler
 from fp16kit.optim import FusedAdam, FusedLAMB, FusedSGD
@@ -132,24 +136,7 @@ def graph_check(name: str) -> str:
     ref = make(ref_ps, **kwargs)
     for grp in ref.param_groups:
         grp["lr"] = lr.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            opt.step()
-            ref.step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        opt.step()
-    for k in range(4):
-        if k == 2:
-            lr.fill_(5e-3)
-            for grp in ref.param_groups:
-                grp["lr"].fill_(5e-3)
-        g.replay()
-        ref.step()
-    torch.cuda.synchronize()
+    replay_against_eager(opt, ref, lr, 5e-3)
     same = all(torch.equal(a, b) for a, b in zip(ps, ref_ps))
     moved = not all(torch.equal(a, b) for a, b in zip(ps, small_params(50, 1000)))
     return f"captured; 4 replays (lr changed before the 3rd) {'==' if same else '!='} eager bit for bit; moved={moved}"

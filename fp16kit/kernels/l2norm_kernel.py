@@ -81,11 +81,8 @@ def _sumsq_kernel(
         if NORM:
             x64 = x.to(tl.float64)
             tl.store(partials_ptr + c, tl.sum(x64 * x64, axis=0))
-        if CHECK:
-            if FINISH:  # check_factor: a power of two (1, or 2**65 to flag |x| >= 2**63 as well)
-                bad = tl.maximum(bad, (mask & ~(tl.abs(x * check_factor) < float("inf"))).to(tl.int32))
-            else:
-                bad = tl.maximum(bad, (mask & ~(tl.abs(x) < float("inf"))).to(tl.int32))
+        if CHECK:  # check_factor: a power of two, so exact (1, or 2**65 to flag |x| >= 2**63 as well)
+            bad = tl.maximum(bad, (mask & ~(tl.abs(x * check_factor) < float("inf"))).to(tl.int32))
     if FINISH:
         # The step's check pass finishes on the device (fp16kit/kernels/_step_scalars.py): the last program
         # writes the flag whole (an own flag needs no zero fill first) and the norm of the partials, summed
@@ -102,26 +99,28 @@ def _sumsq_kernel(
                 if COUNT:
                     tl.store(count_ptr, tl.load(count_ptr) + (found != 0).to(tl.int64))
             if NORM:
-                acc = tl.zeros((1024,), dtype=tl.float64)
-                for s in range(0, num_chunks, 1024):
-                    offs = s + tl.arange(0, 1024)
-                    acc += tl.load(partials_ptr + offs, mask=offs < num_chunks, other=0.0, cache_modifier=".cg")
-                tl.store(norm_ptr, tl.sqrt(tl.sum(acc, axis=0)).to(tl.float32))
+                tl.store(norm_ptr, tl.sqrt(segment_total(partials_ptr, 0, num_chunks)).to(tl.float32))
     elif CHECK:
         tl.atomic_max(found_inf_ptr, tl.max(bad, axis=0).to(tl.float32))
 
 
 @triton.jit
-def _segment_sum_kernel(partials_ptr, counts_ptr, first_ptr, out_ptr, num_tensors, BLOCK: tl.constexpr):
+def segment_total(partials_ptr, first, count):
+    """Sum of ``partials[first : first + count]`` in a fixed order: 1024 lanes, each adding every 1024th value in
+    turn, then a tree over the lanes (deterministic, whichever program runs it). Loads bypass L1 (``.cg``): the
+    callers that finish a reduction read partials other programs of the same launch just wrote."""
+    acc = tl.zeros((1024,), dtype=partials_ptr.dtype.element_ty)
+    for s in range(0, count, 1024):
+        offs = s + tl.arange(0, 1024)
+        acc += tl.load(partials_ptr + first + offs, mask=offs < count, other=0.0, cache_modifier=".cg")
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _segment_sum_kernel(partials_ptr, counts_ptr, first_ptr, out_ptr, num_tensors):
     pid = tl.program_id(0)
     for t in range(pid, num_tensors, tl.num_programs(0)):
-        first = tl.load(first_ptr + t)
-        count = tl.load(counts_ptr + t)
-        acc = tl.zeros((BLOCK,), dtype=partials_ptr.dtype.element_ty)
-        for s in range(0, count, BLOCK):
-            offs = s + tl.arange(0, BLOCK)
-            acc += tl.load(partials_ptr + first + offs, mask=offs < count, other=0.0)
-        tl.store(out_ptr + t, tl.sum(acc, axis=0))
+        tl.store(out_ptr + t, segment_total(partials_ptr, tl.load(first_ptr + t), tl.load(counts_ptr + t)))
 
 
 def segment_sums(partials: torch.Tensor, table: ChunkTable) -> torch.Tensor:
@@ -130,7 +129,7 @@ def segment_sums(partials: torch.Tensor, table: ChunkTable) -> torch.Tensor:
     out = torch.empty(table.num_tensors, dtype=partials.dtype, device=partials.device)
     grid = (num_programs(partials.device, table.num_tensors),)
     _segment_sum_kernel[grid](
-        partials, table.chunk_counts, table.first_chunk, out, table.num_tensors, BLOCK=1024,
+        partials, table.chunk_counts, table.first_chunk, out, table.num_tensors,
         **LAUNCH["_segment_sum_kernel"],
     )
     return out

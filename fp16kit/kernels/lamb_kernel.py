@@ -48,7 +48,7 @@ from ._table import (
     step_block,
     triton_dtype,
 )
-from .l2norm_kernel import segment_sums
+from .l2norm_kernel import segment_sums, segment_total
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
@@ -119,16 +119,6 @@ def _lamb_scalars(
 
 
 @triton.jit
-def _segment_total(partials_ptr, first, count):
-    """Sum of ``partials[first : first + count]`` in a fixed order (``_segment_sum_kernel``'s), read past L1."""
-    acc = tl.zeros((1024,), dtype=partials_ptr.dtype.element_ty)
-    for s in range(0, count, 1024):
-        offs = s + tl.arange(0, 1024)
-        acc += tl.load(partials_ptr + first + offs, mask=offs < count, other=0.0, cache_modifier=".cg")
-    return tl.sum(acc, axis=0)
-
-
-@triton.jit
 def _lamb_stage1_kernel(
     ptrs,
     num_tensors,
@@ -196,8 +186,8 @@ def _lamb_stage1_kernel(
             count = tl.load(chunk_counts + t).to(tl.int32)
             if tl.atomic_add(done_ptr + t, 1, sem="acq_rel") == count - 1:
                 first = tl.load(first_chunk + t)
-                tl.store(u_sumsq + t, _segment_total(u_partials, first, count))
-                tl.store(p_sumsq + t, _segment_total(p_partials, first, count))
+                tl.store(u_sumsq + t, segment_total(u_partials, first, count))
+                tl.store(p_sumsq + t, segment_total(p_partials, first, count))
                 tl.atomic_xchg(done_ptr + t, 0, sem="acq_rel")
 
 

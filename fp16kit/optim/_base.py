@@ -28,6 +28,7 @@ counter set by hand is checked on the device: one graph, no graph break (docs/op
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -61,12 +62,12 @@ from ._validate import check_param_tensor, check_row, check_step_value, naming_g
 __all__ = ["FusedOptimizer"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_POLICIES = ("skip", "warn", "raise")
 
 
 def _capturing() -> bool:
     """Is the current CUDA stream being captured into a graph? (Nothing may wait on the device then.)"""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-_POLICIES = ("skip", "warn", "raise")
 
 
 @dataclass
@@ -561,27 +562,70 @@ class FusedOptimizer(torch.optim.Optimizer):
         if shards is not None:
             shards.finish(skip)
         if self.unscale_grads and getattr(self, "grad_scale", None) is not None:
-            # apex's semantics after a GradScaler step: p.grad holds unscaled gradients (one extra write pass,
-            # after the update has read them scaled). fp16kit's default leaves them scaled, as torch's fused
-            # optimizers do.
-            grads = [g for rows in all_rows for g in rows.grads if g.numel()]
-            if grads:
-                unscale = library.unscale_and_check if torch.compiler.is_compiling() else unscale_and_check
-                unscale(grads, inv64.float(), new_found_inf(device))
+            self._write_unscaled_grads([g for rows in all_rows for g in rows.grads], inv64, device)
+        self._count_and_report(bad_hp, found_inf if own_flag else None, device)
+        return loss
+
+    def _write_unscaled_grads(self, grads: list[torch.Tensor], inv64: torch.Tensor, device: torch.device) -> None:
+        """apex's semantics after a GradScaler step: ``p.grad`` holds unscaled gradients (one extra write pass,
+        after the update has read them scaled). fp16kit's default leaves them scaled, as torch's fused
+        optimizers do."""
+        grads = [g for g in grads if g.numel()]
+        if grads:
+            unscale = library.unscale_and_check if torch.compiler.is_compiling() else unscale_and_check
+            unscale(grads, inv64.float(), new_found_inf(device))
+
+    def _count_and_report(
+        self,
+        bad_hp: torch.Tensor | None,
+        own_flag: torch.Tensor | None,
+        device: torch.device,
+        *,
+        counted: bool = False,
+        report: bool = True,
+    ) -> None:
+        """After the update: count a skip for a bad tensor ``lr`` (``hparam_skips``) and, with no scaler's flag
+        (``own_flag``: the step's own), a non-finite gradient (``nonfinite_skips``, unless the check pass
+        ``counted`` it already on the device); then report each per ``on_nonfinite`` (not while ``report`` is
+        False: a captured step)."""
         if bad_hp is not None:
             self._count("hparam_skips", bad_hp, device)
-            self._report(bad_hp, self._hparam_message())
-        if own_flag:
-            self._count("nonfinite_skips", found_inf, device)
-            self._report(found_inf, self._message())
-        return loss
+            if report:
+                self._report(bad_hp, self._hparam_message())
+        if own_flag is not None:
+            if not counted:
+                self._count("nonfinite_skips", own_flag, device)
+            if report:
+                self._report(own_flag, self._message())
 
     # -- the device-resident step (docs/optim.md, "The step on the device") ---------------------------------
 
-    def _device_step(self, group: dict[str, Any], rows: _Rows, base: DeviceStep) -> DeviceStep | None:
+    def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep | None:
         """The group's step for kernels that derive their hyper-parameters on the device (``base`` with the
-        group's host numbers filled in), or None where the subclass has no such kernels."""
+        group's host numbers filled in, :meth:`_adam_like_step`), or None where the subclass has no such kernels."""
         return None
+
+    @staticmethod
+    def _adam_like_step(
+        group: dict[str, Any], base: DeviceStep, legacy: Callable[[], torch.Tensor], **extra: float
+    ) -> DeviceStep:
+        """``base`` with the host numbers Adam and LAMB share (``lr`` unless a tensor, ``beta1``, ``beta2``, ``eps``,
+        ``weight_decay``) and ``extra``, a tensor ``lr`` (validated), the bias-correction switch, and ``legacy``:
+        the same step's float64 vector for rows the kernels do not take."""
+        b1, b2 = (float(b) for b in group["betas"])
+        lr = group["lr"]
+        host = {
+            "lr": 0.0 if isinstance(lr, torch.Tensor) else float(lr),
+            "beta1": b1,
+            "beta2": b2,
+            "eps": float(group["eps"]),
+            "weight_decay": float(group["weight_decay"]),
+            **extra,
+        }
+        return dataclasses.replace(
+            base, host=host, lr=F.device_lr(lr, base.step.device), bias_correction=bool(group["bias_correction"]),
+            legacy=legacy,
+        )
 
     def _on_device(self, device: torch.device) -> bool:
         """Can this eager step run device-resident? Triton kernels on ``device``, a subclass with device-step
@@ -649,26 +693,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                 F.advance_step(step, skip)
                 continue
             base = DeviceStep(step, {}, scale=grad_scale, gnorm=gnorm)
-            ds = self._device_step(group, rows, base)
-            verdict = verdicts.get(id(group)) if verdicts else None  # (no id() while compiling)
+            ds = self._device_step(group, base)
+            verdict = verdicts.get(id(group))
             rows_t = (rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models)
             with vouched_rows(verdict, rows_t) if verdict is not None else contextlib.nullcontext():
                 self._run_device_update(group, rows, ds, skip)
         if self.unscale_grads and grad_scale is not None:
-            grads = [g for g in grads if g.numel()]
-            if grads:
-                inv64 = F.inv_scale_from_grad_scale(grad_scale, device)
-                unscale_and_check(grads, inv64.float(), new_found_inf(device))
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if bad_hp is not None:
-            self._count("hparam_skips", bad_hp, device)
-            if not capturing:
-                self._report(bad_hp, self._hparam_message())
-        if own_flag:
-            if not counted:
-                self._count("nonfinite_skips", found_inf, device)
-            if not capturing:
-                self._report(found_inf, self._message())
+            self._write_unscaled_grads(grads, F.inv_scale_from_grad_scale(grad_scale, device), device)
+        capturing = device.type == "cuda" and _capturing()
+        self._count_and_report(bad_hp, found_inf if own_flag else None, device, counted=counted, report=not capturing)
 
     def _run_device_update(self, group: dict[str, Any], rows: _Rows, ds: DeviceStep, skip: torch.Tensor) -> None:
         raise NotImplementedError

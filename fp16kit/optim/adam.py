@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -116,29 +115,17 @@ class FusedAdam(FusedOptimizer):
             step=step,
         )
 
-    def _device_step(self, group: dict[str, Any], rows: _Rows, base: DeviceStep) -> DeviceStep:
-        b1, b2 = (float(b) for b in group["betas"])
-        lr = group["lr"]
+    def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
         device = base.step.device
 
-        def legacy() -> torch.Tensor:  # the same step's float64 vector, for rows the kernels do not take
+        def legacy() -> torch.Tensor:
             return F.adam_hparams(
-                lr=lr, betas=(b1, b2), eps=group["eps"], weight_decay=group["weight_decay"],
+                lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                 bias_correction=group["bias_correction"], step=base.step + 1,
                 inv_scale64=F.inv_scale_from_grad_scale(base.scale, device), device=device,
             )
 
-        host = {
-            "lr": 0.0 if isinstance(lr, torch.Tensor) else float(lr),
-            "beta1": b1,
-            "beta2": b2,
-            "eps": float(group["eps"]),
-            "weight_decay": float(group["weight_decay"]),
-        }
-        return dataclasses.replace(
-            base, host=host, lr=F.device_lr(lr, device), bias_correction=bool(group["bias_correction"]),
-            legacy=legacy,
-        )
+        return self._adam_like_step(group, base, legacy)
 
     def _run_device_update(self, group: dict[str, Any], rows: _Rows, ds: DeviceStep, skip: torch.Tensor) -> None:
         F.adam_update(

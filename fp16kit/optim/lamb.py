@@ -8,7 +8,6 @@ the step is skipped on the device, without one it is skipped and reported per ``
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -171,33 +170,20 @@ class FusedLAMB(FusedOptimizer):
             step=step,
         )
 
-    def _device_step(self, group: dict[str, Any], rows: _Rows, base: DeviceStep) -> DeviceStep:
-        b1, b2 = (float(b) for b in group["betas"])
-        lr = group["lr"]
+    def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
         max_norm = float(self.defaults["max_grad_norm"])
         device = base.step.device
 
-        def legacy() -> torch.Tensor:  # the same step's float64 vector, for rows the kernels do not take
+        def legacy() -> torch.Tensor:
             return F.lamb_hparams(
-                lr=lr, betas=(b1, b2), eps=group["eps"], weight_decay=group["weight_decay"],
+                lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                 bias_correction=group["bias_correction"], grad_averaging=group["grad_averaging"],
                 step=base.step + 1, inv_scale64=F.inv_scale_from_grad_scale(base.scale, device),
                 clip64=F.clip_factor(base.gnorm, max_norm), device=device,
             )
 
-        host = {
-            "lr": 0.0 if isinstance(lr, torch.Tensor) else float(lr),
-            "beta1": b1,
-            "beta2": b2,
-            "beta3": 1.0 - b1 if group["grad_averaging"] else 1.0,
-            "eps": float(group["eps"]),
-            "weight_decay": float(group["weight_decay"]),
-            "max_grad_norm": max_norm,
-        }
-        return dataclasses.replace(
-            base, host=host, lr=F.device_lr(lr, device), bias_correction=bool(group["bias_correction"]),
-            legacy=legacy,
-        )
+        beta3 = 1.0 - float(group["betas"][0]) if group["grad_averaging"] else 1.0
+        return self._adam_like_step(group, base, legacy, beta3=beta3, max_grad_norm=max_norm)
 
     def _run_device_update(self, group: dict[str, Any], rows: _Rows, ds: DeviceStep, skip: torch.Tensor) -> None:
         F.lamb_update(

@@ -107,8 +107,8 @@ CASES = {
         dict(IN_DTYPE=F16, CHECK=True, BLOCK=SB, ALIGNED=True, FINISH=True, NORM=True, OWN_FLAG=True, COUNT=True,
              SCALE_IS_GRAD_SCALE=True),
         {**F64_PARTIALS}),
-    "segment sums": (l2norm_kernel._segment_sum_kernel, dict(BLOCK=1024)),
-    "segment sums fp64": (l2norm_kernel._segment_sum_kernel, dict(BLOCK=1024), F64_PARTIALS),
+    "segment sums": (l2norm_kernel._segment_sum_kernel, {}),
+    "segment sums fp64": (l2norm_kernel._segment_sum_kernel, {}, F64_PARTIALS),
     "lamb stage 1 (fp16 params, L2)": (
         lamb_kernel._lamb_stage1_kernel,
         dict(P_DTYPE=F16, G_DTYPE=F16, L2_MODE=True, DECOUPLED=False, BLOCK=SB, ALIGNED=True, FINISH_SUMS=False,

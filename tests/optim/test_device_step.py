@@ -234,12 +234,11 @@ def _twins(kind: str, **kwargs) -> tuple[list, torch.optim.Optimizer, list, torc
     return ps, opt, ref_ps, ref, lr
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["adam", "lamb", "sgd"])
-def test_cuda_graph_capture_replays_equal_eager(kind):
-    """torch's documented capture of ``opt.step()``; FusedSGD takes the host-vector path (its hyper-parameters
-    are torch ops on the device, captured with the kernels)."""
-    ps, opt, ref_ps, ref, lr = _twins(kind)
+def replay_against_eager(opt: torch.optim.Optimizer, ref: torch.optim.Optimizer, lr: torch.Tensor, new_lr: float,
+                         replays: int = 4) -> None:
+    """torch's capture recipe for ``opt.step()`` (3 warm-up steps on a side stream, then ``torch.cuda.graph``), then
+    ``replays`` replays, each beside an eager ``ref.step()``; before the third, ``opt``'s tensor ``lr`` and ``ref``'s
+    are set to ``new_lr`` (a learning-rate change between replays). Also used by ``benchmarks/gpu_step.py``."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -250,14 +249,23 @@ def test_cuda_graph_capture_replays_equal_eager(kind):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         opt.step()
-    for k in range(4):
-        if k == 2:  # a learning-rate change between replays takes effect
-            lr.fill_(4e-3)
+    for k in range(replays):
+        if k == 2:
+            lr.fill_(new_lr)
             for grp in ref.param_groups:
-                grp["lr"].fill_(4e-3)
+                grp["lr"].fill_(new_lr)
         graph.replay()
         ref.step()
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["adam", "lamb", "sgd"])
+def test_cuda_graph_capture_replays_equal_eager(kind):
+    """torch's documented capture of ``opt.step()``; FusedSGD takes the host-vector path (its hyper-parameters
+    are torch ops on the device, captured with the kernels)."""
+    ps, opt, ref_ps, ref, lr = _twins(kind)
+    replay_against_eager(opt, ref, lr, 4e-3)
     for a, b in zip(ps, ref_ps):
         assert torch.equal(a, b)
     assert torch.equal(opt.param_groups[0]["step"], ref.param_groups[0]["step"])
