@@ -13,8 +13,10 @@ A step's hyper-parameters reach a kernel without a host-to-device copy and witho
 * **Derived values** (bias corrections ``1 - beta^t``, ``lr / bc1``, ``1 / scale``, the clip divisor) are computed
   in float64 in every program and rounded once to float32, the math of ``fp16kit.optim.functional``'s
   ``lamb_hparams``/``adam_hparams`` (which the torch fallback and the compiled step use): ``beta^t`` by
-  :func:`pow_int` (exact square-and-multiply in float64: at most 2 log2(t) roundings, ~1e-15 relative, so the
-  float32 results agree with ``torch.pow``'s except within ~1e-15 of a float32 rounding boundary).
+  :func:`pow_int` (square-and-multiply in float64: each squaring doubles the relative error it inherits, so the
+  result is within ``2 t`` float64 roundings of the exact power, ``2.2e-16 t`` relative, where ``torch.pow`` is within
+  about one; the float32 results agree with ``torch.pow``'s except when the exact value lies that close to a float32
+  rounding boundary: for ``beta2 = 0.999`` at step 1000, ~4e-14 absolute against float32's 6e-8 spacing).
 
 The step counter advances on the device in the kernel that updates last (:func:`finish_ticket`): every program
 takes a ticket after its last write; the program that draws the last one sees all the others' work done and
