@@ -3,10 +3,11 @@
 Engine-specific contracts; the behaviour every engine shares is tested by the rest of tests/amp, which runs against
 this engine with ``FP16KIT_AUTOCAST_ENGINE=dispatch``:
 
-* override kernels are registered only for the aten ops whose fp16kit rule differs from torch's kernel on the key;
-  the ops where they agree keep torch's C++ kernel;
+* override kernels are registered on the engine's own key (``AutocastIPU``) only for the aten ops whose fp16kit
+  rule differs from torch's kernel on CPU or CUDA; the ops where they agree keep torch's C++ kernel, and torch's own
+  autocast keys are never touched (with the default table);
 * outside an fp16kit region, plain ``torch.autocast`` gives torch's dtypes and bits with the kernels installed, in
-  eager and compiled code;
+  eager and compiled code, and reaches no kernel of ours;
 * compiled == eager: dtypes under aot_eager and inductor, bits under aot_eager, with ``fullgraph=True``, the region
   outside or inside the compiled function;
 * the plan follows the table (``policy_override``), and :func:`_dispatch.uninstall` gives torch its kernels back.
@@ -55,12 +56,42 @@ def test_overrides_only_where_fp16kit_differs_from_torch():
         assert "autocast_mode.cpp" in _kernel_source(f"aten::{agree}"), agree
     # torch's CPU autocast leaves these alone (FP32 rows), has no kernel for in-place forms, raises on fp16 + bf16
     # (cat: PROMOTE), runs binary_cross_entropy in fp32 (BANNED here) and casts avg_pool3d (absent here)
-    for differ in ("softmax.int", "layer_norm", "exp", "exp_", "sum", "addmm_", "cat", "binary_cross_entropy"):
+    for differ in ("softmax.int", "layer_norm", "exp", "exp_", "sum", "addmm_", "atan2", "binary_cross_entropy"):
         assert differ in cpu, differ
-        assert "_dispatch.py" in _kernel_source(f"aten::{differ}"), differ
+        assert "_dispatch.py" in _kernel_source(f"aten::{differ}", D.KEY), differ
+        assert "_dispatch.py" not in _kernel_source(f"aten::{differ}"), differ  # torch's CPU key untouched
     assert cpu["avg_pool3d"][0] is D.AS_CALLED and cpu["reflection_pad1d"][0] is D.AS_CALLED
     assert cpu["exp"][0][0].name == "FP32"
-    assert _kernel_source("aten::relu") == "fallthrough"  # an op neither casts is not touched
+    assert _kernel_source("aten::relu", D.KEY) == "fallthrough"  # an op neither casts is not touched
+    for agree in ("linear", "mm", "conv2d"):
+        assert _kernel_source(f"aten::{agree}", D.KEY) == "fallthrough", agree
+
+
+def test_torch_autocast_keys_carry_no_kernel_of_ours_with_the_default_table():
+    """Plain ``torch.autocast`` code pays nothing for the engine (issue 23, item 2): every override sits on the
+    engine's own key, which only a region of the engine puts in the dispatch path."""
+    assert D.cuda_overrides() == {}
+    for name in D._LIVE:
+        for key in D.KEYS:
+            assert "_dispatch.py" not in _kernel_source(f"aten::{name}", key), (name, key)
+    own = torch._C.DispatchKey.AutocastIPU
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch._C._dispatch_tls_is_dispatch_key_excluded(own)  # not in torch.autocast's path
+    with autocast(dtype=torch.bfloat16):
+        assert not torch._C._dispatch_tls_is_dispatch_key_excluded(own)
+        assert torch._C._dispatch_tls_is_dispatch_key_included(own)
+    assert torch._C._dispatch_tls_is_dispatch_key_excluded(own)
+
+
+def test_a_user_edited_row_that_torch_cuda_casts_gets_a_cuda_kernel():
+    """On CUDA tensors torch's kernel runs before the engine's key: a row the user changes against it gets a kernel
+    on ``AutocastCUDA`` (its cost is documented); the default table needs none."""
+    with policy_override({"linear": "fp32", "softmax": "low", F.gelu: "low"}):
+        # torch's CUDA autocast runs softmax in fp32 and linear low; it has no gelu kernel to pre-empt
+        assert {name.partition(".")[0] for name in D.cuda_overrides()} == {"linear", "softmax"}
+        assert "_dispatch.py" in _kernel_source("aten::linear", "AutocastCUDA")
+        assert "_dispatch.py" in _kernel_source("aten::linear", D.KEY)
+    assert D.cuda_overrides() == {}
 
 
 @pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
@@ -169,11 +200,12 @@ def test_the_plan_follows_the_table():
     assert "linear" not in D.installed_ops()  # agrees again: torch's kernel runs (ours passes through to it)
 
 
-def test_uninstall_gives_torch_its_kernels_back():
-    assert "_dispatch.py" in _kernel_source("aten::binary_cross_entropy")
+def test_uninstall_removes_the_kernels():
+    assert "_dispatch.py" in _kernel_source("aten::binary_cross_entropy", D.KEY)
+    assert "autocast_mode.cpp" in _kernel_source("aten::binary_cross_entropy")  # torch's, installed or not
     D.uninstall()
     assert "autocast_mode.cpp" in _kernel_source("aten::binary_cross_entropy")
-    assert _kernel_source("aten::softmax.int") == "fallthrough"
+    assert _kernel_source("aten::softmax.int", D.KEY) == "fallthrough"
     with autocast(dtype=torch.bfloat16):  # a region installs them again
         assert torch.softmax(torch.randn(2, 2).bfloat16(), -1).dtype == torch.float32
 
@@ -229,7 +261,7 @@ def test_composite_rows_follow_the_table(low):
 
 
 def test_a_wrapped_function_hops_through_no_kernel():
-    live = D._LIVE["AutocastCPU"]
+    live = D._LIVE
     real = live["layer_norm"]
     hops: list[int] = []
 
