@@ -14,10 +14,12 @@ beside it; ratios to the first column):
 * ``fp16kit mode``: the ``TorchFunctionMode`` engine (``FP16KIT_AUTOCAST_ENGINE=mode``).
 
 With ``--compile`` the first and third columns are also timed under ``torch.compile`` (``aot_eager`` is not used:
-the default Inductor backend, as users run it).
+the default Inductor backend, as users run it). With ``--device cuda`` (``benchmarks/gpu_suite.sh``) the models run on
+the GPU, timed by wall clock between synchronizations, and ``--bert-base`` adds BERT-base (``BertForMaskedLM``,
+12 layers, hidden 768, batch 32 x 128, random weights: no download).
 
-    python benchmarks/bench_autocast_default.py [--compile] [--dtype bf16|fp16]
-        # writes benchmarks/results/autocast_default.md and prints it
+    python benchmarks/bench_autocast_default.py [--compile] [--dtype bf16|fp16] [--device cuda --bert-base]
+        # writes benchmarks/results/autocast_default_<dtype>[_compiled][_cuda].md and prints it
 """
 
 from __future__ import annotations
@@ -60,23 +62,28 @@ class _Loss(nn.Module):
 
 
 class _HF(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, base: bool = False) -> None:
         super().__init__()
         from transformers import BertConfig, BertForMaskedLM
 
         torch.manual_seed(0)
-        self.model = BertForMaskedLM(BertConfig(
+        config = BertConfig() if base else BertConfig(
             vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
-            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        self.model = BertForMaskedLM(config)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(**batch).loss
 
 
-def models() -> dict[str, tuple[nn.Module, object]]:
+def _mlm_batch(batch: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(5, vocab, (batch, seq))
+    labels = torch.where(torch.rand(batch, seq) < 0.15, ids, torch.full_like(ids, -100))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def models(bert_base: bool = False) -> dict[str, tuple[nn.Module, object]]:
     torch.manual_seed(0)
-    ids = torch.randint(5, 100, (8, 12))
-    labels = torch.where(torch.rand(8, 12) < 0.25, ids, torch.full_like(ids, -100))
     out: dict[str, tuple[nn.Module, object]] = {
         "MLP 20x(Linear128+ReLU)": (_Loss(mlp(nn.ReLU)), torch.randn(32, 128)),
         "MLP 20x(Linear128+GELU)": (_Loss(mlp(nn.GELU)), torch.randn(32, 128)),
@@ -84,8 +91,9 @@ def models() -> dict[str, tuple[nn.Module, object]]:
             _Loss(nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)), torch.randn(8, 32, 64)),
     }
     with contextlib.suppress(ImportError):  # transformers is in the `testing` extra
-        out["tiny BertForMaskedLM"] = (_HF(), {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                               "labels": labels})
+        out["tiny BertForMaskedLM"] = (_HF(), _mlm_batch(8, 12, 100))
+        if bert_base:
+            out["BERT-base BertForMaskedLM, 32 x 128"] = (_HF(base=True), _mlm_batch(32, 128, 30522))
     return out
 
 
@@ -111,14 +119,20 @@ def _setup(engine: str, installed: bool) -> None:
         _dispatch.uninstall()
 
 
-def _context(column: str, dtype: torch.dtype) -> Callable[[], object]:
+def _context(column: str, dtype: torch.dtype, device: str) -> Callable[[], object]:
     if column.startswith("torch.autocast"):
-        return lambda: torch.autocast("cpu", dtype=dtype)
+        return lambda: torch.autocast(device, dtype=dtype)
     return lambda: fp16kit_autocast(dtype=dtype)
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def measure(model: nn.Module, batch: object, dtype: torch.dtype, columns: dict, iters: int,
-            repeats: int) -> dict[str, float]:
+            repeats: int, device: str = "cpu") -> dict[str, float]:
+    clock = time.perf_counter if device == "cuda" else _clock
     steps: dict[str, Callable[[], None]] = {}
     for name, (engine, installed, compiled) in columns.items():
         _setup(engine, installed)
@@ -126,7 +140,7 @@ def measure(model: nn.Module, batch: object, dtype: torch.dtype, columns: dict, 
         if compiled:
             torch._dynamo.reset()
             run = torch.compile(model)
-        ctx = _context(name, dtype)
+        ctx = _context(name, dtype, device)
 
         def step(run: Callable = run, ctx: Callable = ctx) -> None:
             with ctx():  # type: ignore[attr-defined]
@@ -142,10 +156,12 @@ def measure(model: nn.Module, batch: object, dtype: torch.dtype, columns: dict, 
             _setup(*columns[n][:2])
             for _ in range(3):
                 steps[n]()
-            t0 = _clock()
+            _sync(device)
+            t0 = clock()
             for _ in range(iters):
                 steps[n]()
-            rounds[n].append((_clock() - t0) / iters)
+            _sync(device)
+            rounds[n].append((clock() - t0) / iters)
     return {n: min(v) for n, v in rounds.items()} | {f"{n} median": statistics.median(v) for n, v in rounds.items()}
 
 
@@ -155,20 +171,28 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--bert-base", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     columns = COLUMNS | (COMPILED if args.compile else {})
     lines = [
         f"# default autocast engine vs torch.autocast, forward + backward ({args.dtype})", "",
-        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread, "
+        f"torch {torch.__version__}, "
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else (platform.processor() or platform.machine())}, "
+        f"{'wall clock' if args.device == 'cuda' else '1 thread, thread CPU time'}, "
         f"load {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M %Z')}; "
         f"min / median of {args.repeats} interleaved rounds of {args.iters} steps; ratio to torch.autocast", "",
         "| model | torch.autocast (ms) | " + " | ".join(list(columns)[1:]) + " |",
         "|---|---|" + "---|" * (len(columns) - 1),
     ]
-    for label, (model, batch) in models().items():
-        t = measure(model, batch, dtype, columns, args.iters, args.repeats)
+    for label, (model, batch) in models(args.bert_base).items():
+        model = model.to(args.device)
+        batch = {k: v.to(args.device) for k, v in batch.items()} if isinstance(batch, dict) else batch.to(args.device)
+        t = measure(model, batch, dtype, columns, args.iters, args.repeats, args.device)
         base, base_med = t["torch.autocast"], t["torch.autocast median"]
         cells = []
         for n in list(columns)[1:]:
@@ -181,7 +205,8 @@ def main() -> None:
               if args.compile else ""]
     text = "\n".join(lines) + "\n"
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    out = RESULTS.with_name(f"{RESULTS.stem}_{args.dtype}{'_compiled' if args.compile else ''}.md")
+    suffix = f"_{args.dtype}{'_compiled' if args.compile else ''}{'_cuda' if args.device == 'cuda' else ''}"
+    out = args.out or RESULTS.with_name(f"{RESULTS.stem}{suffix}.md")
     out.write_text(text)
     print(text)
 

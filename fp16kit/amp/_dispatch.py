@@ -296,6 +296,7 @@ def _make_kernel(name: str) -> Callable[..., Any]:
     guard = torch._C._ExcludeDispatchKeyGuard
     everything, own = _ALL_KEYS, _OWN_KEY
     inside_torch_kernel, cpu_key, cuda_key, cuda = _excluded, _DK.AutocastCPU, _DK.AutocastCUDA, _CUDA
+    backward_node = torch._C._current_autograd_node
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         # Reached only inside an fp16kit region: the key is dispatched through only while the region's marker
@@ -303,7 +304,12 @@ def _make_kernel(name: str) -> Callable[..., Any]:
         # excluded: torch's kernel cast the inputs of the op it handles and runs its internals) the op runs as
         # called, as the internals of any table op do.
         hit = live.get(name)
-        if hit is not None and not inside_torch_kernel(cpu_key) and (not cuda or not inside_torch_kernel(cuda_key)):
+        if (
+            hit is not None
+            and backward_node() is None  # the policy is not applied in backward (eager, or traced by AOT autograd)
+            and not inside_torch_kernel(cpu_key)
+            and (not cuda or not inside_torch_kernel(cuda_key))
+        ):
             entry, fn = hit
             if entry is not AS_CALLED:
                 args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
@@ -470,11 +476,11 @@ def _make_cuda_kernel(name: str) -> Callable[..., Any]:
     op = getattr(getattr(torch.ops.aten, base), overload or "default")
     torch_kernel = torch.library.get_kernel(op, "AutocastCUDA")
     live, call, cast_args, guard = _LIVE_CUDA, op._op, _CAST_ARGS[0], torch._C._ExcludeDispatchKeyGuard
-    enabled, everything = torch.is_autocast_enabled, _ALL_KEYS
+    enabled, everything, backward_node = torch.is_autocast_enabled, _ALL_KEYS, torch._C._current_autograd_node
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         hit = live.get(name)
-        if hit is not None and enabled(MARKER):
+        if hit is not None and enabled(MARKER) and backward_node() is None:
             entry, fn = hit
             args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
             with guard(everything):

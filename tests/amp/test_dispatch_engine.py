@@ -447,3 +447,71 @@ def test_compiled_equals_eager_region_inside(low):
         assert_bitwise_equal(c, e)
     assert_bitwise_equal(compiled_grad, eager_grad)
     assert eager[4].dtype == torch.float32 and eager[0].dtype == low
+
+
+def test_plain_torch_autocast_on_another_thread_during_a_region_is_untouched():
+    """The engine's dispatch state is per thread: while one thread is inside an fp16kit region, plain
+    ``torch.autocast`` code on another thread dispatches exactly as torch does (issue 23, item 2, "during")."""
+    import threading
+
+    y = torch.randn(4, 8).bfloat16()
+    seen: dict[str, object] = {}
+    inside, done = threading.Event(), threading.Event()
+
+    def other():
+        inside.wait(10)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            seen["excluded"] = torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutocastIPU)
+            seen["softmax"] = torch.softmax(y, -1).dtype  # torch's CPU autocast leaves softmax alone
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with autocast(dtype=torch.bfloat16):
+        inside.set()
+        assert done.wait(10)
+        assert torch.softmax(y, -1).dtype == torch.float32  # this thread: fp16kit's row
+    t.join(10)
+    assert seen == {"excluded": True, "softmax": torch.bfloat16}
+
+
+def _aot_graphs(model, x, region):
+    """The forward and backward aten graphs AOT autograd traces for ``model(x).float().sum()`` under ``region``."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append([f"{n.target}[{getattr(n.meta.get('val'), 'dtype', None)}]"
+                       for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: model(x).float().sum(), backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    with region():
+        loss = compiled(x)
+    loss.backward()
+    return graphs
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("low", LOW, ids=IDS)
+def test_the_policy_is_not_applied_in_backward(low):
+    """Backward runs as under torch.autocast: in eager (``backward()`` inside the region) and in the backward graph
+    AOT autograd traces (a compiled step): the graphs of a GELU MLP are torch.autocast's, op for op and dtype for
+    dtype (before, the bias gradients' ``sum`` came out as an FP32 row: 40 extra nodes)."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.GELU())
+    x = torch.randn(4, 16)
+    ours = _aot_graphs(mlp, x, lambda: autocast(dtype=low))
+    torch_graphs = _aot_graphs(mlp, x, lambda: torch.autocast("cpu", dtype=low))
+    assert ours == torch_graphs
+
+    def eager_grads(region):
+        mlp.zero_grad()
+        with region():
+            mlp(x).float().sum().backward()  # backward inside the region
+        return [p.grad.clone() for p in mlp.parameters()]
+
+    for got, ref in zip(eager_grads(lambda: autocast(dtype=low)), eager_grads(lambda: torch.autocast("cpu", dtype=low))):
+        assert_bitwise_equal(got, ref)
