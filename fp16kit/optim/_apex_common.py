@@ -257,6 +257,15 @@ class ApexStateOptimizer(FusedOptimizer):
 
     # -- the device-resident step (docs/optim.md, "The step on the device") ---------------------------------
 
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """``FusedOptimizer.step``; the rows ``_collect`` kept for ``_on_device`` are let go after it (a step that
+        ends early must not keep this step's grads alive)."""
+        try:
+            return super().step(closure)
+        finally:
+            if not torch.compiler.is_compiling():
+                self._step_cache.pop("apex_rows", None)
+
     def _device_ready(self, group: dict[str, Any], rows: ApexRows) -> bool:
         """Do the Triton kernels take every row of this group (the update op planned with ``plan_only``)? A
         subclass with a device step answers; the others never step on the device."""

@@ -330,6 +330,7 @@ sys.path.insert(0, {kernels_dir!r})
 import aot_compile
 import triton.language as tl
 from fp16kit.kernels import {module}
+aot_compile.I64_STEP |= {{"nonfinite_count_ptr", "result_count_ptr"}}
 cases = {cases}
 aot_compile.CASES = {{
     name: (getattr({module}, fn), {{k: getattr(tl, v) if v in ("float16", "bfloat16", "float32") else v
@@ -338,6 +339,14 @@ aot_compile.CASES = {{
 }}
 aot_compile.main()
 """
+
+#: The device-step constexprs of the SGD/Adagrad kernels: the host-vector layout, the update of a device step,
+#: and its check-and-verify launch (fp16kit/kernels/_results.py).
+APEX_HP_LEGACY = {"HP_DEVICE": False, "LR_TENSOR": False, "HAS_SCALE": False, "BIAS_CORRECTION": False,
+                  "ADVANCE": False, "OWN_FLAG": False, "FIRST": False, "COUNT": False}
+APEX_HP_DEVICE = {**APEX_HP_LEGACY, "HP_DEVICE": True, "HAS_SCALE": True, "ADVANCE": True}
+APEX_HP_DEVICE_VERIFY = {**APEX_HP_LEGACY, "HP_DEVICE": True, "LR_TENSOR": True, "HAS_SCALE": True,
+                         "OWN_FLAG": True, "FIRST": True, "COUNT": True}
 
 
 def compile_for_sm90(module: str, cases: dict[str, tuple[str, dict]]) -> dict:
