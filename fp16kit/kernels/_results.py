@@ -23,7 +23,8 @@ import triton.language as tl
 
 from ._chunks import store_chunk
 from ._rounding import round_to
-from ._step_scalars import DeviceStep, finish_ticket
+from ._step_scalars import DeviceStep, advance_step, finish_ticket
+from ._step_skeleton import skip_and_stop
 
 
 @triton.jit
@@ -89,6 +90,47 @@ def entry_flag(found_inf_ptr, OWN_FLAG: tl.constexpr):
         return tl.zeros((), dtype=tl.float32)
     else:
         return tl.load(found_inf_ptr).to(tl.float32)
+
+
+@triton.jit
+def pass_start(found_inf_ptr, num_chunks, BLOCK: tl.constexpr, VERIFY: tl.constexpr, HP_DEVICE: tl.constexpr,
+               OWN_FLAG: tl.constexpr):
+    """``(entry, skip, stop, bad, gbad)`` at the start of an SGD/Adagrad/NovoGrad pass: the flag as found
+    (:func:`entry_flag`), whether the step is skipped, the chunk loop's end (0 when skipped: nothing read or
+    written) and the zeroed result and grad lanes. A device step's check-and-verify launch is the check pass too,
+    so it does not read an own flag's old value."""
+    entry = entry_flag(found_inf_ptr, OWN_FLAG)
+    if VERIFY and HP_DEVICE:
+        skip, stop = entry != 0, tl.where(entry != 0, 0, num_chunks)
+    else:
+        skip, stop = skip_and_stop(found_inf_ptr, num_chunks)
+    bad = tl.zeros((BLOCK,), dtype=tl.int32)
+    return entry, skip, stop, bad, bad
+
+
+@triton.jit
+def check_grad(gbad, g, mask, VERIFY: tl.constexpr, HP_DEVICE: tl.constexpr):
+    """The check pass's lanes in a device step's check-and-verify launch: ``gbad`` or-ed with "the unscaled
+    gradient ``g`` is inf/NaN" (unchanged elsewhere)."""
+    if VERIFY and HP_DEVICE:
+        gbad = tl.maximum(gbad, (mask & nonfinite(g)).to(tl.int32))
+    return gbad
+
+
+@triton.jit
+def pass_end(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr, step_ptr, gbad,
+             bad, neg_lr, entry, skip, VERIFY: tl.constexpr, HP_DEVICE: tl.constexpr, ADVANCE: tl.constexpr,
+             FIRST: tl.constexpr, COUNT: tl.constexpr):
+    """The end of an SGD/Adagrad/NovoGrad pass: a device step's check-and-verify finish
+    (:func:`finish_check_and_verify`), the host-vector result check's raise (:func:`raise_found_inf`), or, after a
+    device step's update that was not skipped, the step counter's advance (``_step_scalars.advance_step``)."""
+    if VERIFY and HP_DEVICE:
+        finish_check_and_verify(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr,
+                                gbad, bad, lr_arms(neg_lr), entry, FIRST, COUNT)
+    elif VERIFY:
+        raise_found_inf(found_inf_ptr, bad, lr_arms(neg_lr))
+    elif HP_DEVICE and not skip:
+        advance_step(step_ptr, ticket_ptr, ADVANCE)
 
 
 @triton.jit

@@ -518,18 +518,20 @@ def novograd_update(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     models: Sequence[torch.Tensor | None],
-    hp64: torch.Tensor,
+    hp64: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     *,
     new: Sequence[bool],
     beta2: float,
     eps: float,
-    bc2_sqrt: torch.Tensor,
+    bc2_sqrt: torch.Tensor | None,
     norm_type: int,
     init_zero: bool,
     reg_inside_moment: bool,
     verify: bool = False,
-) -> None:
+    check: StepVerify | None = None,
+    plan_only: bool = False,
+) -> bool | None:
     """apex's NovoGrad for one group (``novograd_kernel.py``: ``hp64 = [lr, b1, beta3, wd, bc1, inv_scale]``).
 
     Per param, with ``n`` the norm (``norm_type`` 2: L2, 0: max) of its unscaled gradient and ``v`` its
@@ -542,13 +544,31 @@ def novograd_update(
     ``v`` is committed only for a step that is taken (``found_inf`` clear): a skipped step leaves it bit for bit,
     so a moment created as -0.0 ("not initialised", fp16kit/optim/novograd.py) is initialised by the first step
     that is not skipped. ``verify=True``: the result check instead (see :func:`sgd_update`; an inf ``v`` counts).
+
+    Device step (the L2 norm, no state created this step): ``hp64`` a :class:`DeviceStep` whose host numbers hold
+    ``beta2``, ``one_minus_beta2`` and ``eps`` too; the norms, the blend of ``v`` and the denominators are computed
+    on the device by the ``verify`` launches (``novograd_kernel.launch_novograd``), ``v`` committed by the update.
+    ``check`` and ``plan_only`` as in :func:`sgd_update`.
     """
     if not params:
-        return
+        return False if plan_only else None
     device = params[0].device
     plan, with_models = _rows("novograd_update", ("params", "grads", "exp_avgs"), (2,), (params, grads, exp_avgs),
                               models)
+    if plan_only:
+        return not plan.rest
     flag = found_inf.reshape(1)
+    if isinstance(hp64, DeviceStep):
+        from .novograd_kernel import launch_novograd
+
+        for g, hp in _kernel_hps(plan, hp64):
+            p = g.pick(params)
+            with playing(g.tape):
+                launch_novograd(p, g.pick(grads), g.pick(exp_avgs),
+                                _kernel_models(_models_of(g, models, with_models, len(p))), hp, None, flag,
+                                reg_inside_moment=reg_inside_moment, verify=verify,
+                                exp_avg_sqs=g.pick(exp_avg_sqs), init_zero=init_zero, check=check)
+        return None
     for kernel, g in [(True, g) for g in plan.kernel] + [(False, g) for g in plan.rest]:
         p = g.pick(params)
         math = F64 if p[0].dtype == F64 else torch.float32

@@ -33,19 +33,10 @@ import triton
 import triton.language as tl
 
 from ._chunks import chunk_span, load_chunk, row_pointer
-from ._results import (
-    StepVerify,
-    check_or_store,
-    entry_flag,
-    finish_check_and_verify,
-    lr_arms,
-    nonfinite,
-    raise_found_inf,
-    step_arguments,
-)
+from ._results import StepVerify, check_grad, check_or_store, pass_end, pass_start, step_arguments
 from ._rounding import to_fp32
-from ._step_scalars import DeviceStep, advance_step, inv_scale64, join3, lr64
-from ._step_skeleton import load_grad, skip_and_stop
+from ._step_scalars import DeviceStep, inv_scale64, join3, lr64
+from ._step_skeleton import load_grad
 from ._table import chunk_table, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -112,21 +103,14 @@ def _sgd_kernel(
         one_minus_dampening = tl.load(hp_ptr + 2).to(tl.float32)
         wd = tl.load(hp_ptr + 3).to(tl.float32)
         inv_scale = tl.load(hp_ptr + 4).to(tl.float32)
-    entry = entry_flag(found_inf_ptr, OWN_FLAG)
-    if VERIFY and HP_DEVICE:  # the check pass too: an own flag's old value is not read
-        skip, stop = entry != 0, tl.where(entry != 0, 0, num_chunks)
-    else:
-        skip, stop = skip_and_stop(found_inf_ptr, num_chunks)
-    bad = tl.zeros((BLOCK,), dtype=tl.int32)
-    gbad = tl.zeros((BLOCK,), dtype=tl.int32)
+    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, num_chunks, BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
     for c in range(pid, stop, tl.num_programs(0)):
         t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
         p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
         g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
         p = to_fp32(load_chunk(p_ptr, offs, mask, full))
         g = load_grad(g_ptr, offs, mask, full) * inv_scale
-        if VERIFY and HP_DEVICE:
-            gbad = tl.maximum(gbad, (mask & nonfinite(g)).to(tl.int32))
+        gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
         if WD and not WD_AFTER:
             g = g + wd * p
         if MOMENTUM:
@@ -149,13 +133,8 @@ def _sgd_kernel(
         else:
             bad = check_or_store(p, p, p_ptr, p_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, False,
                                  HAS_MODEL, VERIFY)
-    if VERIFY and HP_DEVICE:
-        finish_check_and_verify(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr,
-                                gbad, bad, lr_arms(neg_lr), entry, FIRST, COUNT)
-    elif VERIFY:
-        raise_found_inf(found_inf_ptr, bad, lr_arms(neg_lr))
-    elif HP_DEVICE and not skip:
-        advance_step(step_ptr, ticket_ptr, ADVANCE)
+    pass_end(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr, step_ptr, gbad, bad,
+             neg_lr, entry, skip, VERIFY, HP_DEVICE, ADVANCE, FIRST, COUNT)
 
 
 def launch_sgd(

@@ -330,12 +330,12 @@ sys.path.insert(0, {kernels_dir!r})
 import aot_compile
 import triton.language as tl
 from fp16kit.kernels import {module}
-aot_compile.I64_STEP |= {{"nonfinite_count_ptr", "result_count_ptr"}}
+aot_compile.I64_STEP |= {{"nonfinite_count_ptr", "result_count_ptr", "v_ptrs"}}
 cases = {cases}
 aot_compile.CASES = {{
     name: (getattr({module}, fn), {{k: getattr(tl, v) if v in ("float16", "bfloat16", "float32") else v
-                                    for k, v in constexprs.items()}})
-    for name, (fn, constexprs) in cases.items()
+                                    for k, v in constexprs.items()}}, *overrides)
+    for name, (fn, constexprs, *overrides) in cases.items()
 }}
 aot_compile.main()
 """
@@ -349,10 +349,12 @@ APEX_HP_DEVICE_VERIFY = {**APEX_HP_LEGACY, "HP_DEVICE": True, "LR_TENSOR": True,
                          "OWN_FLAG": True, "FIRST": True, "COUNT": True}
 
 
-def compile_for_sm90(module: str, cases: dict[str, tuple[str, dict]]) -> dict:
+def compile_for_sm90(module: str, cases: dict[str, tuple]) -> dict:
     """Compile ``fp16kit.kernels.<module>`` kernels for sm_90 with ``tests/kernels/aot_compile.py`` in a
     subprocess (Triton's interpreter mode is process-wide); ``cases``: name -> (kernel name, constexprs with
-    dtypes as ``"float16"``...). Returns aot_compile's JSON: per case ``ok`` and the 16-byte load/store counts."""
+    dtypes as ``"float16"``..., and optionally a third entry: argument types that differ from aot_compile's naming
+    conventions, e.g. ``{"partials_ptr": "*fp64"}``). Returns aot_compile's JSON: per case ``ok`` and the
+    16-byte load/store counts."""
     import importlib.util
     import json
     import os

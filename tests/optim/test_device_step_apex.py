@@ -1,8 +1,9 @@
-"""The device-resident step of apex's optimizers, FusedSGD and FusedAdagrad (docs/optim.md, "The step on the device"):
-two launches per step and kernel group whatever the number of tensors (the check pass and the result check in one
-read of the grads, finished on the device; the update, which derives its hyper-parameters from launch arguments and
-advances the step counter), host-op counts that do not grow with the number of tensors, no host value made and
-nothing read back, and the same params, state, counters and skip counts as the host-vector step, bit for bit.
+"""The device-resident step of apex's optimizers, FusedSGD, FusedAdagrad and FusedNovoGrad (docs/optim.md, "The step
+on the device"): two launches per step and kernel group whatever the number of tensors (the check pass and the result
+check in one read of the grads, finished on the device; the update, which derives its hyper-parameters from launch
+arguments and advances the step counter), NovoGrad two more (its per-tensor norms and second moments); host-op counts
+that do not grow with the number of tensors, no host value made and nothing read back, and the same params, state,
+counters and skip counts as the host-vector step, bit for bit.
 
 Launches and torch ops are counted as in ``test_device_step.py`` (the interpreter's launcher, a ``TorchDispatchMode``).
 """
@@ -26,10 +27,16 @@ MAKERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd-plain": lambda ps, **k: FusedSGD(ps, lr=0.1, **k),
     "adagrad": lambda ps, **k: FusedAdagrad(ps, lr=0.1, weight_decay=0.01, **k),
     "adagrad-w": lambda ps, **k: FusedAdagrad(ps, lr=0.1, weight_decay=0.01, adagrad_w_mode=True, **k),
+    "novograd": lambda ps, **k: FusedNovoGrad(ps, lr=0.1, weight_decay=0.01, **k),
+    "novograd-reg-inside-init-zero": lambda ps, **k: FusedNovoGrad(ps, lr=0.1, weight_decay=0.01, init_zero=True,
+                                                                   reg_inside_moment=True, grad_averaging=False, **k),
+    "novograd-no-bias-correction": lambda ps, **k: FusedNovoGrad(ps, lr=0.1, bias_correction=False,
+                                                                 betas=(0.95, 0.98), **k),
 }
-STATE = {"sgd": ("momentum_buffer",), "adagrad": ("sum",)}
-#: Triton launches per step and kernel group: check-and-verify, update.
-BUDGET = 2
+STATE = {"sgd": ("momentum_buffer",), "adagrad": ("sum",), "novograd": ("exp_avg", "exp_avg_sq")}
+#: Triton launches per step and kernel group: check-and-verify, update; NovoGrad's per-tensor norms add the norm
+#: partials and the per-tensor blend of the second moment (``novograd_kernel.py``).
+BUDGETS = {"sgd": 2, "adagrad": 2, "novograd": 4}
 HOST_OPS = {"aten.lift_fresh", "aten.scalar_tensor", "aten.full", "aten._to_copy", "aten.copy_",
             "aten._local_scalar_dense", "aten.ones", "aten.zeros", "aten.empty", "aten.cat", "aten.fill_",
             "aten.zero_", "aten.clone", "aten.add_", "aten.sub", "aten.reciprocal"}
@@ -50,7 +57,7 @@ def _state_keys(kind: str) -> tuple[str, ...]:
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "novograd"])
 @pytest.mark.parametrize("with_scaler", [False, True])
 def test_launch_budget_and_op_count_do_not_grow_with_tensors(kind, with_scaler):
     counts = {}
@@ -58,7 +65,7 @@ def test_launch_budget_and_op_count_do_not_grow_with_tensors(kind, with_scaler):
         scaler = GradScaler("cpu", init_scale=256.0) if with_scaler else None
         launches, ops = _steady_step(MAKERS[kind](_params(n, numel=4)), scaler)
         counts[n] = (sum(launches.values()), sum(ops.values()), dict(launches), dict(ops))
-    assert counts[12][0] == counts[48][0] == BUDGET, counts
+    assert counts[12][0] == counts[48][0] == BUDGETS[kind], counts
     assert counts[12][1] == counts[48][1], counts
     # what stays is per step: views of the flag, the profiler's record_function, the CPU read of "warn" (a pinned
     # non-blocking copy on CUDA), and the scaler's own ops
@@ -66,7 +73,7 @@ def test_launch_budget_and_op_count_do_not_grow_with_tensors(kind, with_scaler):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("kind", ["sgd", "sgd-plain", "adagrad"])
+@pytest.mark.parametrize("kind", ["sgd", "sgd-plain", "adagrad", "novograd"])
 @pytest.mark.parametrize("with_scaler", [False, True])
 def test_step_creates_no_host_value_and_reads_nothing_back(kind, with_scaler):
     """As ``test_device_step.py``'s test of the same name: with ``on_nonfinite="skip"`` the step makes no tensor
@@ -78,7 +85,7 @@ def test_step_creates_no_host_value_and_reads_nothing_back(kind, with_scaler):
     launches, ops = _steady_step(opt)
     seen = {name.rsplit(".", 1)[0] for name in ops}
     assert not (seen & HOST_OPS), ops
-    assert sum(launches.values()) == BUDGET, launches
+    assert sum(launches.values()) == BUDGETS[kind.split("-")[0]], launches
 
 
 def _run(kind: str, steps: int, dtype: torch.dtype, *, scaler_scale: float | None = None, lr_tensor: bool = False,
@@ -102,8 +109,8 @@ def _run(kind: str, steps: int, dtype: torch.dtype, *, scaler_scale: float | Non
                 p.grad = (torch.randn(p.shape, generator=g) * (scaler_scale or 1.0) * 1e-2).to(p.dtype)
             if inject_inf_at == i:
                 ps[1].grad[5] = float("inf")
-            if huge_grad_at == i:  # finite, but g * g (Adagrad) or lr * g past fp32's range: the result check skips
-                ps[2].grad[7] = 3e38 if ps[2].grad.dtype != torch.float16 else 6e4
+            if huge_grad_at == i:  # finite, but g * g (Adagrad), the norm (NovoGrad) past fp32's range: result skip
+                ps[2].grad[7:9] = 3e38 if ps[2].grad.dtype != torch.float16 else 6e4
             if i == 2:
                 for grp in opt.param_groups:
                     if lr_tensor:
@@ -144,8 +151,8 @@ def test_device_step_equals_the_host_vector_step_bit_for_bit(kind, case, monkeyp
     the same params, state, masters, step counters and skip counts."""
     from fp16kit.optim._apex_common import ApexStateOptimizer
 
-    if kind.startswith("sgd-") and case.get("groups"):
-        pytest.skip("one SGD variant is enough for the two-group case")
+    if "-" in kind and case.get("groups"):
+        pytest.skip("one variant of each optimizer is enough for the two-group case")
     steps = 4
     device_out = _run(kind, steps, **case)
     monkeypatch.setattr(ApexStateOptimizer, "_on_device", lambda self, device: False)
@@ -157,7 +164,7 @@ def test_device_step_equals_the_host_vector_step_bit_for_bit(kind, case, monkeyp
         assert len(device_out[1][key]) == len(vector_out[1][key]), key
         for a, b in zip(device_out[1][key], vector_out[1][key]):
             assert torch.equal(a, b), (key, a, b)
-    if kind.startswith("adagrad") and case.get("huge_grad_at") is not None:  # g * g overflowed: one result skip
+    if kind.startswith(("adagrad", "novograd")) and case.get("huge_grad_at") is not None:  # g * g, the norm
         assert device_out[1]["result_skips"][0].item() == 1
     if case.get("inject_inf_at") is not None and not case.get("scaler_scale"):
         assert device_out[1]["nonfinite_skips"][0].item() == 1
@@ -206,18 +213,31 @@ def test_a_changed_lr_needs_no_new_table_or_plan():
     assert not (seen & HOST_OPS), ops.counts
 
 
+@pytest.mark.interpreter
+def test_novograd_inf_norm_and_first_step_keep_the_host_vector_step():
+    """NovoGrad's device step is the L2 norm's, from the second step on (the first creates the state)."""
+    for norm_type, step_launches in ((2, 4), (0, 8)):
+        opt = FusedNovoGrad(_params(4), lr=0.1, norm_type=norm_type)
+        with counting() as (first, _):
+            opt.step()
+        with counting() as (second, _):
+            opt.step()
+        assert "_novograd_prepare_kernel" not in first
+        assert sum(second.values()) == step_launches, second
+
+
 def test_capturable_is_accepted():
     ps = _params(2)
-    assert FusedAdagrad(ps, capturable=True).capturable is True
-    assert FusedSGD(ps, lr=0.1, capturable=True).capturable is True
-    assert FusedNovoGrad(ps).param_groups  # (no device step: NovoGrad keeps the host-vector step)
+    for opt in (FusedAdagrad(ps, capturable=True), FusedSGD(ps, lr=0.1, capturable=True),
+                FusedNovoGrad(ps, capturable=True)):
+        assert opt.capturable is True
 
 
 # --------------------------------------------------------------------------------------------------- GPU
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "novograd"])
 def test_cuda_graph_capture_replays_equal_eager(kind):
     """torch's documented capture of ``opt.step()`` with a tensor ``lr`` changed between replays."""
     from test_device_step import _cuda_params, replay_against_eager
