@@ -55,6 +55,7 @@ class FusedNovoGrad(ApexStateOptimizer):
         amsgrad: must be False (RuntimeError otherwise, as in apex).
         set_grad_none: ``zero_grad()`` sets grads to None (default) instead of zeroing them.
         master_weights, on_nonfinite: as in :class:`fp16kit.optim.FusedLAMB`.
+        capturable: accepted (torch's capture recipe passes it); the step is capturable either way.
 
     Difference from apex: apex keeps ``v`` of all fp16 and of all fp32 params as two tensors in
     ``group["exp_avg_sq"]``; here each param has its own one-element ``state[p]["exp_avg_sq"]`` (fp32), so

@@ -216,7 +216,7 @@ def test_a_changed_lr_needs_no_new_table_or_plan():
 @pytest.mark.interpreter
 def test_novograd_inf_norm_and_first_step_keep_the_host_vector_step():
     """NovoGrad's device step is the L2 norm's, from the second step on (the first creates the state)."""
-    for norm_type, step_launches in ((2, 4), (0, 8)):
+    for norm_type, step_launches in ((2, 4), (0, 6)):  # the inf-norm: check pass, 2 x (absmax, verify or update)
         opt = FusedNovoGrad(_params(4), lr=0.1, norm_type=norm_type)
         with counting() as (first, _):
             opt.step()
