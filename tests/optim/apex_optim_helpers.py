@@ -330,7 +330,6 @@ sys.path.insert(0, {kernels_dir!r})
 import aot_compile
 import triton.language as tl
 from fp16kit.kernels import {module}
-aot_compile.I64_STEP |= {{"nonfinite_count_ptr", "result_count_ptr", "v_ptrs"}}
 cases = {cases}
 aot_compile.CASES = {{
     name: (getattr({module}, fn), {{k: getattr(tl, v) if v in ("float16", "bfloat16", "float32") else v
