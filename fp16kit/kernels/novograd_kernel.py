@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import l2norm_kernel
 from ._chunks import chunk_span, load_chunk, row_pointer
 from ._results import (
     StepVerify,
@@ -56,8 +57,7 @@ from ._step_scalars import (
 )
 from ._step_skeleton import load_grad
 from ._table import STEP_PROGRAMS_PER_SM, chunk_table, num_programs, step_block, triton_dtype
-from .l2norm_kernel import LAUNCH as L2NORM_LAUNCH
-from .l2norm_kernel import _sumsq_kernel, segment_total
+from .l2norm_kernel import segment_total
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
@@ -332,7 +332,7 @@ def _novograd_prepare(table, grads: Sequence[torch.Tensor], hp: DeviceStep, v_pt
             scale = g_table.scratch["one"] = torch.ones(1, dtype=torch.float32, device=device)
     else:
         scale = hp.scale
-    _sumsq_kernel[(num_programs(device, g_table.num_chunks, STEP_PROGRAMS_PER_SM),)](
+    l2norm_kernel._sumsq_kernel[(num_programs(device, g_table.num_chunks, STEP_PROGRAMS_PER_SM),)](
         g_table.ptrs, g_table.numels, g_table.chunk_tensor, g_table.chunk_start, g_table.num_chunks,
         scale, partials, partials, partials, partials, partials, partials, 1.0,
         IN_DTYPE=triton_dtype(grads[0].dtype),
@@ -341,7 +341,7 @@ def _novograd_prepare(table, grads: Sequence[torch.Tensor], hp: DeviceStep, v_pt
         ALIGNED=g_table.aligned,
         NORM=True,
         SCALE_IS_GRAD_SCALE=hp.scale is not None,
-        **L2NORM_LAUNCH["_sumsq_kernel"],
+        **l2norm_kernel.LAUNCH["_sumsq_kernel"],
     )
     bad = table.scratch_buffer("verify_bad", 2, torch.int32, zero=True)
     parts: tuple[float, ...] = ()
