@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp16kit.kernels import _state8 as q
+from fp16kit.kernels import _state8 as kq
+from fp16kit.kernels import state8 as q
 from fp16kit.numerics import strategies as fst
 from fp16kit.numerics.reference import state8 as ref
 
@@ -58,11 +59,11 @@ def _check(x: torch.Tensor, signed: bool, triton: bool) -> None:
     _same(a, want_a, "torch absmax")
     _same(q.dequantize(c, a, signed), want_v, "torch dequantize")
     if triton:
-        c, a, v = q.launch_quantize(x.contiguous(), signed)
+        c, a, v = kq.launch_quantize(x.contiguous(), signed)
         _same(c, want_c, "triton codes")
         _same(a, want_a, "triton absmax")
         _same(v, want_v, "triton values")
-        _same(q.launch_dequantize(c, a, signed), want_v, "triton dequantize")
+        _same(kq.launch_dequantize(c, a, signed), want_v, "triton dequantize")
 
 
 def _midpoint_blocks(signed: bool, picks: list[int], scale_exp: int) -> torch.Tensor:
