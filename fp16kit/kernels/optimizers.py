@@ -211,6 +211,8 @@ def _lamb_or_adam(
             else:
                 hp = dataclasses.replace(device_step, advance=i == last) if last else device_step
             lists = (g.pick(params), g.pick(grads), g.pick(exp_avgs), g.pick(exp_avg_sqs))
+            if state8:
+                lists = lists[:2] + _state8_rows(g, lists[2], lists[3])
             chosen = _kernel_models(_models_of(g, models, with_models, len(g.idx)))
             with playing(g.tape):
                 launch(*lists, chosen, hp, flag, **modes, state8=state8)
@@ -285,6 +287,17 @@ def adam_update(
     modes = {"l2_mode": not adam_w_mode and weight_decay != 0, "decoupled": adam_w_mode and weight_decay != 0}
     _lamb_or_adam("adam", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step,
                   _state8_flag(state_bits))
+
+
+def _state8_rows(g: _plan.Group, exp_avgs: list, exp_avg_sqs: list) -> tuple[list, list]:
+    """The group's moment rows as the 8-bit launchers take them (``_state8.state_rows``: small tensors' fp32
+    moments as uint8 views of their bytes), made once per plan: a step makes no views."""
+    rows = g.memo.get("state8_rows")
+    if rows is None:
+        from ._state8 import state_rows
+
+        rows = g.memo["state8_rows"] = state_rows(exp_avgs, exp_avg_sqs, True, exp_avgs[0].device)[:2]
+    return rows
 
 
 def _state8_flag(state_bits: int) -> bool:

@@ -54,6 +54,7 @@ class FusedAdam(FusedOptimizer):
         *,
         on_nonfinite: str = "warn",
         process_group: Any = None,
+        state_bits: int = 32,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
@@ -67,7 +68,8 @@ class FusedAdam(FusedOptimizer):
         }
         self.adam_w_mode = bool(adam_w_mode)
         self.capturable = bool(capturable)
-        options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group}
+        options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group,
+                   "state_bits": state_bits}
         super().__init__(params, defaults, set_grad_none=set_grad_none, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -113,6 +115,7 @@ class FusedAdam(FusedOptimizer):
             weight_decay=float(group["weight_decay"]),
             adam_w_mode=self.adam_w_mode,
             step=step,
+            **self._state_kw(),
         )
 
     def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
@@ -130,5 +133,5 @@ class FusedAdam(FusedOptimizer):
     def _run_device_update(self, group: dict[str, Any], rows: _Rows, ds: DeviceStep, skip: torch.Tensor) -> None:
         F.adam_update(
             rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models, ds, skip,
-            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode,
+            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, **self._state_kw(),
         )
