@@ -124,7 +124,6 @@ class Plan:
     kernel: list[Group] = field(default_factory=list)
     rest: list[Group] = field(default_factory=list)
     neg_inputs: bool = False
-    memo: dict[str, Any] = field(default_factory=dict)  # what an op checked once for this plan (8-bit layout)
 
 
 _EMPTY = Plan(None)
@@ -483,12 +482,12 @@ def _group(spec: Spec, lists: list[list], extra: tuple | None, triton_ok: bool, 
         empty = x.numel() == 0
         if empty and not spec.keep_empty:
             continue
-        row = [lst[i] for lst in lists if lst[i] is not None]
+        row = [lst[i] for r, lst in enumerate(lists) if lst[i] is not None and r not in spec.state_rows]
         fits = (
             triton_ok
             and not empty
             and all(t.dtype in ok and t.is_contiguous() for t in row)
-            and all(lists[s][i].dtype in spec.state_dtypes for s in spec.state_rows)
+            and all(lists[s][i].dtype in spec.state_dtypes and lists[s][i].is_contiguous() for s in spec.state_rows)
         )
         if fits:
             key = tuple(None if lists[r][i] is None else lists[r][i].dtype for r in spec.key_rows) + tail

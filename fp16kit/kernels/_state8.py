@@ -10,6 +10,8 @@ tensor below the threshold keeps fp32 moments (the row holds their address, type
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -196,10 +198,21 @@ def launch_dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -
     return out
 
 
+#: ``id(fp32 moment) -> (weak reference to it, its byte view)``: the views are made once per moment, so a step makes
+#: none (an entry leaves with its moment).
+_byte_views: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
 def _bytes_of(x: torch.Tensor) -> torch.Tensor:
     """An fp32 moment's first ``numel`` bytes as a uint8 tensor (the same address): the table row of a small
     tensor's fp32 state under ``QSTATE``, so that every entry of the row has one dtype and ``numel``."""
-    return x.reshape(-1).view(torch.uint8)[: x.numel()]
+    key = id(x)
+    hit = _byte_views.get(key)
+    if hit is not None and hit[0]() is x and hit[1].data_ptr() == x.data_ptr():
+        return hit[1]
+    view = x.reshape(-1).view(torch.uint8)[: x.numel()]
+    _byte_views[key] = (weakref.ref(x, lambda _, k=key: _byte_views.pop(k, None)), view)
+    return view
 
 
 def state_rows(exp_avgs, exp_avg_sqs, state8: bool, device: torch.device) -> tuple[list, list, torch.Tensor]:

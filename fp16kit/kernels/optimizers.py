@@ -182,14 +182,13 @@ def _lamb_or_adam(
     """Run ``kind`` ("lamb" or "adam") on the kernel groups (one launch set per dtype combination) and the
     fallback groups (per math dtype). ``step`` (the counter ``hp64`` was derived from) lets the CPU fallback
     hand the Adam math to torch's fused CPU Adam kernel (``optim_fallback.py``). ``state8``: moments may be 8-bit
-    (``state8.py``; checked once per plan), the kernels' ``QSTATE`` and ``optim_fallback_state8.py``."""
+    (``state8.py``; checked every call, from metadata only): the kernels' ``QSTATE``, ``optim_fallback_state8.py``."""
     if not params:
         return
     fn = f"{kind}_update"
     plan, with_models = _rows(fn, _ADAM_NAMES, (2, 3), (params, grads, exp_avgs, exp_avg_sqs), models, None, state8)
-    if state8 and not plan.memo.get("state8"):
+    if state8:
         check_state8(fn, params, exp_avgs, exp_avg_sqs)
-        plan.memo["state8"] = True
     flag = found_inf.reshape(1)
     device_step = hp64 if isinstance(hp64, DeviceStep) else None
     if device_step is not None:
@@ -211,8 +210,6 @@ def _lamb_or_adam(
             else:
                 hp = dataclasses.replace(device_step, advance=i == last) if last else device_step
             lists = (g.pick(params), g.pick(grads), g.pick(exp_avgs), g.pick(exp_avg_sqs))
-            if state8:
-                lists = lists[:2] + _state8_rows(g, lists[2], lists[3])
             chosen = _kernel_models(_models_of(g, models, with_models, len(g.idx)))
             with playing(g.tape):
                 launch(*lists, chosen, hp, flag, **modes, state8=state8)
@@ -289,17 +286,6 @@ def adam_update(
                   _state8_flag(state_bits))
 
 
-def _state8_rows(g: _plan.Group, exp_avgs: list, exp_avg_sqs: list) -> tuple[list, list]:
-    """The group's moment rows as the 8-bit launchers take them (``_state8.state_rows``: small tensors' fp32
-    moments as uint8 views of their bytes), made once per plan: a step makes no views."""
-    rows = g.memo.get("state8_rows")
-    if rows is None:
-        from ._state8 import state_rows
-
-        rows = g.memo["state8_rows"] = state_rows(exp_avgs, exp_avg_sqs, True, exp_avgs[0].device)[:2]
-    return rows
-
-
 def _state8_flag(state_bits: int) -> bool:
     if state_bits not in (8, 32):
         raise ValueError(f"fp16kit: state_bits={state_bits!r} is not supported; choose 32 (fp32 moments) or 8.")
@@ -311,7 +297,7 @@ def check_state8(
 ) -> None:
     """The 8-bit layout the kernels rely on: a param that ``uses_state8`` has 8-bit moments made by ``to_state8``
     (codes with room for their absmax), any other fp32/fp64 moments; else ``ValueError`` naming the position."""
-    from .state8 import SMALL_NUMEL, absmax_of, uses_state8
+    from .state8 import SMALL_NUMEL, check_room, uses_state8
 
     for i, (p, m, v) in enumerate(zip(params, exp_avgs, exp_avg_sqs)):
         want = torch.uint8 if uses_state8(p) else (F64 if p.dtype == F64 else torch.float32)
@@ -323,7 +309,7 @@ def check_state8(
                     f"fp16kit.kernels.to_state8 (or let the optimizer make it)."
                 )
             if want == torch.uint8:
-                absmax_of(x)
+                check_room(x)
 
 
 # ---------------------------------------------------------------------------------------------------------------

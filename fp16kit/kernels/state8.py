@@ -35,6 +35,7 @@ __all__ = [
     "ZERO_CODE",
     "absmax_of",
     "book",
+    "check_room",
     "dequantize",
     "from_state8",
     "new_state",
@@ -175,6 +176,15 @@ def new_state(shape: torch.Size | tuple[int, ...], device: torch.device, signed:
 def absmax_of(codes: torch.Tensor) -> torch.Tensor:
     """The fp32 absmax view of an 8-bit moment made by :func:`new_state` (raises ``ValueError`` for a uint8
     tensor that is not such a moment: its storage has no room for the absmax)."""
+    check_room(codes)
+    n = codes.numel()
+    flat = codes.as_strided((_align16(n) + 4 * num_blocks(n),), (1,), codes.storage_offset())
+    return flat[_align16(n) :].view(torch.float32)
+
+
+def check_room(codes: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``codes`` is a contiguous uint8 tensor whose storage holds its absmax after it
+    (:func:`new_state`); reads metadata only (no tensor op)."""
     n = codes.numel()
     need = _align16(n) + 4 * num_blocks(n)
     start = codes.storage_offset()
@@ -184,8 +194,6 @@ def absmax_of(codes: torch.Tensor) -> torch.Tensor:
             "absmax in one buffer); got a tensor without room for the absmax. Rebuild the optimizer state (or load "
             "the checkpoint into an optimizer constructed with state_bits=8)."
         )
-    flat = codes.as_strided((need,), (1,), start)
-    return flat[_align16(n) :].view(torch.float32)
 
 
 def to_state8(x: torch.Tensor, signed: bool) -> torch.Tensor:
