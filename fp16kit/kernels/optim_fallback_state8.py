@@ -32,16 +32,22 @@ def _dequantized(codes: Sequence[torch.Tensor], signed: bool) -> tuple[list[torc
 
 
 def _requantize(
-    codes: Sequence[torch.Tensor], values: list[torch.Tensor], quant: list[int], signed: bool, skip: torch.Tensor
+    codes: Sequence[torch.Tensor],
+    values: list[torch.Tensor],
+    quant: list[int],
+    signed: bool,
+    skip: torch.Tensor,
+    stored: bool = False,
 ) -> None:
-    """Quantize ``values[i]`` into the 8-bit moment ``codes[i]`` for ``i`` in ``quant`` (kept where ``skip``), and
-    replace ``values[i]`` by the values as stored."""
+    """Quantize ``values[i]`` into the 8-bit moment ``codes[i]`` for ``i`` in ``quant`` (kept where ``skip``); with
+    ``stored``, replace ``values[i]`` by the values as stored."""
     for i in quant:
         q, a = quantize(values[i], signed)
         old = absmax_of(codes[i])
         codes[i].copy_(torch.where(skip, codes[i], q))
         old.copy_(torch.where(skip, old, a))
-        values[i] = dequantize(q, a, signed)
+        if stored:
+            values[i] = dequantize(q, a, signed)
 
 
 def adam8_(
@@ -92,8 +98,8 @@ def lamb8_(
     v_old, _ = _dequantized(exp_avg_sqs, False)
     m, v, u = optim_fallback.lamb_direction(p, grads, m_old, v_old, scalars[1:], l2_mode, decoupled, in_place=False)
     m, v = list(m), list(v)
-    _requantize(exp_avgs, m, quant, True, skip)
-    _requantize(exp_avg_sqs, v, quant, False, skip)
+    _requantize(exp_avgs, m, quant, True, skip, stored=True)
+    _requantize(exp_avg_sqs, v, quant, False, skip, stored=True)
     if quant:
         u = optim_fallback.lamb_u(p, m, v, eps, wd, bc1, bc2, decoupled)
     torch._foreach_mul_(u, optim_fallback._trust_ratios(p, u, scalars[0], trust))

@@ -121,14 +121,14 @@ def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]
     if nb * QBLOCK != n:
         flat = torch.cat([flat, flat.new_zeros(nb * QBLOCK - n)])
     blocks = flat.view(nb, QBLOCK)
-    a = blocks.abs()
-    absmax = torch.where(torch.isfinite(a).all(1), a.amax(1) if n else a.new_zeros(0), float("nan"))
-    scale = absmax[:, None]
-    y = blocks / torch.where(scale == 0, 1.0, scale)  # an all-zero block: 0 / 1
+    absmax = blocks.abs().amax(1) if n else flat.new_zeros(0)  # NaN if the block holds one, inf if an inf
+    poisoned = ~torch.isfinite(absmax)
+    absmax = absmax.masked_fill(poisoned, float("nan"))
+    y = blocks / absmax.masked_fill(absmax == 0, 1.0)[:, None]  # an all-zero block: 0 / 1
+    y.masked_fill_(poisoned[:, None], float("-inf"))  # a poisoned block: code 0 (no threshold is <= -inf)
     o = _offset(signed)
     thr = book(x.device)[o + 256 : o + 511]
-    idx = torch.searchsorted(thr, y.reshape(-1), right=True)  # #{k : T_k <= y}
-    idx = torch.where(torch.isnan(y.reshape(-1)), 0, idx)
+    idx = torch.searchsorted(thr, y.view(-1), right=True, out_int32=True)  # #{k : T_k <= y}
     return idx[:n].to(torch.uint8).view(x.shape), absmax
 
 
@@ -136,10 +136,11 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch
     """fp32 values ``book[code] * absmax`` shaped like ``codes`` (module docstring)."""
     o = _offset(signed)
     n = codes.numel()
-    values = book(codes.device)[o : o + 256][codes.reshape(-1).long()]
-    return (values * absmax.repeat_interleave(QBLOCK)[:n]).view(codes.shape)
-
-
+    values = book(codes.device)[o : o + 256].index_select(0, codes.reshape(-1).int())
+    full = n // QBLOCK * QBLOCK
+    values[:full].view(-1, QBLOCK).mul_(absmax[: full // QBLOCK, None])
+    values[full:].mul_(absmax[full // QBLOCK :])  # the ragged last block (at most one absmax)
+    return values.view(codes.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------------
