@@ -34,6 +34,9 @@ class FusedAdam(FusedOptimizer):
     rank skips together). ``amsgrad=True`` raises RuntimeError. ``load_state_dict`` accepts
     ``torch.optim.Adam``/``AdamW`` checkpoints (``docs/optim.md``). ``torch.compile(opt.step)`` captures the
     step in one graph, bit-identical to eager (docs/optim.md, "torch.compile").
+    ``state_bits=8``: 8-bit moments (block-wise dynamic quantization, 256-element blocks, fp32 absmax) for params
+    of at least 4096 elements, dequantized and requantized in the same pass (docs/optim.md, "8-bit moments");
+    not with ``process_group``/DTensor params or ``torch.compile`` (``NotImplementedError``).
     """
 
     _name = "FusedAdam"
