@@ -74,6 +74,37 @@ def adam8_(
     _requantize(exp_avg_sqs, v, quant, False, skip)
 
 
+def lamb8_stage1(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    hp: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    l2_mode: bool,
+    decoupled: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """LAMB's stage 1 over moments that may be 8-bit: the new moments committed (quantized where 8-bit; kept
+    where ``found_inf``), and ``(p, u)``: the params in fp32 and the update direction from the moments as stored."""
+    skip = found_inf.reshape(()) != 0
+    scalars = hp.unbind()
+    _, _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars
+    p = optim_fallback._math(params, hp.dtype)
+    m_old, quant = _dequantized(exp_avgs, True)
+    v_old, _ = _dequantized(exp_avg_sqs, False)
+    m, v, u = optim_fallback.lamb_direction(p, grads, m_old, v_old, scalars[1:], l2_mode, decoupled, in_place=False)
+    m, v = list(m), list(v)
+    _requantize(exp_avgs, m, quant, True, skip, stored=True)
+    _requantize(exp_avg_sqs, v, quant, False, skip, stored=True)
+    if quant:
+        u = optim_fallback.lamb_u(p, m, v, eps, wd, bc1, bc2, decoupled)
+    plain = [i for i in range(len(params)) if i not in set(quant)]
+    optim_fallback._commit([exp_avgs[i] for i in plain], [m[i] for i in plain], skip)
+    optim_fallback._commit([exp_avg_sqs[i] for i in plain], [v[i] for i in plain], skip)
+    return p, list(u)
+
+
 def lamb8_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -90,20 +121,6 @@ def lamb8_(
     """Both LAMB stages (``lamb_kernel.py``) over moments that may be 8-bit; ``u`` from the stored moments."""
     if not params:
         return
-    skip = found_inf.reshape(()) != 0
-    scalars = hp.unbind()
-    _, _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars
-    p = optim_fallback._math(params, hp.dtype)
-    m_old, quant = _dequantized(exp_avgs, True)
-    v_old, _ = _dequantized(exp_avg_sqs, False)
-    m, v, u = optim_fallback.lamb_direction(p, grads, m_old, v_old, scalars[1:], l2_mode, decoupled, in_place=False)
-    m, v = list(m), list(v)
-    _requantize(exp_avgs, m, quant, True, skip, stored=True)
-    _requantize(exp_avg_sqs, v, quant, False, skip, stored=True)
-    if quant:
-        u = optim_fallback.lamb_u(p, m, v, eps, wd, bc1, bc2, decoupled)
-    torch._foreach_mul_(u, optim_fallback._trust_ratios(p, u, scalars[0], trust))
-    plain = [i for i in range(len(params)) if i not in set(quant)]
-    optim_fallback._commit([exp_avgs[i] for i in plain], [m[i] for i in plain], skip)
-    optim_fallback._commit([exp_avg_sqs[i] for i in plain], [v[i] for i in plain], skip)
-    optim_fallback._write_params(params, models, torch._foreach_sub(p, u), skip)
+    p, u = lamb8_stage1(params, grads, exp_avgs, exp_avg_sqs, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled)
+    torch._foreach_mul_(u, optim_fallback._trust_ratios(p, u, hp[0], trust))
+    optim_fallback._write_params(params, models, torch._foreach_sub(p, u), found_inf.reshape(()) != 0)

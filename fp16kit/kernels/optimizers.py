@@ -325,6 +325,7 @@ class LambStaged:
     hp64: torch.Tensor
     rows: tuple[list, list, list, list, list]
     parts: list[tuple[str, _plan.Group, Any]]
+    state8: bool = False  # state_bits=8: moments may be 8-bit (``state8.py``)
 
 
 def lamb_stage1(
@@ -338,15 +339,21 @@ def lamb_stage1(
     *,
     l2_mode: bool,
     decoupled: bool,
+    state_bits: int = 32,
 ) -> LambStaged:
     """LAMB's stage 1 over one group (m, v updated; the update direction ``u`` kept) and the per-tensor sums
     of ``p^2`` and ``u^2`` that stage 2's trust ratio needs. Kernel groups run ``lamb_kernel.py``'s stage-1
-    kernel; the others the torch stage below. No-op on the device when ``found_inf`` is set."""
+    kernel; the others the torch stage below. No-op on the device when ``found_inf`` is set. ``state_bits=8``:
+    as :func:`lamb_update` (``u`` and its sums from the moments as stored)."""
     device = params[0].device
     sums = torch.zeros(2, len(params), dtype=torch.float32, device=device)
-    plan, _ = _rows("lamb_stage1", _ADAM_NAMES, (2, 3), (params, grads, exp_avgs, exp_avg_sqs), models)
+    state8 = _state8_flag(state_bits)
+    plan, _ = _rows("lamb_stage1", _ADAM_NAMES, (2, 3), (params, grads, exp_avgs, exp_avg_sqs), models, None,
+                    state8)
+    if state8:
+        check_state8("lamb_stage1", params, exp_avgs, exp_avg_sqs)
     rows = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(models))
-    staged = LambStaged(sums, hp64, rows, [])
+    staged = LambStaged(sums, hp64, rows, [], state8)
     modes = {"l2_mode": l2_mode, "decoupled": decoupled}
     for g in plan.kernel:
         state = _kernel_stage1(staged, g, found_inf, modes)
@@ -384,7 +391,7 @@ def _kernel_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes
     with playing(g.tape):
         return launch_lamb_stage1(
             params, grads, exp_avgs, exp_avg_sqs, None if models[0] is None else models, staged.hp64.float(),
-            flag.reshape(1), l2_mode=modes["l2_mode"], decoupled=modes["decoupled"],
+            flag.reshape(1), l2_mode=modes["l2_mode"], decoupled=modes["decoupled"], state8=staged.state8,
         )
 
 
@@ -399,7 +406,7 @@ def _kernel_stage2(
     params, _, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
     models = None if models[0] is None else models
     launch_lamb_stage2(table, params, models, staged.hp64.float(), flag, u_sumsq, p_sumsq, decoupled=decoupled,
-                       trust=trust)
+                       trust=trust, state8=staged.state8)
     optim_fallback.bump_versions(params, exp_avgs, exp_avg_sqs, [] if models is None else models)
 
 
@@ -412,8 +419,16 @@ def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes:
     """
     params, grads, exp_avgs, exp_avg_sqs, _ = _lists(staged, g)
     hp = staged.hp64 if params[0].dtype == F64 else staged.hp64.float()
-    skip = optim_fallback._skip(flag, None)
     sums = torch.zeros(2, len(params), dtype=F64, device=hp.device)
+    if staged.state8 and any(x.dtype == torch.uint8 for x in exp_avgs):
+        # 8-bit moments: committed here (the state tensors stand in as "new" m, v for stage 2's masked commit)
+        from .optim_fallback_state8 import lamb8_stage1
+
+        p, u = lamb8_stage1(params, grads, exp_avgs, exp_avg_sqs, hp, flag, **modes)
+        sums[0] = torch.stack(torch._foreach_norm(p)).to(F64).square()
+        sums[1] = torch.stack(torch._foreach_norm(u)).to(F64).square()
+        return hp, flag.reshape(()) != 0, p, list(exp_avgs), list(exp_avg_sqs), u, sums
+    skip = optim_fallback._skip(flag, None)
     if skip is True:
         return hp, skip, None, None, None, None, sums
     scalars = hp.tolist()[1:] if skip is False else hp.unbind()[1:]

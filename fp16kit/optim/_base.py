@@ -136,11 +136,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 f"{self._name}: state_bits={state_bits!r} is not supported; choose 32 (fp32 moments) or 8 (8-bit "
                 f"moments, docs/optim.md)."
             )
-        if state_bits == 8 and process_group is not None:
-            raise NotImplementedError(
-                f"{self._name}: state_bits=8 with a process_group (ZeRO-1) is not supported yet: the sharded LAMB "
-                f"stages keep fp32 moments. Use state_bits=32 for sharded training."
-            )
         self.state_bits = int(state_bits)
         if on_nonfinite not in _POLICIES:
             raise ValueError(

@@ -36,7 +36,7 @@ class FusedAdam(FusedOptimizer):
     step in one graph, bit-identical to eager (docs/optim.md, "torch.compile").
     ``state_bits=8``: 8-bit moments (block-wise dynamic quantization, 256-element blocks, fp32 absmax) for params
     of at least 4096 elements, dequantized and requantized in the same pass (docs/optim.md, "8-bit moments");
-    not with ``process_group``/DTensor params or ``torch.compile`` (``NotImplementedError``).
+    not with FSDP2 (DTensor) params or ``torch.compile`` (``NotImplementedError``).
     """
 
     _name = "FusedAdam"

@@ -12,7 +12,17 @@ import torch
 from test_device_step import BUDGET, counting
 
 from fp16kit.amp import GradScaler
-from fp16kit.kernels import adam_update, from_state8, lamb_update, state8_absmax, to_state8, use_backend, uses_state8
+from fp16kit.kernels import (
+    adam_update,
+    from_state8,
+    lamb_stage1,
+    lamb_stage2,
+    lamb_update,
+    state8_absmax,
+    to_state8,
+    use_backend,
+    uses_state8,
+)
 from fp16kit.kernels import state8 as s8
 from fp16kit.kernels.optim_fallback import masked_commits
 from fp16kit.numerics.reference import state8 as ref
@@ -150,6 +160,29 @@ def test_skip_writes_nothing(kind, backend):
             assert torch.equal(state8_absmax(v[i]), state8_absmax(vs[i]))
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("found", [0.0, 1.0])
+def test_staged_lamb_matches_lamb_update(backend, found):
+    """The two public stages (the sharded step's path: ZeRO-1 runs them around its all-reduce) with 8-bit state
+    write the same moments, codes and absmax as ``lamb_update``, and params within the norms' rounding."""
+    ps, gs, ms, vs = _state(SHAPES, seed=4)
+    flag = torch.full((1,), found)
+    with use_backend(backend):
+        p1, m1, v1 = _clone(ps), _clone(ms), _clone(vs)
+        _update("lamb", p1, gs, m1, v1, flag)
+        p2, m2, v2 = _clone(ps), _clone(ms), _clone(vs)
+        staged = lamb_stage1(p2, gs, m2, v2, [None] * len(ps), _hp("lamb"), flag, l2_mode=False, decoupled=True,
+                             state_bits=8)
+        lamb_stage2(staged, flag, decoupled=True, trust=True)
+    for i in range(len(ps)):
+        assert torch.equal(m1[i], m2[i]) and torch.equal(v1[i], v2[i])
+        if m1[i].dtype == torch.uint8:
+            assert torch.equal(state8_absmax(m1[i]), state8_absmax(m2[i]))
+        torch.testing.assert_close(p1[i], p2[i], rtol=2**-18, atol=2**-30)
+        if found:
+            assert torch.equal(p2[i], ps[i]) and torch.equal(m2[i], ms[i])
+
+
 MAKERS = {
     "adam": lambda ps, **k: FusedAdam(ps, lr=1e-3, weight_decay=0.01, state_bits=8, **k),
     "lamb": lambda ps, **k: FusedLAMB(ps, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0, state_bits=8, **k),
@@ -253,8 +286,6 @@ def test_bad_checkpoints_and_arguments_are_named():
         FusedAdam([p], state_bits=8).load_state_dict(bad)
     with pytest.raises(ValueError, match="state_bits=4"):
         FusedLAMB([p], state_bits=4)
-    with pytest.raises(NotImplementedError, match="ZeRO-1"):
-        FusedLAMB([p], state_bits=8, process_group=object())
     with pytest.raises(ValueError, match=r"needs torch\.uint8 moments"):
         adam_update([p.detach()], [p.grad], [torch.zeros(5000)], [torch.zeros(5000)], [None], _hp("adam"),
                     torch.zeros(1), weight_decay=0.0, adam_w_mode=True, state_bits=8)
