@@ -295,6 +295,49 @@ def test_bad_checkpoints_and_arguments_are_named():
                     adam_w_mode=True, state_bits=8)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
+def test_master_weights_with_8bit_moments(backend):
+    """bf16 params with fp32 masters and 8-bit moments: the model copy is the rounded master, and the masters
+    and moments equal the fp32-params run's (the same update from the same fp32 values)."""
+    g = torch.Generator().manual_seed(6)
+    init = [torch.randn(s, generator=g) for s in ((70, 61), (33,))]
+    grads = [[torch.randn(t.shape, generator=g).bfloat16() for t in init] for _ in range(2)]
+    low = [t.bfloat16().requires_grad_() for t in init]
+    ref = [t.bfloat16().float().requires_grad_() for t in init]
+    with use_backend(backend):
+        o_low = FusedAdam(low, lr=1e-2, master_weights=True, state_bits=8)
+        o_ref = FusedAdam(ref, lr=1e-2, state_bits=8)
+        for gs in grads:
+            for p, q, gr in zip(low, ref, gs):
+                p.grad, q.grad = gr.clone(), gr.float()
+            o_low.step()
+            o_ref.step()
+    for p, q in zip(low, ref):
+        assert torch.equal(o_low.state[p]["master"], q.detach())
+        assert torch.equal(p.detach(), q.detach().bfloat16())
+        assert torch.equal(o_low.state[p]["exp_avg"], o_ref.state[q]["exp_avg"])
+    assert o_low.state[low[0]]["exp_avg"].dtype == torch.uint8
+
+
+def test_doctor_watches_a_run_with_8bit_moments():
+    """The doctor reads grads (and activations), never optimizer state: its report is the same for both modes."""
+    from fp16kit import doctor
+
+    reports = []
+    for bits in (32, 8):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Tanh(), torch.nn.Linear(80, 1))
+        opt = FusedAdam(model.parameters(), lr=1e-2, state_bits=bits)
+        x = torch.randn(32, 64)
+        with doctor.watch(model, every=1) as w:
+            for _ in range(3):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        reports.append(w.report(torch.float16).to_dict())
+    assert reports[0].keys() == reports[1].keys()
+
+
 def test_bytes_per_param():
     """8-bit moments of a large tensor: 1 byte of code + 4/256 of absmax each (+ <= 15 bytes of padding)."""
     p = torch.randn(1 << 16, requires_grad=True)
