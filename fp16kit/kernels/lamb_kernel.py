@@ -60,6 +60,8 @@ LAUNCH: dict[str, dict] = {
     # _lamb_stage1_kernel: the moments and ``u`` must round each operation as the torch fallback and the float64
     # reference do.
     "_lamb_stage1_kernel": {"num_warps": STEP_WARPS_GPU, "enable_fp_fusion": False},
+    # with QSTATE (8-bit moments): 16 warps keep the two block quantizations within 128 registers (8 warps: 234)
+    "_lamb_stage1_kernel_state8": {"num_warps": 16, "enable_fp_fusion": False},
     # _lamb_stage2_kernel: the same ``u`` as stage 1 bit for bit (the trust-ratio norms were taken from stage 1's
     # ``u``); 8 warps: at 16 ptxas (with Triton's ``--regAllocOptLevel=2``) caps it at 64 registers and spills.
     "_lamb_stage2_kernel": {"num_warps": 8, "enable_fp_fusion": False},
@@ -351,7 +353,7 @@ def launch_lamb_stage1(
         FINISH_SUMS=finish,
         QSTATE=state8,
         **flags,
-        **LAUNCH["_lamb_stage1_kernel"],
+        **LAUNCH["_lamb_stage1_kernel_state8" if state8 else "_lamb_stage1_kernel"],
     )
     if finish:
         return table, sums[:n], sums[n:]
