@@ -121,11 +121,14 @@ def main() -> None:
     else:
         lines += ["", "GPU: not available in this run."]
     lines += ["", "## Tiny BERT (tests/optim/test_state8_bert.py): final loss after 30 steps", "",
-              "| optimizer | fp32 moments | 8-bit moments | relative difference |", "| --- | --- | --- | --- |"]
+              "| optimizer | weights | fp32 moments | 8-bit moments | relative difference |",
+              "| --- | --- | --- | --- | --- |"]
     for name in ("FusedAdam", "FusedLAMB"):
-        l32, _ = train(name, 32)
-        l8, _ = train(name, 8)
-        lines.append(f"| {name} | {l32:.4f} | {l8:.4f} | {abs(l8 - l32) / l32:.2%} |")
+        for master in (False, True):
+            l32, _ = train(name, 32, master=master)
+            l8, _ = train(name, 8, master=master)
+            weights = "bf16 + fp32 master" if master else "fp32"
+            lines.append(f"| {name} | {weights} | {l32:.4f} | {l8:.4f} | {abs(l8 - l32) / l32:.2%} |")
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)

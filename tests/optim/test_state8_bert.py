@@ -39,12 +39,15 @@ def masked_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(masked, 4), labels
 
 
-def train(name: str, state_bits: int, steps: int = STEPS) -> tuple[float, torch.optim.Optimizer]:
-    """The final loss of ``steps`` steps of optimizer ``name`` with ``state_bits`` moments, and the optimizer."""
+def train(name: str, state_bits: int, steps: int = STEPS, master: bool = False) -> tuple[float, torch.optim.Optimizer]:
+    """The final loss of ``steps`` steps of optimizer ``name`` with ``state_bits`` moments, and the optimizer.
+    ``master``: a bf16 model with fp32 master weights (``master_weights=True``); its loss is computed in bf16."""
     make, lr = RUNS[name]
     model = tiny_bert()
+    if master:
+        model = model.to(torch.bfloat16)
     ids, labels = masked_batch()
-    opt = make(model.parameters(), lr=lr, weight_decay=0.01, state_bits=state_bits)
+    opt = make(model.parameters(), lr=lr, weight_decay=0.01, state_bits=state_bits, master_weights=master)
     for _ in range(steps):
         model(input_ids=ids, labels=labels).loss.backward()
         opt.step()
