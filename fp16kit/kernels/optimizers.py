@@ -182,7 +182,9 @@ def _lamb_or_adam(
     """Run ``kind`` ("lamb" or "adam") on the kernel groups (one launch set per dtype combination) and the
     fallback groups (per math dtype). ``step`` (the counter ``hp64`` was derived from) lets the CPU fallback
     hand the Adam math to torch's fused CPU Adam kernel (``optim_fallback.py``). ``state8``: moments may be 8-bit
-    (``state8.py``; checked every call, from metadata only): the kernels' ``QSTATE``, ``optim_fallback_state8.py``."""
+    (``state8.py``): the kernels' ``QSTATE``, ``optim_fallback_state8.py``. The 8-bit layout is checked every call
+    (``check_state8``: dtypes and storage sizes, no tensor op), not once per plan: room for the absmax is a property
+    of the storage, which a plan hit (same addresses and metadata) does not prove."""
     if not params:
         return
     fn = f"{kind}_update"
