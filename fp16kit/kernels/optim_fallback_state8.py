@@ -6,7 +6,8 @@ fp32 temporaries, run the fp32 rule on them, quantize the new moments back (``st
 fp32 moments (small tensors) run the fp32 rule on their own state. Adam updates p from the new fp32 moments; LAMB
 computes ``u`` and its norms from the moments as stored (quantized, then dequantized), as the kernel does. The
 masked (device-flag) sequence of ``optim_fallback`` is used throughout, so the moments, codes and absmax match the
-kernels' bit for bit; with ``found_inf`` set nothing is written (codes and absmax included).
+kernels' bit for bit (under ``state_bits=8`` every fallback row takes this path, fp32-state rows included); with
+``found_inf`` set nothing is written (codes and absmax included).
 """
 
 from __future__ import annotations

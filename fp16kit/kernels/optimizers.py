@@ -223,7 +223,7 @@ def _lamb_or_adam(
         hp = hp64 if p[0].dtype == F64 else hp64.float()
         lists = (p, g.pick(grads), g.pick(exp_avgs), g.pick(exp_avg_sqs))
         chosen = _models_of(g, models, with_models, len(p))
-        if state8 and any(m.dtype == torch.uint8 for m in lists[2]):
+        if state8:  # the kernels' rounding sequence for every row, 8-bit or not: one result per backend
             from . import optim_fallback_state8 as fb8
 
             (fb8.lamb8_ if kind == "lamb" else fb8.adam8_)(*lists, chosen, hp, flag, **modes)
@@ -422,7 +422,7 @@ def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes:
     params, grads, exp_avgs, exp_avg_sqs, _ = _lists(staged, g)
     hp = staged.hp64 if params[0].dtype == F64 else staged.hp64.float()
     sums = torch.zeros(2, len(params), dtype=F64, device=hp.device)
-    if staged.state8 and any(x.dtype == torch.uint8 for x in exp_avgs):
+    if staged.state8:
         # 8-bit moments: committed here (the state tensors stand in as "new" m, v for stage 2's masked commit)
         from .optim_fallback_state8 import lamb8_stage1
 
