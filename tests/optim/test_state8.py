@@ -251,6 +251,29 @@ def test_launch_budget_and_no_host_traffic(kind):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_device_step_matches_the_torch_step(kind):
+    """The optimizers' device-resident step (hyper-parameters derived in the kernels, LAMB's sums finished in stage
+    1) against the torch step, three steps with a scaler: the same codes, absmax and fp32 moments."""
+    runs = {}
+    for backend in ("torch", "auto"):
+        ps = _params(5, seed=7)
+        with use_backend(backend):
+            opt = MAKERS[kind](ps, on_nonfinite="skip")
+            scaler = GradScaler("cpu", init_scale=256.0)
+            for _ in range(3):
+                scaler.scale(torch.ones(()))
+                scaler.step(opt)
+                scaler.update()
+        runs[backend] = (ps, opt)
+    (tp, topt), (kp, kopt) = runs["torch"], runs["auto"]
+    for a, b in zip(tp, kp):
+        for key, value in topt.state[a].items():
+            assert torch.equal(value, kopt.state[b][key]), key
+        torch.testing.assert_close(a, b, rtol=2**-16, atol=2**-30)
+
+
+@pytest.mark.interpreter
 def test_scaler_overflow_skips_on_the_device():
     ps = _params(4)
     opt = MAKERS["adam"](ps, on_nonfinite="skip")
