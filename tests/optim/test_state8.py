@@ -393,6 +393,15 @@ def test_doctor_watches_a_run_with_8bit_moments():
     assert reports[0].keys() == reports[1].keys()
 
 
+def test_compiled_8bit_step_is_refused_with_the_reason(monkeypatch):
+    p = torch.randn(5000, requires_grad=True)
+    p.grad = torch.randn(5000)
+    opt = FusedAdam([p], state_bits=8)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # what Dynamo's trace of opt.step sees
+    with pytest.raises(NotImplementedError, match=r"torch\.compile of a state_bits=8 step"):
+        opt._state_kw()
+
+
 def test_bytes_per_param():
     """8-bit moments of a large tensor: 1 byte of code + 4/256 of absmax each (+ <= 15 bytes of padding)."""
     p = torch.randn(1 << 16, requires_grad=True)
