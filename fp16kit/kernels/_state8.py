@@ -11,6 +11,7 @@ tensor below the threshold keeps fp32 moments (the row holds their address, type
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -215,7 +216,9 @@ def _bytes_of(x: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def state_rows(exp_avgs, exp_avg_sqs, state8: bool, device: torch.device) -> tuple[list, list, torch.Tensor]:
+def state_rows(
+    exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], state8: bool, device: torch.device
+) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], torch.Tensor]:
     """The moment rows as a launcher puts them in its table, and the code-book tensor (``state8``: uint8 rows,
     fp32 moments of small tensors as their bytes; else the rows as given and a placeholder)."""
     if not state8:
