@@ -42,6 +42,9 @@ from .optimizers import (
     sgd_update,
     step_check,
 )
+from .state8 import absmax_of as state8_absmax
+from .state8 import dequantize as dequantize_state8
+from .state8 import from_state8, to_state8, uses_state8
 
 __all__ = [
     "KERNEL_DTYPES",
@@ -61,11 +64,13 @@ __all__ = [
     "checks_inf_itself",
     "common_device",
     "copy_",
+    "dequantize_state8",
     "exponent_histogram",
     "flag_for",
     "flag_is_final",
     "flag_nonfinite",
     "forget_autocast_casts",
+    "from_state8",
     "l2norm",
     "lamb_stage1",
     "lamb_stage2",
@@ -79,9 +84,12 @@ __all__ = [
     "release_graph_tables",
     "select_backend",
     "sgd_update",
+    "state8_absmax",
     "step_check",
+    "to_state8",
     "unscale_and_check",
     "use_backend",
+    "uses_state8",
     "vouched_rows",
 ]
 

@@ -23,6 +23,11 @@ and no update buffer is needed), then ``p = p - ratio * u`` with the per-tensor 
 ``ratio = lr * |p| / |u|`` when ``TRUST`` and both norms are non-zero, else ``lr``; it writes p and, in
 master-weights mode, ``round_to_nearest_even(p)`` into the model copy.
 
+``QSTATE`` (``state_bits=8``): rows 2 and 3 of a tensor of at least ``state8.SMALL_NUMEL`` elements hold 8-bit
+moments (``fp16kit/kernels/state8.py``), dequantized on load and quantized on store. Stage 1 computes ``u`` and
+its norms from the moments as stored (quantized, then dequantized in registers), so stage 2, which reloads them,
+recomputes the same ``u``.
+
 Both stages read ``found_inf`` first: when it is non-zero they run zero loop iterations and write nothing.
 Divisions and square roots are the IEEE-rounded ``div_rn``/``sqrt_rn`` (plain ``/`` and ``sqrt`` are
 approximate on NVIDIA GPUs), as apex's CUDA code is with nvcc's default flags.
@@ -36,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import store_chunk
+from ._state8 import book, load_state, state_rows, store_state
 from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
-from ._step_skeleton import chunk_rows, load_grad, load_param_moments, skip_and_stop, store_param
+from ._step_skeleton import chunk_rows, load_grad, skip_and_stop, store_param
 from ._table import (
     STEP_PROGRAMS_PER_SM,
     STEP_WARPS_GPU,
@@ -55,6 +60,8 @@ LAUNCH: dict[str, dict] = {
     # _lamb_stage1_kernel: the moments and ``u`` must round each operation as the torch fallback and the float64
     # reference do.
     "_lamb_stage1_kernel": {"num_warps": STEP_WARPS_GPU, "enable_fp_fusion": False},
+    # with QSTATE (8-bit moments): 16 warps keep the two block quantizations within 128 registers (8 warps: 234)
+    "_lamb_stage1_kernel_state8": {"num_warps": 16, "enable_fp_fusion": False},
     # _lamb_stage2_kernel: the same ``u`` as stage 1 bit for bit (the trust-ratio norms were taken from stage 1's
     # ``u``); 8 warps: at 16 ptxas (with Triton's ``--regAllocOptLevel=2``) caps it at 64 registers and spills.
     "_lamb_stage2_kernel": {"num_warps": 8, "enable_fp_fusion": False},
@@ -142,6 +149,7 @@ def _lamb_stage1_kernel(
     first_chunk,
     u_sumsq,
     p_sumsq,
+    book_ptr,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     L2_MODE: tl.constexpr,
@@ -154,6 +162,7 @@ def _lamb_stage1_kernel(
     BIAS_CORRECTION: tl.constexpr,
     ADVANCE: tl.constexpr,
     FINISH_SUMS: tl.constexpr,
+    QSTATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     _, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = _lamb_scalars(
@@ -168,14 +177,15 @@ def _lamb_stage1_kernel(
         t, offs, mask, full, p_ptr, g_ptr, m_ptr, v_ptr = chunk_rows(
             ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED
         )
-        p, m, v = load_param_moments(p_ptr, m_ptr, v_ptr, offs, mask, full)
+        p, m, v = load_state(ptrs, num_tensors, numels, t, p_ptr, m_ptr, v_ptr, offs, mask, full, book_ptr, QSTATE,
+                             BLOCK, ALIGNED)
         g = tl.div_rn(load_grad(g_ptr, offs, mask, full) * inv_scale, clip)
         if L2_MODE:
             g = g + wd * p
         m = m * beta1 + beta3 * g
         v = v * beta2 + one_minus_beta2 * g * g
-        store_chunk(m_ptr, offs, m, mask, full)
-        store_chunk(v_ptr, offs, v, mask, full)
+        m, v = store_state(ptrs, num_tensors, numels, t, m_ptr, v_ptr, offs, mask, full, m, v, book_ptr, QSTATE, BLOCK,
+                           ALIGNED)
         u = _lamb_update(m, v, p, mask, eps, wd, bc1, bc2, DECOUPLED)
         tl.store(u_partials + c, tl.sum(u * u, axis=0))
         tl.store(p_partials + c, tl.sum(p * p, axis=0))
@@ -210,6 +220,7 @@ def _lamb_stage2_kernel(
     gnorm_ptr,
     u_sumsq,
     p_sumsq,
+    book_ptr,
     P_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
     HAS_MODEL: tl.constexpr,
@@ -222,6 +233,7 @@ def _lamb_stage2_kernel(
     HAS_SCALE: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
     ADVANCE: tl.constexpr,
+    QSTATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     lr, _, _, _, _, eps, wd, bc1, bc2, _, _ = _lamb_scalars(
@@ -235,7 +247,8 @@ def _lamb_stage2_kernel(
         t, offs, mask, full, p_ptr, _grads, m_ptr, v_ptr = chunk_rows(
             ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, P_DTYPE, BLOCK, ALIGNED
         )
-        p, m, v = load_param_moments(p_ptr, m_ptr, v_ptr, offs, mask, full)
+        p, m, v = load_state(ptrs, num_tensors, numels, t, p_ptr, m_ptr, v_ptr, offs, mask, full, book_ptr, QSTATE,
+                             BLOCK, ALIGNED)
         u = _lamb_update(m, v, p, mask, eps, wd, bc1, bc2, DECOUPLED)
         ratio = lr
         if TRUST:
@@ -263,15 +276,19 @@ def launch_lamb(
     l2_mode: bool,
     decoupled: bool,
     trust: bool,
+    state8: bool = False,
 ) -> None:
-    """Both LAMB stages for contiguous, non-empty tensors of one dtype combination (fp32 m, v).
+    """Both LAMB stages for contiguous, non-empty tensors of one dtype combination (fp32 m, v; with ``state8``,
+    8-bit moments where ``state8.uses_state8``).
 
     ``models`` (master-weights mode) receives the rounded copy of the updated ``params``.
     """
     table, p_sumsq, u_sumsq = launch_lamb_stage1(
-        params, grads, exp_avgs, exp_avg_sqs, models, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled
+        params, grads, exp_avgs, exp_avg_sqs, models, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled,
+        state8=state8,
     )
-    launch_lamb_stage2(table, params, models, hp, found_inf, u_sumsq, p_sumsq, decoupled=decoupled, trust=trust)
+    launch_lamb_stage2(table, params, models, hp, found_inf, u_sumsq, p_sumsq, decoupled=decoupled, trust=trust,
+                       state8=state8)
 
 
 def launch_lamb_stage1(
@@ -285,6 +302,7 @@ def launch_lamb_stage1(
     *,
     l2_mode: bool,
     decoupled: bool,
+    state8: bool = False,
 ) -> tuple[ChunkTable, torch.Tensor, torch.Tensor]:
     """Stage 1 (m, v written; ``u`` not stored) and the per-tensor sums of ``p^2`` and ``u^2``.
 
@@ -293,6 +311,7 @@ def launch_lamb_stage1(
     (``fp16kit/kernels/optimizers.py``); :func:`launch_lamb` hands them straight to :func:`launch_lamb_stage2`.
     """
     device = params[0].device
+    exp_avgs, exp_avg_sqs, qbook = state_rows(exp_avgs, exp_avg_sqs, state8, device)
     table = chunk_table(
         [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
         step_block(device),
@@ -324,6 +343,7 @@ def launch_lamb_stage1(
         table.first_chunk,
         sums[n:] if finish else sums,
         sums[:n] if finish else sums,
+        qbook,
         P_DTYPE=triton_dtype(params[0].dtype),
         G_DTYPE=triton_dtype(grads[0].dtype),
         L2_MODE=l2_mode,
@@ -331,8 +351,9 @@ def launch_lamb_stage1(
         BLOCK=table.block,
         ALIGNED=table.aligned,
         FINISH_SUMS=finish,
+        QSTATE=state8,
         **flags,
-        **LAUNCH["_lamb_stage1_kernel"],
+        **LAUNCH["_lamb_stage1_kernel_state8" if state8 else "_lamb_stage1_kernel"],
     )
     if finish:
         return table, sums[:n], sums[n:]
@@ -350,6 +371,7 @@ def launch_lamb_stage2(
     *,
     decoupled: bool,
     trust: bool,
+    state8: bool = False,
 ) -> None:
     """Stage 2 over ``table`` (from :func:`launch_lamb_stage1`): ``p -= ratio * u`` with the per-tensor trust
     ratio from the completed sums; model copies written."""
@@ -365,6 +387,7 @@ def launch_lamb_stage2(
         gnorm,
         u_sumsq,
         p_sumsq,
+        book(device) if state8 else p_sumsq,
         P_DTYPE=p_dtype,
         MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
         HAS_MODEL=models is not None,
@@ -372,6 +395,7 @@ def launch_lamb_stage2(
         TRUST=trust,
         BLOCK=table.block,
         ALIGNED=table.aligned,
+        QSTATE=state8,
         **flags,
         **LAUNCH["_lamb_stage2_kernel"],
     )

@@ -34,6 +34,9 @@ class FusedAdam(FusedOptimizer):
     rank skips together). ``amsgrad=True`` raises RuntimeError. ``load_state_dict`` accepts
     ``torch.optim.Adam``/``AdamW`` checkpoints (``docs/optim.md``). ``torch.compile(opt.step)`` captures the
     step in one graph, bit-identical to eager (docs/optim.md, "torch.compile").
+    ``state_bits=8``: 8-bit moments (block-wise dynamic quantization, 256-element blocks, fp32 absmax) for params
+    of at least 4096 elements, dequantized and requantized in the same pass (docs/optim.md, "8-bit moments");
+    not with FSDP2 (DTensor) params or ``torch.compile`` (``NotImplementedError``).
     """
 
     _name = "FusedAdam"
@@ -54,6 +57,7 @@ class FusedAdam(FusedOptimizer):
         *,
         on_nonfinite: str = "warn",
         process_group: Any = None,
+        state_bits: int = 32,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
@@ -67,7 +71,8 @@ class FusedAdam(FusedOptimizer):
         }
         self.adam_w_mode = bool(adam_w_mode)
         self.capturable = bool(capturable)
-        options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group}
+        options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group,
+                   "state_bits": state_bits}
         super().__init__(params, defaults, set_grad_none=set_grad_none, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -113,6 +118,7 @@ class FusedAdam(FusedOptimizer):
             weight_decay=float(group["weight_decay"]),
             adam_w_mode=self.adam_w_mode,
             step=step,
+            **self._state_kw(),
         )
 
     def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
@@ -130,5 +136,5 @@ class FusedAdam(FusedOptimizer):
     def _run_device_update(self, group: dict[str, Any], rows: _Rows, ds: DeviceStep, skip: torch.Tensor) -> None:
         F.adam_update(
             rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models, ds, skip,
-            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode,
+            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, **self._state_kw(),
         )

@@ -79,6 +79,11 @@ FMA = {
     "adagrad update on the device (fp32)": 0,
     "novograd update on the device (fp32 masters -> bf16 model)": 0,
     "novograd norms, moments, denominators on the device": 0,
+    # 8-bit moments (state_bits=8): the QSTATE epilogue
+    "adam 8-bit moments on the device (fp32)": 0,
+    "adam 8-bit moments (fp32 masters -> bf16 model)": 0,
+    "lamb stage 1 8-bit moments on the device (fp32, decoupled)": 0,
+    "lamb stage 2 8-bit moments on the device (fp32 masters -> fp16 model)": 0,
 }
 MAX_REGISTERS = 128
 #: Kernels over the register budget on an older (still supported) Triton, with the reason. Triton 3.6 (the GPU
