@@ -4,10 +4,11 @@ The table itself is data in :mod:`fp16kit.amp.policy`; this module subscribes to
 and is the only place that casts. Its sibling modules reach the mechanism through the public names below
 (:func:`active_mode`, :func:`cast_all`, :func:`cast_args`, :func:`rule_wrapper`, :func:`table_wrapper`).
 
-Two engines apply the table (docs/autocast.md): this module's ``TorchFunctionMode`` (``"mode"``, the default) and
-the dispatcher engine of :mod:`fp16kit.amp._dispatch` (``"dispatch"``: torch's C++ autocast plus ``torch.library``
-kernels on the Autocast keys for the ops where the table differs from torch), chosen by ``FP16KIT_AUTOCAST_ENGINE``
-or :func:`set_engine`. Both share :func:`cast_args`, so each rule and its error messages are written once.
+Two engines apply the table (docs/autocast.md, "Two engines, one table"): the dispatcher engine of
+:mod:`fp16kit.amp._dispatch` (``"dispatch"``, the default: torch's C++ autocast plus ``torch.library`` kernels on a
+dispatch key of fp16kit's own for the ops where the table differs from torch) and this module's
+``TorchFunctionMode`` (``"mode"``), chosen by ``FP16KIT_AUTOCAST_ENGINE`` or :func:`set_engine`. Both share
+:func:`cast_args`, so each rule and its error messages are written once.
 
 Mechanism of the mode engine: one :class:`torch.overrides.TorchFunctionMode` per thread, pushed by the outermost
 active region. Every torch function, Tensor method and operator reaches its ``__torch_function__``; the op's row is
@@ -65,8 +66,9 @@ _Tensor = torch.Tensor
 _tls = threading.local()
 _NO_KWARGS: dict[str, Any] = {}  # shared, never mutated
 
-#: the engines that can apply the table: "mode" (a TorchFunctionMode, this module) or "dispatch" (override kernels
-#: on torch's Autocast dispatch keys, ``_dispatch``). Chosen by FP16KIT_AUTOCAST_ENGINE, or by :func:`set_engine`.
+#: the engines that can apply the table: "dispatch" (the default: override kernels on a dispatch key of fp16kit's
+#: own, ``_dispatch``) or "mode" (a TorchFunctionMode, this module). Chosen by FP16KIT_AUTOCAST_ENGINE, or by
+#: :func:`set_engine`.
 ENGINES = ("mode", "dispatch")
 _engine = [os.environ.get("FP16KIT_AUTOCAST_ENGINE", "dispatch").strip().lower() or "dispatch"]
 if _engine[0] not in ENGINES:
@@ -80,8 +82,8 @@ def engine() -> str:
 
 def set_engine(name: str) -> None:
     """Select the engine of regions entered from now on (``"mode"`` or ``"dispatch"``); not inside a region.
-    Leaving the dispatcher engine uninstalls it (its kernels and ``torch.nn.functional`` wrappers), so that neither
-    plain ``torch.autocast`` code nor the mode engine meets them."""
+    Leaving the dispatcher engine uninstalls it (its kernels and ``torch.nn.functional`` wrappers), so that the mode
+    engine does not meet them."""
     if name not in ENGINES:
         raise ValueError(f"set_engine({name!r}): use one of {ENGINES}.")
     if getattr(_tls, "depth", 0) or getattr(_tls, "mode", None) is not None:
