@@ -30,23 +30,28 @@ from .found_inf import (
 from .histogram import exponent_histogram
 from .ops import copy_, l2norm, unscale_and_check
 from .optimizers import (
+    Bf16Weights,
     DeviceStep,
     LambStaged,
     adagrad_update,
     adam_update,
     check_and_norm,
+    join_halves,
     lamb_stage1,
     lamb_stage2,
     lamb_update,
     novograd_update,
     sgd_update,
+    split_halves,
     step_check,
+    stochastic_round,
 )
 
 __all__ = [
     "KERNEL_DTYPES",
     "Backend",
     "BackendChoice",
+    "Bf16Weights",
     "DeviceStep",
     "LambStaged",
     "adagrad_update",
@@ -65,6 +70,7 @@ __all__ = [
     "flag_for",
     "flag_is_final",
     "flag_nonfinite",
+    "join_halves",
     "l2norm",
     "lamb_stage1",
     "lamb_stage2",
@@ -78,7 +84,9 @@ __all__ = [
     "release_graph_tables",
     "select_backend",
     "sgd_update",
+    "split_halves",
     "step_check",
+    "stochastic_round",
     "unscale_and_check",
     "use_backend",
     "vouched_rows",

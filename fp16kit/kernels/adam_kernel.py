@@ -29,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ._bf16_weights import Bf16Weights, launch_arguments, load_master, rng_step, store_weights
 from ._chunks import store_chunk
 from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
-from ._step_skeleton import chunk_rows, load_grad, load_param_moments, skip_and_stop, store_param
+from ._step_skeleton import chunk_rows, load_grad, load_param_moments, skip_and_stop
 from ._table import STEP_PROGRAMS_PER_SM, STEP_WARPS_GPU, chunk_table, num_programs, step_block, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -60,6 +61,10 @@ def _adam_kernel(
     b2_hi, b2_mid, b2_lo,
     eps_hi, eps_mid, eps_lo,
     wd_hi, wd_mid, wd_lo,
+    seed,
+    stream,
+    rng_step_ptr,
+    row_idx_ptr,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
@@ -73,6 +78,8 @@ def _adam_kernel(
     HAS_SCALE: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
     ADVANCE: tl.constexpr,
+    WEIGHTS: tl.constexpr,
+    ROW_IDX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if HP_DEVICE:
@@ -102,11 +109,13 @@ def _adam_kernel(
         inv_scale = tl.load(hp_ptr + 9).to(tl.float32)
         decay = tl.load(hp_ptr + 10).to(tl.float32)
     skip, stop = skip_and_stop(found_inf_ptr, num_chunks)
+    rng = rng_step(rng_step_ptr, HP_DEVICE, WEIGHTS)
     for c in range(pid, stop, tl.num_programs(0)):
         t, offs, mask, full, p_ptr, g_ptr, m_ptr, v_ptr = chunk_rows(
             ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED
         )
         p, m, v = load_param_moments(p_ptr, m_ptr, v_ptr, offs, mask, full)
+        p = load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS, ALIGNED)
         g = load_grad(g_ptr, offs, mask, full) * inv_scale
         if L2_MODE:
             g = g + wd * p
@@ -120,7 +129,8 @@ def _adam_kernel(
         p = p + neg_step_size * tl.div_rn(m, denom)
         store_chunk(m_ptr, offs, m, mask, full)
         store_chunk(v_ptr, offs, v, mask, full)
-        store_param(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED)
+        store_weights(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED,
+                      WEIGHTS, seed, stream, rng, row_idx_ptr, ROW_IDX)
     if not skip:
         advance_step(step_ptr, ticket_ptr, ADVANCE)
 
@@ -136,11 +146,15 @@ def launch_adam(
     *,
     l2_mode: bool,
     decoupled: bool,
+    weights: Bf16Weights | None = None,
+    row_idx: torch.Tensor | None = None,
 ) -> None:
     """One Adam launch for contiguous, non-empty tensors of one dtype combination (fp32 m, v).
 
     ``hp``: the float32 vector of the module docstring, or a :class:`DeviceStep` (the hyper-parameters derived
-    in the kernel from the device step counter, which the launch advances when ``hp.advance``)."""
+    in the kernel from the device step counter, which the launch advances when ``hp.advance``). ``weights``: the
+    bf16 write epilogue (``_bf16_weights.py``; split mode: ``models`` holds the low halves); ``row_idx``: each
+    tensor's position in the update call (int32, device), for stochastic rounding's counters, when not ``0..n-1``."""
     device = params[0].device
     table = chunk_table(
         [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
@@ -149,15 +163,18 @@ def launch_adam(
     )
     p_dtype = triton_dtype(params[0].dtype)
     hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, ("lr", "beta1", "beta2", "eps", "weight_decay"))
+    epilogue, modes, has_model = launch_arguments(weights, params, models is not None, found_inf, row_idx)
     _adam_kernel[(num_programs(device, table.num_chunks, STEP_PROGRAMS_PER_SM),)](
         *table.leading_args(),
         hp_ptr,
         found_inf,
         *scalars,
+        *epilogue,
         P_DTYPE=p_dtype,
         G_DTYPE=triton_dtype(grads[0].dtype),
-        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
-        HAS_MODEL=models is not None,
+        MODEL_DTYPE=p_dtype if not has_model else triton_dtype(models[0].dtype),
+        HAS_MODEL=has_model,
+        **modes,
         L2_MODE=l2_mode,
         DECOUPLED=decoupled,
         BLOCK=table.block,

@@ -36,9 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ._bf16_weights import Bf16Weights, epilogue_mode, launch_arguments, load_master, rng_step, store_weights
 from ._chunks import store_chunk
 from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
-from ._step_skeleton import chunk_rows, load_grad, load_param_moments, skip_and_stop, store_param
+from ._step_skeleton import chunk_rows, load_grad, load_param_moments, skip_and_stop
 from ._table import (
     STEP_PROGRAMS_PER_SM,
     STEP_WARPS_GPU,
@@ -145,6 +146,7 @@ def _lamb_stage1_kernel(
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     L2_MODE: tl.constexpr,
+    WEIGHTS: tl.constexpr,
     DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -169,6 +171,7 @@ def _lamb_stage1_kernel(
             ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED
         )
         p, m, v = load_param_moments(p_ptr, m_ptr, v_ptr, offs, mask, full)
+        p = load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS, ALIGNED)
         g = tl.div_rn(load_grad(g_ptr, offs, mask, full) * inv_scale, clip)
         if L2_MODE:
             g = g + wd * p
@@ -210,6 +213,10 @@ def _lamb_stage2_kernel(
     gnorm_ptr,
     u_sumsq,
     p_sumsq,
+    seed,
+    stream,
+    rng_step_ptr,
+    row_idx_ptr,
     P_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
     HAS_MODEL: tl.constexpr,
@@ -222,6 +229,8 @@ def _lamb_stage2_kernel(
     HAS_SCALE: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
     ADVANCE: tl.constexpr,
+    WEIGHTS: tl.constexpr,
+    ROW_IDX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     lr, _, _, _, _, eps, wd, bc1, bc2, _, _ = _lamb_scalars(
@@ -231,11 +240,13 @@ def _lamb_stage2_kernel(
         HP_DEVICE, LR_TENSOR, HAS_SCALE, BIAS_CORRECTION,
     )
     skip, stop = skip_and_stop(found_inf_ptr, num_chunks)
+    rng = rng_step(rng_step_ptr, HP_DEVICE, WEIGHTS)
     for c in range(pid, stop, tl.num_programs(0)):
         t, offs, mask, full, p_ptr, _grads, m_ptr, v_ptr = chunk_rows(
             ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, P_DTYPE, BLOCK, ALIGNED
         )
         p, m, v = load_param_moments(p_ptr, m_ptr, v_ptr, offs, mask, full)
+        p = load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS, ALIGNED)
         u = _lamb_update(m, v, p, mask, eps, wd, bc1, bc2, DECOUPLED)
         ratio = lr
         if TRUST:
@@ -243,7 +254,8 @@ def _lamb_stage2_kernel(
             un = tl.sqrt_rn(tl.load(u_sumsq + t))
             ratio = tl.where((pn != 0.0) & (un != 0.0), lr * tl.div_rn(pn, un), lr)
         p = p - ratio * u
-        store_param(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED)
+        store_weights(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED,
+                      WEIGHTS, seed, stream, rng, row_idx_ptr, ROW_IDX)
     if not skip:
         advance_step(step_ptr, ticket_ptr, ADVANCE)
 
@@ -263,15 +275,20 @@ def launch_lamb(
     l2_mode: bool,
     decoupled: bool,
     trust: bool,
+    weights: Bf16Weights | None = None,
+    row_idx: torch.Tensor | None = None,
 ) -> None:
     """Both LAMB stages for contiguous, non-empty tensors of one dtype combination (fp32 m, v).
 
-    ``models`` (master-weights mode) receives the rounded copy of the updated ``params``.
+    ``models`` (master-weights mode) receives the rounded copy of the updated ``params``; ``weights``, ``row_idx``:
+    the bf16 write epilogue, as in ``adam_kernel.launch_adam`` (split mode: ``models`` holds the low halves).
     """
     table, p_sumsq, u_sumsq = launch_lamb_stage1(
-        params, grads, exp_avgs, exp_avg_sqs, models, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled
+        params, grads, exp_avgs, exp_avg_sqs, models, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled,
+        weights=weights,
     )
-    launch_lamb_stage2(table, params, models, hp, found_inf, u_sumsq, p_sumsq, decoupled=decoupled, trust=trust)
+    launch_lamb_stage2(table, params, models, hp, found_inf, u_sumsq, p_sumsq, decoupled=decoupled, trust=trust,
+                       weights=weights, row_idx=row_idx)
 
 
 def launch_lamb_stage1(
@@ -285,6 +302,7 @@ def launch_lamb_stage1(
     *,
     l2_mode: bool,
     decoupled: bool,
+    weights: Bf16Weights | None = None,
 ) -> tuple[ChunkTable, torch.Tensor, torch.Tensor]:
     """Stage 1 (m, v written; ``u`` not stored) and the per-tensor sums of ``p^2`` and ``u^2``.
 
@@ -327,6 +345,7 @@ def launch_lamb_stage1(
         P_DTYPE=triton_dtype(params[0].dtype),
         G_DTYPE=triton_dtype(grads[0].dtype),
         L2_MODE=l2_mode,
+        WEIGHTS=epilogue_mode(weights, params, models is not None),
         DECOUPLED=decoupled,
         BLOCK=table.block,
         ALIGNED=table.aligned,
@@ -350,6 +369,8 @@ def launch_lamb_stage2(
     *,
     decoupled: bool,
     trust: bool,
+    weights: Bf16Weights | None = None,
+    row_idx: torch.Tensor | None = None,
 ) -> None:
     """Stage 2 over ``table`` (from :func:`launch_lamb_stage1`): ``p -= ratio * u`` with the per-tensor trust
     ratio from the completed sums; model copies written."""
@@ -357,6 +378,7 @@ def launch_lamb_stage2(
     p_dtype = triton_dtype(params[0].dtype)
     hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, _LAMB_HOST)
     gnorm = hp.gnorm if isinstance(hp, DeviceStep) and hp.gnorm is not None else hp_ptr
+    epilogue, modes, has_model = launch_arguments(weights, params, models is not None, found_inf, row_idx)
     _lamb_stage2_kernel[(num_programs(device, table.num_chunks, STEP_PROGRAMS_PER_SM),)](
         *table.leading_args(),
         hp_ptr,
@@ -365,9 +387,11 @@ def launch_lamb_stage2(
         gnorm,
         u_sumsq,
         p_sumsq,
+        *epilogue,
         P_DTYPE=p_dtype,
-        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
-        HAS_MODEL=models is not None,
+        MODEL_DTYPE=p_dtype if not has_model else triton_dtype(models[0].dtype),
+        HAS_MODEL=has_model,
+        **modes,
         DECOUPLED=decoupled,
         TRUST=trust,
         BLOCK=table.block,

@@ -36,6 +36,7 @@ class FusedAdam(FusedOptimizer):
     step in one graph, bit-identical to eager (docs/optim.md, "torch.compile").
     """
 
+    _bf16_modes = True
     _name = "FusedAdam"
 
     def __init__(
@@ -50,10 +51,11 @@ class FusedAdam(FusedOptimizer):
         amsgrad: bool = False,
         set_grad_none: bool = True,
         capturable: bool = False,
-        master_weights: bool = False,
+        master_weights: bool | str = False,
         *,
         on_nonfinite: str = "warn",
         process_group: Any = None,
+        rounding_seed: int | None = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
@@ -67,7 +69,8 @@ class FusedAdam(FusedOptimizer):
         }
         self.adam_w_mode = bool(adam_w_mode)
         self.capturable = bool(capturable)
-        options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group}
+        options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group,
+                   "rounding_seed": rounding_seed}
         super().__init__(params, defaults, set_grad_none=set_grad_none, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -102,7 +105,8 @@ class FusedAdam(FusedOptimizer):
             inv_scale64=inv_scale64,
             device=rows.params[0].device,
         )
-        self._updates().adam_update(
+        weights = self._weights(group)
+        (F if weights is not None else self._updates()).adam_update(
             rows.params,
             rows.grads,
             rows.exp_avgs,
@@ -113,6 +117,7 @@ class FusedAdam(FusedOptimizer):
             weight_decay=float(group["weight_decay"]),
             adam_w_mode=self.adam_w_mode,
             step=step,
+            **({} if weights is None else {"weights": weights}),
         )
 
     def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
@@ -130,5 +135,5 @@ class FusedAdam(FusedOptimizer):
     def _run_device_update(self, group: dict[str, Any], rows: _Rows, ds: DeviceStep, skip: torch.Tensor) -> None:
         F.adam_update(
             rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models, ds, skip,
-            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode,
+            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, weights=self._weights(group),
         )

@@ -68,6 +68,7 @@ class FusedLAMB(FusedOptimizer):
     ``torch.compile(opt.step)`` captures the step in one graph, bit-identical to eager (docs/optim.md).
     """
 
+    _bf16_modes = True
     _name = "FusedLAMB"
 
     def __init__(
@@ -85,10 +86,11 @@ class FusedLAMB(FusedOptimizer):
         max_grad_norm: float = 1.0,
         use_nvlamb: bool = False,
         *,
-        master_weights: bool = False,
+        master_weights: bool | str = False,
         on_nonfinite: str = "warn",
         process_group: Any = None,
         capturable: bool = False,
+        rounding_seed: int | None = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
@@ -109,7 +111,8 @@ class FusedLAMB(FusedOptimizer):
         # accepted as torch's and FusedAdam's: every eager step on the Triton backend is already capturable
         # (docs/optim.md, "The step on the device")
         self.capturable = bool(capturable)
-        options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group}
+        options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group,
+                   "rounding_seed": rounding_seed}
         super().__init__(params, defaults, set_grad_none=set_grad_none, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -154,9 +157,15 @@ class FusedLAMB(FusedOptimizer):
             device=device,
         )
         modes = {"weight_decay": float(group["weight_decay"]), "adam_w_mode": self.adam_w_mode}
-        if _sharding.defer_lamb(self, rows, hp64, **modes, use_nvlamb=self.use_nvlamb):
+        weights = self._weights(group)
+        if weights is not None and self._shard_plan is not None:
+            raise NotImplementedError(
+                f"{self._name}: master_weights={self.bf16_weights!r} does not run sharded steps (FSDP2 DTensor params "
+                f"or process_group=) yet; use master_weights=True there (docs/optim.md)."
+            )
+        if weights is None and _sharding.defer_lamb(self, rows, hp64, **modes, use_nvlamb=self.use_nvlamb):
             return  # sharded params: stages 1 and 2 run after all groups, around one norm all-reduce
-        self._updates().lamb_update(
+        (F if weights is not None else self._updates()).lamb_update(
             rows.params,
             rows.grads,
             rows.exp_avgs,
@@ -168,6 +177,7 @@ class FusedLAMB(FusedOptimizer):
             adam_w_mode=self.adam_w_mode,
             use_nvlamb=self.use_nvlamb,
             step=step,
+            **({} if weights is None else {"weights": weights}),
         )
 
     def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
@@ -189,4 +199,5 @@ class FusedLAMB(FusedOptimizer):
         F.lamb_update(
             rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models, ds, skip,
             weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, use_nvlamb=self.use_nvlamb,
+            weights=self._weights(group),
         )

@@ -1,0 +1,305 @@
+"""bf16 weights without an fp32 master: the two write epilogues of the Adam and LAMB kernels, and their torch twins.
+
+An optimizer with ``master_weights="split"`` or ``"stochastic"`` (docs/optim.md, "bf16 weights without fp32
+masters") updates bf16 params with the same fp32 math as every other mode; only how the fp32 result is kept differs.
+The kernels select it with the constexpr ``WEIGHTS`` (:data:`PLAIN`, :data:`SPLIT`, :data:`STOCHASTIC`); the torch
+fallback calls the functions of the second half of this module. Both write the same bits for the same fp32 values.
+
+**Split ("16+16").** The fp32 master ``x`` is kept as two 16-bit halves: the bf16 param ``hi`` and an int16 state
+``lo`` (``state["master_low"]``)::
+
+    bits = bitcast<uint32>(x)
+    hi   = (bits + 0x8000) >> 16          # round to nearest, ties away from zero (in magnitude)
+    lo   = int16(bits - (hi << 16))       # the signed remainder, in [-32768, 32767]: exactly bits & 0xFFFF
+    x    = bitcast<fp32>((hi << 16) + lo) # reassembly (uint32 arithmetic)
+
+Why this rounding: truncation (``hi = bits >> 16``) is exact too but gives the forward pass weights up to one bf16
+ulp off; round-to-nearest-*even* is not exact in 16 bits (its remainder takes the 2^16 + 1 values
+``-32768 .. 32768`` at ties), round-to-nearest with ties away from zero takes exactly 2^16. So ``hi`` is
+``x.to(torch.bfloat16)`` except at exact ties (low half ``0x8000``, where both neighbours are equally near), and the
+reassembled master is ``x`` bit for bit for every non-NaN ``x`` (±0, subnormals, ±inf, the largest finite value:
+tested exhaustively on edge values). Exceptions, the same as ``x.to(torch.bfloat16)``'s: ``|x|`` within half a
+bf16 ulp of fp32's top (above 3.3961e38) gives ``hi = ±inf`` (``lo`` still restores ``x``); a NaN ``x`` is written
+as the canonical NaN ``0x7FC0`` with ``lo = 0`` (its payload is not kept).
+
+**Stochastic rounding.** No master: ``x`` is rounded to one of its two bf16 neighbours, up (in magnitude) with
+probability ``(bits & 0xFFFF) / 2^16``, so ``E[hi] = x`` exactly within a binade::
+
+    r   = philox4x32_10(key=seed, counter=(element, row, stream, step))[0] >> 16
+    hi  = (bits + r) >> 16                # NaN -> 0x7FC0; bf16 values (low half 0) never move
+
+Counter words: ``element`` the element's index in its tensor (low 32 bits), ``row`` the tensor's position in the
+update call's lists, ``stream`` the param group's index (plus the element index's high bits times 2^16), ``step``
+the number of the step being taken (the group's device step counter: it advances only when the step is not
+skipped, so a skipped step draws nothing new, and a checkpoint's counter resumes the stream). Philox4x32-10
+(Salmon et al., SC'11) is Triton's ``tl.philox``; :func:`philox_uint32` computes the same words in int64 torch ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ._chunks import load_chunk, row_pointer, store_chunk
+from ._step_skeleton import store_param
+from .optim_fallback import _skip
+
+__all__ = [
+    "PLAIN",
+    "SPLIT",
+    "STOCHASTIC",
+    "Bf16Weights",
+    "join_halves",
+    "philox_uint32",
+    "split_halves",
+    "stochastic_round",
+]
+
+PLAIN = tl.constexpr(0)  #: the param (or fp32 master) rounded to nearest even, plus the model copy if any
+SPLIT = tl.constexpr(1)  #: bf16 param = high half of the fp32 master, row 4 = its int16 low half
+STOCHASTIC = tl.constexpr(2)  #: bf16 param stochastically rounded from the fp32 result
+
+#: The address-table row of the low halves in split mode (the model-copy row, unused there).
+LOW_ROW = tl.constexpr(4)
+
+# Philox4x32 constants (Salmon et al.): the round multipliers and the Weyl key increments.
+_ROUND_A = 0xD2511F53
+_ROUND_B = 0xCD9E8D57
+_KEY_A = 0x9E3779B9
+_KEY_B = 0xBB67AE85
+_ROUNDS = 10
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Bf16Weights:
+    """How an update writes its bf16 params (``master_weights="split"``/``"stochastic"`` of FusedAdam/FusedLAMB).
+
+    ``mode``: ``"split"`` (the update's ``models`` row carries each bf16 param's int16 low half, viewed as bf16 so
+    the planner's float checks apply: :func:`low_rows`) or ``"stochastic"``. ``seed`` (a 63-bit int), ``stream``
+    (the param group's index) and ``step`` (the group's float32 ``[1]`` step counter) key the random bits of
+    stochastic rounding (module docstring); unused in split mode."""
+
+    mode: str
+    seed: int = 0
+    stream: int = 0
+    step: torch.Tensor | None = None
+
+    def epilogue(self, param_dtype: torch.dtype, has_rows: bool) -> int:
+        """The kernel's ``WEIGHTS`` constexpr for a group of params of ``param_dtype`` (``has_rows``: low halves
+        present): fp32 params in these modes are written plainly."""
+        if self.mode == "split":
+            return SPLIT.value if has_rows else PLAIN.value
+        return STOCHASTIC.value if param_dtype == torch.bfloat16 else PLAIN.value
+
+
+def epilogue_mode(weights: Bf16Weights | None, params: Sequence[torch.Tensor], has_rows: bool) -> int:
+    """The ``WEIGHTS`` constexpr of a launch over ``params`` (one dtype) with or without row 4."""
+    return PLAIN.value if weights is None else weights.epilogue(params[0].dtype, has_rows)
+
+
+def launch_arguments(
+    weights: Bf16Weights | None, params: Sequence[torch.Tensor], has_rows: bool, placeholder: torch.Tensor,
+    row_idx: torch.Tensor | None,
+) -> tuple[tuple, dict[str, int | bool], bool]:
+    """``(args, constexprs, writes_model)`` of the epilogue for one kernel launch: the launch arguments ``seed,
+    stream, rng_step_ptr, row_idx_ptr``, the constexprs ``WEIGHTS, ROW_IDX``, and whether row 4 is a model copy
+    (``has_rows`` and not split). ``placeholder``: any device tensor, for pointers the epilogue does not read."""
+    mode = epilogue_mode(weights, params, has_rows)
+    stochastic = mode == STOCHASTIC.value
+    step = weights.step if stochastic and weights.step is not None else placeholder
+    use_idx = stochastic and row_idx is not None
+    args = (weights.seed if stochastic else 0, weights.stream if stochastic else 0, step,
+            row_idx if use_idx else placeholder)
+    return args, {"WEIGHTS": mode, "ROW_IDX": use_idx}, has_rows and mode != SPLIT.value
+
+
+def low_rows(lows: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The int16 low halves as the bf16 views the update ops take in their ``models`` row (same storage)."""
+    return [None if lo is None else lo.view(torch.bfloat16) for lo in lows]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton device functions (called from adam_kernel.py and lamb_kernel.py under the WEIGHTS constexpr)
+
+
+@triton.jit
+def load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS: tl.constexpr, ALIGNED: tl.constexpr):
+    """The fp32 value the update starts from: ``p`` (the widened param or master), or in split mode the master
+    reassembled from ``p``'s bits (``hi << 16``, exact widening) and the low half in row 4."""
+    if WEIGHTS == SPLIT:
+        lo_ptr = row_pointer(ptrs, LOW_ROW, num_tensors, t, tl.int16, ALIGNED)
+        lo = load_chunk(lo_ptr, offs, mask, full).to(tl.int32).to(tl.uint32, bitcast=True)
+        return (p.to(tl.uint32, bitcast=True) + lo).to(tl.float32, bitcast=True)
+    else:
+        return p
+
+
+@triton.jit
+def rng_step(step_ptr, AHEAD: tl.constexpr, WEIGHTS: tl.constexpr):
+    """The number of the step being taken, as a 32-bit counter word (stochastic rounding only; 0 otherwise, nothing
+    read): the group's counter, plus one when the launch runs before the counter advances (the device step)."""
+    if WEIGHTS == STOCHASTIC:
+        s = tl.load(step_ptr).to(tl.int32)
+        if AHEAD:
+            s = s + 1
+        return s.to(tl.uint32, bitcast=True)
+    else:
+        return tl.full((), 0, tl.uint32)
+
+
+@triton.jit
+def _split_bits(x):
+    bits = x.to(tl.uint32, bitcast=True)
+    nan = x != x
+    hi = tl.where(nan, 0x7FC0, (bits + 0x8000) >> 16)
+    lo = tl.where(nan, 0, bits & 0xFFFF)
+    return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True), lo.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def _stochastic_bits(x, seed, offs, row, stream, step):
+    e = offs.to(tl.uint64)
+    r, _, _, _ = tl.philox(seed, e.to(tl.uint32), row, (stream + (e >> 32) * 65536).to(tl.uint32), step)
+    bits = x.to(tl.uint32, bitcast=True)
+    hi = tl.where(x != x, 0x7FC0, (bits + (r >> 16)) >> 16)
+    return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def store_weights(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE: tl.constexpr, MODEL_DTYPE: tl.constexpr,
+                  HAS_MODEL: tl.constexpr, ALIGNED: tl.constexpr, WEIGHTS: tl.constexpr, seed, stream, step,
+                  row_idx_ptr, ROW_IDX: tl.constexpr):
+    """Write the updated fp32 ``p``: plainly (``store_param``: round to nearest even, model copy), split into the
+    bf16 param and its low half (row 4), or stochastically rounded to bf16 (``row_idx_ptr[t]`` is the tensor's
+    position in the update call when ``ROW_IDX``, else ``t`` is)."""
+    if WEIGHTS == SPLIT:
+        hi, lo = _split_bits(p)
+        store_chunk(p_ptr, offs, hi, mask, full)
+        store_chunk(row_pointer(ptrs, LOW_ROW, num_tensors, t, tl.int16, ALIGNED), offs, lo, mask, full)
+    elif WEIGHTS == STOCHASTIC:
+        if ROW_IDX:  # noqa: SIM108  (a real branch: no load without the table)
+            row = tl.load(row_idx_ptr + t).to(tl.uint32)
+        else:
+            row = t.to(tl.uint32)
+        store_chunk(p_ptr, offs, _stochastic_bits(p, seed, offs, row, stream, step), mask, full)
+    else:
+        store_param(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The same rules in torch ops (the fallback; host helpers for checkpoints and tests)
+
+
+def _low16_signed(x: torch.Tensor) -> torch.Tensor:
+    """The low 16 bits of an int32/int64 tensor as int16 (two's complement), without relying on a narrowing cast's
+    overflow behaviour."""
+    return (((x + 0x8000) & 0xFFFF) - 0x8000).to(torch.int16)
+
+
+def split_halves(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hi, lo)`` of an fp32 tensor: the bf16 high half (round to nearest, ties away from zero) and the int16
+    signed remainder, such that :func:`join_halves` gives ``master`` back bit for bit (NaN: canonical NaN, 0)."""
+    bits = master.contiguous().view(torch.int32).to(torch.int64)
+    nan = torch.isnan(master)
+    hi = torch.where(nan, 0x7FC0, ((bits & _M32) + 0x8000) >> 16)
+    lo = torch.where(nan, 0, bits)
+    return _low16_signed(hi).view(torch.bfloat16).view(master.shape), _low16_signed(lo).view(master.shape)
+
+
+def join_halves(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The fp32 master ``(hi << 16) + lo`` (uint32 arithmetic) of a bf16 ``hi`` and its int16 low half ``lo``."""
+    bits = (hi.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF) * 65536 + lo.to(torch.int64)
+    return _low32_signed(bits).view(torch.float32).view(hi.shape)
+
+
+def _low32_signed(x: torch.Tensor) -> torch.Tensor:
+    return (((x + 0x80000000) & _M32) - 0x80000000).to(torch.int32)
+
+
+def _mul_hi_lo(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hi32, lo32)`` of the 64-bit product of the constant ``a`` and ``x`` (uint32 values in int64), with no
+    int64 overflow: ``x`` is split into 16-bit halves."""
+    xh, xl = x >> 16, x & 0xFFFF
+    t = a * xl  # < 2**48
+    u = a * xh  # < 2**48
+    hi = (u + (t >> 16)) >> 16
+    lo = (((u & 0xFFFF) << 16) + t) & _M32
+    return hi, lo
+
+
+def philox_uint32(seed: int, c0: torch.Tensor, c1: torch.Tensor | int, c2: torch.Tensor | int,
+                  c3: torch.Tensor | int) -> torch.Tensor:
+    """The first output word of Philox4x32-10 for key ``seed`` (64 bits: low word first) and counter
+    ``(c0, c1, c2, c3)`` (uint32 values in int64 tensors or ints, broadcast), as Triton's ``tl.philox`` computes it:
+    an int64 tensor of uint32 values."""
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    c0 = torch.as_tensor(c0, dtype=torch.int64) & _M32
+    c1 = torch.as_tensor(c1, dtype=torch.int64, device=c0.device) & _M32
+    c2 = torch.as_tensor(c2, dtype=torch.int64, device=c0.device) & _M32
+    c3 = torch.as_tensor(c3, dtype=torch.int64, device=c0.device) & _M32
+    for _ in range(_ROUNDS):
+        hi_b, lo_b = _mul_hi_lo(_ROUND_B, c2)
+        hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
+    return c0
+
+
+def stochastic_round(x: torch.Tensor, seed: int, row: int, stream: int, step: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) stochastically rounded to bf16 with the kernel's random bits (module docstring): ``row`` the
+    tensor's position in the update call, ``stream`` the param group's index, ``step`` the step being taken (an
+    integer-valued tensor, read on the device)."""
+    flat = x.contiguous().view(-1)
+    e = torch.arange(flat.numel(), dtype=torch.int64, device=x.device)
+    stream_word = stream + (e >> 32) * 65536
+    r = philox_uint32(seed, e, row, stream_word, step.reshape(()).to(torch.int64))
+    bits = flat.view(torch.int32).to(torch.int64) & _M32
+    hi = torch.where(torch.isnan(flat), 0x7FC0, (bits + (r >> 16)) >> 16)
+    return _low16_signed(hi).view(torch.bfloat16).view(x.shape)
+
+
+def fallback_step(
+    step_fn: Callable[..., None],
+    lists: tuple[Sequence[torch.Tensor], ...],
+    models: Sequence[torch.Tensor | None],
+    hp: torch.Tensor,
+    found_inf: torch.Tensor,
+    modes: dict[str, bool],
+    fused: Any,
+    weights: Bf16Weights,
+    rows: Sequence[int],
+) -> None:
+    """The torch fallback's step (``optim_fallback.lamb_``/``adam_``, ``step_fn``, over ``lists``: params, grads,
+    exp_avgs, exp_avg_sqs) with the bf16 epilogue: the rows'
+    fp32 values (the reassembled masters in split mode, the widened params when stochastic) are updated by the
+    unchanged fallback with no model copies, then written back by :func:`split_halves` or :func:`stochastic_round`
+    (``rows[i]``: row ``i``'s position in the update call). The fp32 values are a temporary of the group (the
+    fallback's transient 4 B/param). A skipped step writes nothing (read on the host on the CPU, masked elsewhere)."""
+    skip = _skip(found_inf, None)
+    if skip is True:
+        return
+    params, rest = lists[0], lists[1:]
+    split = weights.mode == "split"
+    mine = [i for i, (p, m) in enumerate(zip(params, models))
+            if (m is not None if split else p.dtype == torch.bfloat16)]
+    work = list(params)
+    for i in mine:
+        work[i] = join_halves(params[i], models[i].view(torch.int16)) if split else params[i].float()
+    others = [None if split else m for m in models]
+    step_fn(work, *rest, others, hp, found_inf, **modes, fused=fused)
+    for i in mine:
+        p = params[i]
+        if split:
+            hi, lo = split_halves(work[i])
+            dsts, news = [p, models[i].view(torch.int16)], [hi, lo]
+        else:
+            step = weights.step if weights.step is not None else torch.zeros(1, device=p.device)
+            dsts, news = [p], [stochastic_round(work[i], weights.seed, rows[i], weights.stream, step)]
+        for dst, new in zip(dsts, news):
+            dst.copy_(new if skip is False else torch.where(skip, dst, new))
