@@ -259,9 +259,15 @@ def stochastic_round(x: torch.Tensor, seed: int, row: int, stream: int, step: to
     e = torch.arange(flat.numel(), dtype=torch.int64, device=x.device)
     stream_word = stream + (e >> 32) * 65536
     r = philox_uint32(seed, e, row, stream_word, step.reshape(()).to(torch.int64))
-    bits = flat.view(torch.int32).to(torch.int64) & _M32
-    hi = torch.where(torch.isnan(flat), 0x7FC0, (bits + (r >> 16)) >> 16)
-    return _low16_signed(hi).view(torch.bfloat16).view(x.shape)
+    return round_with_bits(flat, r >> 16).view(x.shape)
+
+
+def round_with_bits(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
+    """The stochastic-rounding rule with given random bits: ``x`` (fp32) to bf16, adding ``r16`` (uniform integers
+    in ``[0, 2^16)``) to the low half of its magnitude's bits and truncating (NaN -> the canonical NaN)."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    hi = torch.where(torch.isnan(x), 0x7FC0, (bits.view(x.shape) + r16) >> 16)
+    return _low16_signed(hi).view(torch.bfloat16)
 
 
 def fallback_step(
