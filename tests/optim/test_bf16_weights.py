@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_device_step import BUDGET, counting
 
 from fp16kit.amp import GradScaler
 from fp16kit.kernels import join_halves, split_halves, stochastic_round, use_backend
@@ -23,8 +24,6 @@ from fp16kit.kernels._bf16_weights import _split_bits, _stochastic_bits, philox_
 from fp16kit.kernels.optim_fallback import masked_commits
 from fp16kit.numerics.reference.bf16_weights import split_master, stochastic_round_bf16
 from fp16kit.optim import FusedAdam, FusedLAMB, FusedSGD
-
-from test_device_step import BUDGET, counting
 
 # fp32 bit patterns at the edges: ±0, the smallest and largest subnormals, the smallest normal, 1 and its
 # neighbours, ties (low half 0x8000) with even and odd high halves, just below and above ties, the largest finite
@@ -326,7 +325,7 @@ def test_checkpoints_convert_between_split_and_fp32_masters_losslessly(kind):
 
 
 def test_bad_modes_and_params_are_refused_with_the_fix():
-    with pytest.raises(TypeError, match="Cast the model to torch.bfloat16"):
+    with pytest.raises(TypeError, match=r"Cast the model to torch\.bfloat16"):
         FusedAdam([torch.zeros(3, dtype=torch.float16, requires_grad=True)], master_weights="split")
     with pytest.raises(ValueError, match="'split' or 'stochastic'"):
         FusedLAMB([torch.zeros(3, requires_grad=True)], master_weights="splitt")
