@@ -255,11 +255,23 @@ def stochastic_round(x: torch.Tensor, seed: int, row: int, stream: int, step: to
     """``x`` (fp32) stochastically rounded to bf16 with the kernel's random bits (module docstring): ``row`` the
     tensor's position in the update call, ``stream`` the param group's index, ``step`` the step being taken (an
     integer-valued tensor, read on the device)."""
-    flat = x.contiguous().view(-1)
-    e = torch.arange(flat.numel(), dtype=torch.int64, device=x.device)
-    stream_word = stream + (e >> 32) * 65536
-    r = philox_uint32(seed, e, row, stream_word, step.reshape(()).to(torch.int64))
-    return round_with_bits(flat, r >> 16).view(x.shape)
+    return stochastic_round_list([x], seed, [row], stream, step)[0]
+
+
+def stochastic_round_list(xs: Sequence[torch.Tensor], seed: int, rows: Sequence[int], stream: int,
+                          step: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`stochastic_round` of every ``xs[i]`` (fp32, one device) with row counter ``rows[i]``: one Philox
+    evaluation over the concatenated elements (a fixed number of torch ops per call, not per tensor)."""
+    numels = [x.numel() for x in xs]
+    device = xs[0].device
+    flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
+    starts = torch.tensor([0, *numels[:-1]], dtype=torch.int64).cumsum(0).to(device)
+    sizes = torch.tensor(numels, dtype=torch.int64, device=device)
+    e = torch.arange(flat.numel(), dtype=torch.int64, device=device) - starts.repeat_interleave(sizes)
+    row = torch.tensor(list(rows), dtype=torch.int64).to(device).repeat_interleave(sizes)
+    r = philox_uint32(seed, e, row, stream + (e >> 32) * 65536, step.reshape(()).to(torch.int64))
+    out = round_with_bits(flat, r >> 16)
+    return [o.view(x.shape) for o, x in zip(out.split(numels), xs)]
 
 
 def round_with_bits(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
@@ -299,13 +311,18 @@ def fallback_step(
         work[i] = join_halves(params[i], models[i].view(torch.int16)) if split else params[i].float()
     others = [None if split else m for m in models]
     step_fn(work, *rest, others, hp, found_inf, **modes, fused=fused)
-    for i in mine:
-        p = params[i]
-        if split:
+    if not mine:
+        return
+    if split:
+        dsts, news = [], []
+        for i in mine:
             hi, lo = split_halves(work[i])
-            dsts, news = [p, models[i].view(torch.int16)], [hi, lo]
-        else:
-            step = weights.step if weights.step is not None else torch.zeros(1, device=p.device)
-            dsts, news = [p], [stochastic_round(work[i], weights.seed, rows[i], weights.stream, step)]
-        for dst, new in zip(dsts, news):
-            dst.copy_(new if skip is False else torch.where(skip, dst, new))
+            dsts += [params[i], models[i].view(torch.int16)]
+            news += [hi, lo]
+    else:
+        step = weights.step if weights.step is not None else torch.zeros(1, device=params[0].device)
+        dsts = [params[i] for i in mine]
+        news = stochastic_round_list([work[i] for i in mine], weights.seed, [rows[i] for i in mine], weights.stream,
+                                     step)
+    for dst, new in zip(dsts, news):
+        dst.copy_(new if skip is False else torch.where(skip, dst, new))
