@@ -223,26 +223,33 @@ def _low32_signed(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mul_hi_lo(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hi32, lo32)`` of the 64-bit product of the constant ``a`` and ``x`` (uint32 values in int64), with no
-    int64 overflow: ``x`` is split into 16-bit halves."""
-    xh, xl = x >> 16, x & 0xFFFF
-    t = a * xl  # < 2**48
-    u = a * xh  # < 2**48
-    hi = (u + (t >> 16)) >> 16
-    lo = (((u & 0xFFFF) << 16) + t) & _M32
-    return hi, lo
+    """``(hi32, lo32)`` of the 64-bit product of the constant ``a`` and ``x`` (uint32 values in int64): the int64
+    product keeps all 64 bits (two's complement wrap-around; checked by the known-answer and kernel tests)."""
+    prod = x * a
+    return (prod >> 32) & _M32, prod & _M32
+
+
+#: Elements per piece of :func:`philox_uint32`'s rounds: the piece's int64 temporaries stay in the L2 cache.
+_PIECE = 1 << 15
 
 
 def philox_uint32(seed: int, c0: torch.Tensor, c1: torch.Tensor | int, c2: torch.Tensor | int,
                   c3: torch.Tensor | int) -> torch.Tensor:
     """The first output word of Philox4x32-10 for key ``seed`` (64 bits: low word first) and counter
-    ``(c0, c1, c2, c3)`` (uint32 values in int64 tensors or ints, broadcast), as Triton's ``tl.philox`` computes it:
-    an int64 tensor of uint32 values."""
+    ``(c0, c1, c2, c3)`` (uint32 values in int64 tensors or ints, broadcast to ``c0``'s shape), as Triton's
+    ``tl.philox`` computes it: an int64 tensor of uint32 values."""
+    c0 = torch.as_tensor(c0, dtype=torch.int64)
+    words = [torch.as_tensor(c, dtype=torch.int64, device=c0.device).expand(c0.shape).reshape(-1)
+             for c in (c0, c1, c2, c3)]
+    out = torch.empty(c0.numel(), dtype=torch.int64, device=c0.device)
+    for start in range(0, c0.numel(), _PIECE):
+        piece = [w[start : start + _PIECE] & _M32 for w in words]
+        out[start : start + _PIECE] = _philox_rounds(seed, *piece)
+    return out.view(c0.shape)
+
+
+def _philox_rounds(seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor) -> torch.Tensor:
     k0, k1 = seed & _M32, (seed >> 32) & _M32
-    c0 = torch.as_tensor(c0, dtype=torch.int64) & _M32
-    c1 = torch.as_tensor(c1, dtype=torch.int64, device=c0.device) & _M32
-    c2 = torch.as_tensor(c2, dtype=torch.int64, device=c0.device) & _M32
-    c3 = torch.as_tensor(c3, dtype=torch.int64, device=c0.device) & _M32
     for _ in range(_ROUNDS):
         hi_b, lo_b = _mul_hi_lo(_ROUND_B, c2)
         hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)

@@ -1,7 +1,9 @@
 """Triton kernel and launcher: one Adam/AdamW pass over many tensors, in ``torch.optim.Adam``'s order of ops.
 
 Address-table rows: ``0`` params (the fp32 master in master-weights mode), ``1`` grads, ``2`` exp_avg
-(fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (row 0 again when there is none; never written then).
+(fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (row 0 again when there is none; never written then), or in
+split mode the int16 low halves of the bf16 params' masters. The param is read through ``load_master`` and written
+through ``store_weights`` (``_bf16_weights.py``: plain, split or stochastic rounding, the constexpr ``WEIGHTS``).
 
 Hyper-parameters come from ``hp``, a float32 device tensor (built by ``fp16kit.optim.functional``; the
 derived values are computed in float64 and rounded once, as torch does with its Python-float scalars)::

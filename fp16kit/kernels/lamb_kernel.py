@@ -2,7 +2,9 @@
 
 One address table per dtype combination with five rows: ``0`` params (the fp32 master in master-weights
 mode), ``1`` grads, ``2`` exp_avg (fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (the low-precision
-model param in master-weights mode; row 0 again otherwise, and never written then).
+model param in master-weights mode; row 0 again otherwise, and never written then; in split mode the int16
+low halves of the bf16 params' masters, read by both stages and written by stage 2: ``_bf16_weights.py``, the
+constexpr ``WEIGHTS``).
 
 Hyper-parameters are read from ``hp``, a float32 device tensor (built by ``fp16kit.optim.functional``)::
 

@@ -29,7 +29,8 @@ class FusedAdam(FusedOptimizer):
     One fused pass reads g, p, m, v and writes p, m, v (and the rounded model copy in master-weights
     mode), after a read-only check pass over the grads that detects inf/NaN. Constructor as apex's
     FusedAdam (``capturable`` is accepted and ignored: every step is already device-side and sync-free);
-    ``master_weights``, ``on_nonfinite`` and ``process_group`` as in :class:`fp16kit.optim.FusedLAMB`
+    ``master_weights`` (``True``, or bf16 params without fp32 masters: ``"split"``, exact, and ``"stochastic"``),
+    ``rounding_seed``, ``on_nonfinite`` and ``process_group`` as in :class:`fp16kit.optim.FusedLAMB`
     (DTensor params step on their local shards; the inf flag is combined over the shard group, so every
     rank skips together). ``amsgrad=True`` raises RuntimeError. ``load_state_dict`` accepts
     ``torch.optim.Adam``/``AdamW`` checkpoints (``docs/optim.md``). ``torch.compile(opt.step)`` captures the

@@ -46,8 +46,16 @@ class FusedLAMB(FusedOptimizer):
             use_nvlamb: apex's hyper-parameters and defaults. ``lr`` may be a one-element device tensor.
         amsgrad: must be False (RuntimeError otherwise, as in apex).
         set_grad_none: ``zero_grad()`` sets grads to None (default) instead of zeroing them.
-        master_weights: keep an fp32 master copy (and fp32 moments) of every fp16/bf16 param; each step
-            updates the master and writes its round-to-nearest-even copy into the param, in the same pass.
+        master_weights: ``True``: keep an fp32 master copy (and fp32 moments) of every fp16/bf16 param; each step
+            updates the master and writes its round-to-nearest-even copy into the param, in the same pass
+            (14 B/param with the moments). For bf16 params without an fp32 master (docs/optim.md, "bf16 weights
+            without fp32 masters"): ``"split"`` keeps the master's low 16 bits in ``state["master_low"]`` (int16)
+            and the high half, rounded to nearest with ties away from zero, in the param: the reassembled master
+            is bit for bit that of ``True`` (12 B/param); ``"stochastic"`` rounds each updated param to bf16
+            stochastically (unbiased; Philox keyed by ``rounding_seed``, the group and the device step counter;
+            10 B/param). fp32 params are updated directly; fp16/fp64 params raise TypeError in these modes.
+        rounding_seed: ``"stochastic"`` only: the 63-bit key of the random bits, kept in each group as
+            ``"rounding_seed"`` (checkpointed); None draws one from torch's default generator.
         on_nonfinite: without a loss scaler, what to do after skipping a step whose grads hold inf/NaN:
             ``"warn"`` (default; on CUDA the warning comes one step later, without a host sync),
             ``"raise"`` (RuntimeError; reads the flag on the host: one sync per step) or ``"skip"``.
