@@ -596,6 +596,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self.process_group is None and not cache.get("rows_dtensors", True):
             shards = cache["shard_plan"] = None  # no DTensor param and no process group: what localize would say
         else:
+            if self.__dict__.get("bf16_weights") and any(
+                is_dtensor(p) for group in self.param_groups for p in group["params"]
+            ):
+                raise NotImplementedError(
+                    f"{self._name}: master_weights={self.bf16_weights!r} does not step FSDP2 (DTensor) params yet; "
+                    f"use master_weights=True there, or ZeRO-1 (process_group=) (docs/optim.md)."
+                )
             shards = _sharding.localize(self, all_rows)  # FSDP2/ZeRO: local shards and the group to sum over
         device = cache.get("rows_device")
         if device is None or shards is not None:

@@ -166,11 +166,8 @@ class FusedLAMB(FusedOptimizer):
         )
         modes = {"weight_decay": float(group["weight_decay"]), "adam_w_mode": self.adam_w_mode}
         weights = self._weights(group)
-        if weights is not None and self._shard_plan is not None:
-            raise NotImplementedError(
-                f"{self._name}: master_weights={self.bf16_weights!r} does not run sharded steps (FSDP2 DTensor params "
-                f"or process_group=) yet; use master_weights=True there (docs/optim.md)."
-            )
+        # ZeRO-1 (process_group=, whole params on their owner): the trust-ratio norms are local, so the bf16 modes run
+        # the one-process update after the step's all-reduce of the grad norm and flag (FSDP2 is refused in step())
         if weights is None and _sharding.defer_lamb(self, rows, hp64, **modes, use_nvlamb=self.use_nvlamb):
             return  # sharded params: stages 1 and 2 run after all groups, around one norm all-reduce
         (F if weights is not None else self._updates()).lamb_update(
