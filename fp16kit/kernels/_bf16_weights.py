@@ -196,30 +196,31 @@ def store_weights(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE: tl.
 # The same rules in torch ops (the fallback; host helpers for checkpoints and tests)
 
 
-def _low16_signed(x: torch.Tensor) -> torch.Tensor:
-    """The low 16 bits of an int32/int64 tensor as int16 (two's complement), without relying on a narrowing cast's
-    overflow behaviour."""
-    return (((x + 0x8000) & 0xFFFF) - 0x8000).to(torch.int16)
-
-
 def split_halves(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hi, lo)`` of an fp32 tensor: the bf16 high half (round to nearest, ties away from zero) and the int16
-    signed remainder, such that :func:`join_halves` gives ``master`` back bit for bit (NaN: canonical NaN, 0)."""
-    bits = master.contiguous().view(torch.int32).to(torch.int64)
+    signed remainder, such that :func:`join_halves` gives ``master`` back bit for bit (NaN: canonical NaN, 0).
+
+    int32 arithmetic on the bits: ``(bits + 0x8000) >> 16`` (arithmetic shift) is the high half as a value in the
+    int16 range for every non-NaN pattern (only NaN magnitudes wrap), and ``(bits << 16) >> 16`` the sign-extended
+    low half, so both narrow to int16 exactly."""
+    bits = master.contiguous().view(torch.int32)
     nan = torch.isnan(master)
-    hi = torch.where(nan, 0x7FC0, ((bits & _M32) + 0x8000) >> 16)
-    lo = torch.where(nan, 0, bits)
-    return _low16_signed(hi).view(torch.bfloat16).view(master.shape), _low16_signed(lo).view(master.shape)
+    hi = torch.where(nan, 0x7FC0, (bits + 0x8000) >> 16).to(torch.int16)
+    lo = torch.where(nan, 0, (bits << 16) >> 16).to(torch.int16)
+    return hi.view(torch.bfloat16).view(master.shape), lo.view(master.shape)
 
 
 def join_halves(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """The fp32 master ``(hi << 16) + lo`` (uint32 arithmetic) of a bf16 ``hi`` and its int16 low half ``lo``."""
-    bits = (hi.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF) * 65536 + lo.to(torch.int64)
-    return _low32_signed(bits).view(torch.float32).view(hi.shape)
+    """The fp32 master ``(hi << 16) + lo`` of a bf16 ``hi`` and its int16 low half ``lo`` (int32 arithmetic with
+    two's complement wrap-around, i.e. the uint32 sum of the bits)."""
+    bits = (hi.contiguous().view(torch.int16).to(torch.int32) << 16) + lo.to(torch.int32)
+    return bits.view(torch.float32).view(hi.shape)
 
 
-def _low32_signed(x: torch.Tensor) -> torch.Tensor:
-    return (((x + 0x80000000) & _M32) - 0x80000000).to(torch.int32)
+def _low16_signed(x: torch.Tensor) -> torch.Tensor:
+    """The low 16 bits of an int64 tensor as int16 (two's complement), without relying on a narrowing cast's
+    overflow behaviour."""
+    return (((x + 0x8000) & 0xFFFF) - 0x8000).to(torch.int16)
 
 
 def _mul_hi_lo(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
