@@ -4,9 +4,9 @@ and ``"stochastic"``, with fp32 params as the reference row.
 
 Columns: bytes per param held between steps (weights + optimizer state); memory traffic per param per step on the
 Triton kernel path (the check pass and the update passes, every tensor read and written once per pass, bf16 grads);
-step time, median and p20-p80 over interleaved rounds (bench_optim.py's method), on the CPU (torch backend) and,
-when CUDA is available, on the GPU (Triton kernels; then GB/s = traffic / time); the final fp32 loss of the tiny
-BERT of ``tests/optim/test_bf16_bert.py`` (60 steps, fixed batch).
+step time, median and p20-p80 (and the minimum) over interleaved rounds (bench_optim.py's method), on the CPU
+(torch backend) and, when CUDA is available, on the GPU (Triton kernels; then GB/s = traffic / time); the final
+fp32 loss of the tiny BERT of ``tests/optim/test_bf16_bert.py`` (60 steps, fixed batch).
 
 Usage: ``python benchmarks/bench_bf16_modes.py [--quick] [--out benchmarks/results/bf16_modes.md]``.
 """
@@ -69,14 +69,14 @@ def main() -> None:
     cpu_shapes = bert_shapes(hidden=256, layers=4, ffn=1024, vocab=8192, positions=128)
     n_cpu = sum(torch.Size(s).numel() for s, _ in cpu_shapes)
     lines = [f"# bf16 weight modes (torch {torch.__version__}, {torch.get_num_threads()} CPU threads)", ""]
-    cpu = step_times("cpu", cpu_shapes, 5 if args.quick else 20)
+    cpu = step_times("cpu", cpu_shapes, 8 if args.quick else 20)
     gpu = None
     if torch.cuda.is_available():
         gpu_shapes = bert_shapes(hidden=768, layers=12, ffn=3072, vocab=30522)
         n_gpu = sum(torch.Size(s).numel() for s, _ in gpu_shapes)
         gpu = step_times("cuda", gpu_shapes, 20 if args.quick else 100)
     head = (f"| optimizer | mode | B/param held | traffic B/param/step | CPU ms/step ({n_cpu / 1e6:.1f}M params) "
-            f"p50 (p20-p80) |")
+            f"p50 (p20-p80), min |")
     sep = "|---|---|---:|---:|---:|"
     if gpu is not None:
         head += f" GPU ms/step ({n_gpu / 1e6:.0f}M) | GPU GB/s |"
@@ -89,7 +89,7 @@ def main() -> None:
             ts = sorted(cpu[(kind, name)])
             q = statistics.quantiles(ts, n=5) if len(ts) > 1 else [ts[0]] * 4
             row = (f"| {kind} | {name} | {STATE_BYTES[name]} | {TRAFFIC[kind][name]} | "
-                   f"{statistics.median(ts) * 1e3:.2f} ({q[0] * 1e3:.2f}-{q[3] * 1e3:.2f}) |")
+                   f"{statistics.median(ts) * 1e3:.1f} ({q[0] * 1e3:.1f}-{q[3] * 1e3:.1f}), {ts[0] * 1e3:.1f} |")
             if gpu is not None:
                 g = statistics.median(gpu[(kind, name)])
                 row += f" {g * 1e3:.3f} | {TRAFFIC[kind][name] * n_gpu / g / 1e9:.0f} |"
