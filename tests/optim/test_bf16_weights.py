@@ -353,3 +353,71 @@ def test_fp32_params_beside_bf16_ones_are_updated_directly():
             q.grad = torch.ones_like(q)
         opt.step()
     assert "master_low" not in opt.state[ref[1]] and torch.equal(ps[1], ref[1])
+
+
+# ------------------------------------------------------------------------------------------------------- GPU
+
+
+def _cuda_bf16_twins(kind: str, mode: str):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ps = [torch.randn(3000, device="cuda", generator=g).bfloat16().requires_grad_() for _ in range(20)]
+    ref_ps = [p.detach().clone().requires_grad_() for p in ps]
+    for p, r in zip(ps, ref_ps):
+        p.grad = (torch.randn(3000, device="cuda", generator=g) * 1e-2).bfloat16()
+        r.grad = p.grad.clone()
+    lr = torch.tensor(1e-3, device="cuda")
+    seed = {"rounding_seed": 5} if mode == "stochastic" else {}
+    opt = MAKERS[kind](ps, master_weights=mode, capturable=True, **seed)
+    ref = MAKERS[kind](ref_ps, master_weights=mode, capturable=True, **seed)
+    for grp in opt.param_groups:
+        grp["lr"] = lr
+    for grp in ref.param_groups:
+        grp["lr"] = lr.clone()
+    return ps, opt, ref_ps, ref, lr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+@pytest.mark.parametrize("mode", ["split", "stochastic"])
+def test_cuda_graph_capture_replays_equal_eager_bf16_modes(kind, mode):
+    """A captured step draws its random bits from the device step counter, so replays equal eager steps bit for bit
+    (params, low halves, moments, counters)."""
+    from test_device_step import replay_against_eager
+
+    ps, opt, ref_ps, ref, lr = _cuda_bf16_twins(kind, mode)
+    replay_against_eager(opt, ref, lr, 4e-3)
+    for a, b in zip(ps, ref_ps):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for a, b in zip(ps, ref_ps):
+        for key in opt.state[a]:
+            assert torch.equal(opt.state[a][key], ref.state[b][key]), key
+    assert torch.equal(opt.param_groups[0]["step"], ref.param_groups[0]["step"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_cuda_split_equals_fp32_masters_bit_for_bit(kind):
+    with torch.device("cuda"):
+        ps = [p.detach().cuda().requires_grad_() for p in _params()]
+        qs = [p.detach().clone().requires_grad_() for p in ps]
+        for mode, xs in ((True, ps), ("split", qs)):
+            opt = MAKERS[kind](xs, master_weights=mode)
+            g = torch.Generator(device="cuda").manual_seed(2)
+            for _ in range(4):
+                for x in xs:
+                    x.grad = (torch.randn(x.shape, device="cuda", generator=g) * 0.1).bfloat16()
+                opt.step()
+            if mode is True:
+                ref = [opt.state[x]["master"] for x in xs]
+            else:
+                got = opt.split_masters()
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(ref, got))
+
+
+def test_default_seed_follows_torch_manual_seed():
+    seeds = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        seeds.append(FusedAdam([torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)],
+                               master_weights="stochastic").param_groups[0]["rounding_seed"])
+    assert seeds[0] == seeds[1] and 0 <= seeds[0] < 2**63
