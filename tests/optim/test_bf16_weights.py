@@ -421,3 +421,12 @@ def test_default_seed_follows_torch_manual_seed():
         seeds.append(FusedAdam([torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)],
                                master_weights="stochastic").param_groups[0]["rounding_seed"])
     assert seeds[0] == seeds[1] and 0 <= seeds[0] < 2**63
+
+
+def test_amp_master_weights_refuse_the_bf16_modes():
+    from fp16kit import amp
+
+    model = torch.nn.Linear(4, 4)
+    opt = FusedAdam(model.parameters(), master_weights="split")
+    with pytest.raises(ValueError, match="without fp32 masters"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
