@@ -75,6 +75,12 @@ FMA = {
     "lamb stage 1 on the device (fp32, decoupled)": 0,
     "lamb stage 2 on the device (fp32 masters -> fp16 model)": 0,
     "adam on the device (fp32)": 0,
+    # the bf16 write epilogues (fp16kit/kernels/_bf16_weights.py): integer bit arithmetic and Philox, no FMA
+    "adam on the device, bf16 split": 0,
+    "adam on the device, bf16 stochastic": 0,
+    "lamb stage 1 on the device, bf16 split": 0,
+    "lamb stage 2 on the device, bf16 split": 0,
+    "lamb stage 2 on the device, bf16 stochastic": 0,
 }
 MAX_REGISTERS = 128
 #: Kernels over the register budget on an older (still supported) Triton, with the reason. Triton 3.6 (the GPU
