@@ -25,11 +25,12 @@ as the canonical NaN ``0x7FC0`` with ``lo = 0`` (its payload is not kept).
 **Stochastic rounding.** No master: ``x`` is rounded to one of its two bf16 neighbours, up (in magnitude) with
 probability ``(bits & 0xFFFF) / 2^16``, so ``E[hi] = x`` exactly within a binade::
 
-    r   = philox4x32_10(key=seed, counter=(element, row, stream, step))[0] >> 16
+    w   = philox4x32_10(key=seed, counter=(e // 8, row, stream, step))     # 4 words of 32 bits
+    r   = 16-bit half (e % 2) of word w[(e // 2) % 4]                        # e: the element's index
     hi  = (bits + r) >> 16                # NaN -> 0x7FC0; bf16 values (low half 0) never move
 
-Counter words: ``element`` the element's index in its tensor (low 32 bits), ``row`` the tensor's position in the
-update call's lists, ``stream`` the param group's index (plus the element index's high bits times 2^16), ``step``
+Counter words: ``e // 8`` (low 32 bits; one counter serves 8 elements), ``row`` the tensor's position in the
+update call's lists, ``stream`` the param group's index (plus the counter's high bits times 2^16), ``step``
 the number of the step being taken (the group's device step counter: it advances only when the step is not
 skipped, so a skipped step draws nothing new, and a checkpoint's counter resumes the stream). Philox4x32-10
 (Salmon et al., SC'11) is Triton's ``tl.philox``; :func:`philox_uint32` computes the same words in int64 torch ops.
@@ -37,6 +38,7 @@ skipped, so a skipped step draws nothing new, and a checkpoint's counter resumes
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -165,9 +167,13 @@ def _split_bits(x):
 @triton.jit
 def _stochastic_bits(x, seed, offs, row, stream, step):
     e = offs.to(tl.uint64)
-    r, _, _, _ = tl.philox(seed, e.to(tl.uint32), row, (stream + (e >> 32) * 65536).to(tl.uint32), step)
+    k = e >> 3  # one Philox counter per 8 elements: its 4 words are 8 halves of 16 bits
+    r0, r1, r2, r3 = tl.philox(seed, k.to(tl.uint32), row, (stream + (k >> 32) * 65536).to(tl.uint32), step)
+    odd_word = (e & 2) != 0
+    word = tl.where((e & 4) != 0, tl.where(odd_word, r3, r2), tl.where(odd_word, r1, r0))
+    r = tl.where((e & 1) == 0, word & 0xFFFF, word >> 16)
     bits = x.to(tl.uint32, bitcast=True)
-    hi = tl.where(x != x, 0x7FC0, (bits + (r >> 16)) >> 16)
+    hi = tl.where(x != x, 0x7FC0, (bits + r) >> 16)
     return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
@@ -217,12 +223,6 @@ def join_halves(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32).view(hi.shape)
 
 
-def _low16_signed(x: torch.Tensor) -> torch.Tensor:
-    """The low 16 bits of an int64 tensor as int16 (two's complement), without relying on a narrowing cast's
-    overflow behaviour."""
-    return (((x + 0x8000) & 0xFFFF) - 0x8000).to(torch.int16)
-
-
 def _mul_hi_lo(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hi32, lo32)`` of the 64-bit product of the constant ``a`` and ``x`` (uint32 values in int64): the int64
     product keeps all 64 bits (two's complement wrap-around; checked by the known-answer and kernel tests)."""
@@ -236,27 +236,28 @@ _PIECE = 1 << 15
 
 def philox_uint32(seed: int, c0: torch.Tensor, c1: torch.Tensor | int, c2: torch.Tensor | int,
                   c3: torch.Tensor | int) -> torch.Tensor:
-    """The first output word of Philox4x32-10 for key ``seed`` (64 bits: low word first) and counter
+    """The four output words of Philox4x32-10 for key ``seed`` (64 bits: low word first) and counter
     ``(c0, c1, c2, c3)`` (uint32 values in int64 tensors or ints, broadcast to ``c0``'s shape), as Triton's
-    ``tl.philox`` computes it: an int64 tensor of uint32 values."""
+    ``tl.philox`` computes them: an int64 tensor of uint32 values, shape ``c0.shape + (4,)``."""
     c0 = torch.as_tensor(c0, dtype=torch.int64)
     words = [torch.as_tensor(c, dtype=torch.int64, device=c0.device).expand(c0.shape).reshape(-1)
              for c in (c0, c1, c2, c3)]
-    out = torch.empty(c0.numel(), dtype=torch.int64, device=c0.device)
+    out = torch.empty(c0.numel(), 4, dtype=torch.int64, device=c0.device)
     for start in range(0, c0.numel(), _PIECE):
         piece = [w[start : start + _PIECE] & _M32 for w in words]
-        out[start : start + _PIECE] = _philox_rounds(seed, *piece)
-    return out.view(c0.shape)
+        out[start : start + _PIECE] = torch.stack(_philox_rounds(seed, *piece), dim=1)
+    return out.view(*c0.shape, 4)
 
 
-def _philox_rounds(seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor) -> torch.Tensor:
+def _philox_rounds(seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor,
+                   c3: torch.Tensor) -> tuple[torch.Tensor, ...]:
     k0, k1 = seed & _M32, (seed >> 32) & _M32
     for _ in range(_ROUNDS):
         hi_b, lo_b = _mul_hi_lo(_ROUND_B, c2)
         hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
-    return c0
+    return c0, c1, c2, c3
 
 
 def stochastic_round(x: torch.Tensor, seed: int, row: int, stream: int, step: torch.Tensor) -> torch.Tensor:
@@ -269,25 +270,40 @@ def stochastic_round(x: torch.Tensor, seed: int, row: int, stream: int, step: to
 def stochastic_round_list(xs: Sequence[torch.Tensor], seed: int, rows: Sequence[int], stream: int,
                           step: torch.Tensor) -> list[torch.Tensor]:
     """:func:`stochastic_round` of every ``xs[i]`` (fp32, one device) with row counter ``rows[i]``: one Philox
-    evaluation over the concatenated elements (a fixed number of torch ops per call, not per tensor)."""
+    evaluation per 8 elements over the concatenated tensors (a fixed number of torch ops per call, not per
+    tensor); element ``e`` takes 16-bit half ``e % 2`` of word ``(e // 2) % 4`` of counter ``e // 8``."""
     numels = [x.numel() for x in xs]
+    counters = [(n + 7) // 8 for n in numels]
     device = xs[0].device
     flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
-    starts = torch.tensor([0, *numels[:-1]], dtype=torch.int64).cumsum(0).to(device)
-    sizes = torch.tensor(numels, dtype=torch.int64, device=device)
-    e = torch.arange(flat.numel(), dtype=torch.int64, device=device) - starts.repeat_interleave(sizes)
-    row = torch.tensor(list(rows), dtype=torch.int64).to(device).repeat_interleave(sizes)
-    r = philox_uint32(seed, e, row, stream + (e >> 32) * 65536, step.reshape(()).to(torch.int64))
-    out = round_with_bits(flat, r >> 16)
+    k = _local_index(counters, device)
+    row = torch.tensor(list(rows), dtype=torch.int64).to(device).repeat_interleave(
+        torch.tensor(counters, dtype=torch.int64, device=device))
+    words = philox_uint32(seed, k, row, stream + (k >> 32) * 65536, step.reshape(()).to(torch.int64))
+    # counter c, word w, half h is element 8 c + 2 w + h: row-major [counters, 4, 2] is the elements' order
+    halves = torch.stack(((words & 0xFFFF).to(torch.int32), (words >> 16).to(torch.int32)), dim=2).view(-1)
+    if len(xs) > 1:
+        starts = [8 * c for c in itertools.accumulate([0, *counters[:-1]])]
+        halves = torch.cat([halves[a : a + n] for a, n in zip(starts, numels)])
+    out = round_with_bits(flat, halves[: flat.numel()])
     return [o.view(x.shape) for o, x in zip(out.split(numels), xs)]
+
+
+def _local_index(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """For the concatenation of ranges of ``sizes`` elements: each element's index in its range."""
+    lengths = torch.tensor(sizes, dtype=torch.int64, device=device)
+    starts = (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
+    return torch.arange(sum(sizes), dtype=torch.int64, device=device) - starts
 
 
 def round_with_bits(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
     """The stochastic-rounding rule with given random bits: ``x`` (fp32) to bf16, adding ``r16`` (uniform integers
-    in ``[0, 2^16)``) to the low half of its magnitude's bits and truncating (NaN -> the canonical NaN)."""
-    bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
-    hi = torch.where(torch.isnan(x), 0x7FC0, (bits.view(x.shape) + r16) >> 16)
-    return _low16_signed(hi).view(torch.bfloat16)
+    in ``[0, 2^16)``) to the low half of its magnitude's bits and truncating (NaN -> the canonical NaN). int32
+    arithmetic on the bits: a negative value's bits are ``magnitude - 2^31`` there, and the sum stays below 2^31
+    in magnitude for every non-NaN ``x``, so the arithmetic shift leaves the high half in the int16 range."""
+    bits = x.contiguous().view(torch.int32).view(x.shape)
+    hi = torch.where(torch.isnan(x), 0x7FC0, (bits + r16) >> 16).to(torch.int16)
+    return hi.view(torch.bfloat16)
 
 
 def fallback_step(
