@@ -21,13 +21,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "optim
 from test_device_step import _params, _step_fn, counting
 
 from fp16kit.amp import GradScaler
-from fp16kit.optim import FusedAdam, FusedLAMB
+from fp16kit.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from fp16kit.optim._apex_common import ApexStateOptimizer
 from fp16kit.optim._base import FusedOptimizer
 
 MAKERS = {
     "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01),
     "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-3, weight_decay=0.01),
+    "FusedSGD": lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.01),
+    "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=1e-2, weight_decay=0.01),
+    "FusedNovoGrad": lambda ps: FusedNovoGrad(ps, lr=1e-2, weight_decay=0.01),
 }
+#: the classes whose ``_on_device`` decides the path (apex's optimizers check their rows too)
+DECIDERS = (FusedOptimizer, ApexStateOptimizer)
 
 
 def one_step(name: str, n: int, scaler: bool) -> tuple[int, int]:
@@ -49,15 +55,16 @@ def main() -> None:
     print("| optimizer | scaler | params | device step: Triton launches | torch ops | host-vector step: Triton "
           "launches | torch ops |")
     print("|---|---|---|---|---|---|---|")
-    original = FusedOptimizer._on_device
+    originals = [cls.__dict__["_on_device"] for cls in DECIDERS]
     for name in MAKERS:
         for scaler in (False, True):
             for n in sizes:
-                FusedOptimizer._on_device = original
                 dl, do = one_step(name, n, scaler)
-                FusedOptimizer._on_device = lambda self, device: False
+                for cls in DECIDERS:
+                    cls._on_device = lambda self, device: False
                 ll, lo = one_step(name, n, scaler)
-                FusedOptimizer._on_device = original
+                for cls, fn in zip(DECIDERS, originals):
+                    cls._on_device = fn
                 print(f"| {name} | {'GradScaler' if scaler else '-'} | {n} | {dl} | {do} | {ll} | {lo} |")
 
 

@@ -1,32 +1,38 @@
-"""The dispatcher engine of ``fp16kit.amp.autocast``: the policy table applied below Python (issue 11, item 5).
+"""The dispatcher engine of ``fp16kit.amp.autocast`` (the default): the policy table applied below Python.
 
 An fp16kit region is ``torch.autocast(device, dtype)`` for CPU (and CUDA when available) plus a *marker*:
-``torch.autocast(MARKER, dtype)``, the autocast state of a device type through which no CPU or CUDA tensor
-dispatches, so turning it on changes nothing by itself; it only tells the kernels below "this is an fp16kit region".
+``torch.autocast(MARKER, dtype)`` with ``MARKER = "ipu"``. Turning on a device type's autocast takes that device's
+autocast dispatch key out of the thread's excluded keys; no CPU or CUDA tensor carries ``AutocastIPU``, but this
+module puts it in the thread's *included* keys (:func:`include_key`; harmless while it stays excluded, as torch
+keeps every autocast key outside an enabled region). So inside a region, and only there, every op dispatches
+through ``AutocastIPU``, where torch registers nothing and this module registers a fallthrough and its kernels.
 
-* torch's own C++ autocast kernels (``AutocastCPU`` / ``AutocastCUDA`` dispatch keys) do every op where they
-  already agree with fp16kit's table on that key (``linear``, ``addmm``, ``mm``, ``conv*``, ``bmm``: LOW on both;
-  the CPU fp32 losses ...): no Python runs for them.
-* For exactly the aten ops whose fp16kit rule differs from torch's kernel on that key, a Python kernel is registered
-  on that key (``torch.library.Library("aten", "IMPL").impl(op, kernel, "AutocastCPU")``). Inside an fp16kit region
-  it applies fp16kit's rule (``autocast_mode.cast_args``, the same function the mode engine uses, so the rules and
-  their error messages are written once) and runs the op with the key excluded (the op's internals run as called,
-  as under the mode engine); outside one it reproduces torch: it calls torch's own kernel for that key
-  (``torch.library.get_kernel``), or, where torch has none (a fallthrough), redispatches below the key. So code
-  that uses plain ``torch.autocast`` outside an fp16kit region sees torch's behaviour.
+* torch's own C++ autocast kernels (``AutocastCPU`` / ``AutocastCUDA``) do every op where they agree with fp16kit's
+  table (``linear``, ``addmm``, ``mm``, ``conv*``, ``bmm``: LOW on both; the CPU fp32 losses ...): no Python runs.
+* For exactly the aten ops whose fp16kit rule differs from torch's kernel on CPU or on CUDA (:func:`live_plan`), a
+  Python kernel is registered on ``AutocastIPU``: it applies fp16kit's rule (``autocast_mode.cast_args``, the same
+  function the mode engine uses, so the rules and their error messages are written once) and runs the op with
+  every autocast key excluded (its internals run as called, as under the mode engine). ``AutocastIPU`` is above
+  ``AutocastCPU`` and below ``AutocastCUDA`` in the dispatcher's order: on CPU tensors the kernel replaces torch's;
+  on CUDA tensors torch's kernel, where it has one, runs first and the kernel then sees its result (they agree for
+  every default row: ``cuda_overrides``). Inside one of torch's autocast kernels (its key is excluded) the kernel
+  runs the op as called.
+* torch's own autocast keys carry no kernel of ours with the default table, so plain ``torch.autocast`` code pays
+  nothing for this engine, before, during (on other threads) or after fp16kit regions. A row the user changes
+  against a torch CUDA kernel (:func:`cuda_overrides`) gets a kernel on ``AutocastCUDA`` too (the documented cost).
 
 Which ops differ (:func:`plan`): every aten op an entry of ``policy.RESOLVED`` names (all overloads but ``out=``
 ones; ``exp`` also gives ``exp_``), compared with torch's rule for that key, read from the installed torch's
 autocast test lists (``_torch_lists``: ``AutocastCPUTestLists`` for CPU, ``AutocastTestLists`` for CUDA) for the
-ops that have a kernel there. They agree when the rule is the same, the op is not in-place (torch has no kernel
-for in-place forms) and, on CUDA, torch's kernel does not pass ``dtype=`` instead of casting
-(``_CUDA_SET_DTYPE``: the bits of ``sum(x, dtype=float32)`` need not be ``sum(x.float())``'s). An op with a torch
-kernel on the key and no fp16kit row runs as called (the table says absent). The plan is recomputed on every
-change of the table (``policy.add_listener``); kernels, once registered, stay and read the live plan.
+ops that have a kernel there. They agree when the rule is the same and the op is not in-place (torch has no kernel
+for in-place forms), or when the op's own type promotion is the PROMOTE row (``cat``, ``stack``). An op with a
+torch kernel and no fp16kit row runs as called (the table says absent). torch's CUDA kernels that run an FP32 op
+as ``op(x, dtype=float32)`` are taken as agreeing (docs/specs/cast-policy.md allows it). The plan is recomputed on
+every change of the table (``policy.add_listener``); kernels, once registered, stay and read the live plan.
 
 Rows without an aten op (Python composites: ``F.normalize``, ``F.softmin``, ``F.interpolate``, user functions)
-are not applied by this engine; :func:`composite_rows` lists them (docs/autocast.md says which of them still get
-the row's dtype through their aten constituents).
+are applied one level up, by wrappers on ``torch.nn.functional`` (:func:`wrapped_functions`); :func:`composite_rows`
+lists them.
 """
 
 from __future__ import annotations
@@ -56,9 +62,13 @@ __all__ = [
     "wrapped_functions",
 ]
 
-#: the autocast device type whose enabled state marks an fp16kit region (no CPU/CUDA tensor dispatches through it)
-MARKER = "mtia"
+#: the autocast device type whose enabled state marks an fp16kit region, and the dispatch key it drives: no CPU or
+#: CUDA tensor carries it, torch registers no kernel on it, and it sits above ``AutocastCPU`` (below
+#: ``AutocastCUDA``) in the dispatcher's order
+MARKER = "ipu"
+KEY = "AutocastIPU"
 _DK = torch._C.DispatchKey
+_OWN_DK = getattr(_DK, KEY)
 _CUDA = torch.cuda.is_available()
 #: dispatch key -> the device type of torch.autocast that drives it
 KEYS: dict[str, str] = {"AutocastCPU": "cpu", "AutocastCUDA": "cuda"}
@@ -73,16 +83,13 @@ _LISTS: dict[str, tuple[str, dict[str, Rule]]] = {
         {attr: Rule[rule] for attr, (rule, _spelling) in _torch_lists.LIST_RULES.items() if rule in ("LOW", "FP32")},
     ),
 }
-# PROMOTE never agrees: torch's promote kernels raise on fp16 mixed with bf16 ("Unexpected floating ScalarType in
-# at::autocast::prioritize"), where fp16kit meets in fp32. BANNED never agrees: torch's CUDA kernel always raises,
-# fp16kit only on low-precision inputs.
-#: ops torch's CUDA autocast runs as ``op(x, dtype=float32)`` (``fp32_set_opt_dtype`` / ``fp32_append_dtype`` in
-#: aten/src/ATen/autocast_mode.cpp) rather than ``op(x.float())``: fp16kit's contract is the latter's bits, which
-#: cannot be checked without a GPU, so they are overridden
-_CUDA_SET_DTYPE = frozenset(
-    {"prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm", "linalg_matrix_norm", "sum", "norm",
-     "nansum"}
-)
+# PROMOTE agrees only where native promotion is the row (_NATIVE_PROMOTE): torch's promote kernels raise on fp16 mixed
+# with bf16 ("Unexpected floating ScalarType in at::autocast::prioritize"), where fp16kit meets in fp32. BANNED never
+# agrees: torch's CUDA kernel always raises, fp16kit only on low-precision inputs.
+#: PROMOTE ops whose own type promotion already gives the PROMOTE row's result, bit for bit (a copy of each input
+#: in the widest floating dtype, float64 included): where torch has no autocast kernel for them, no kernel of ours
+#: either (``cat`` is common: rotary embeddings, KV caches)
+_NATIVE_PROMOTE = frozenset({"cat", "stack"})
 #: callable ``__name__`` -> aten op, where they differ
 _ATEN_NAME = {
     "__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow", "__ipow__": "pow_",
@@ -197,7 +204,7 @@ def _desired() -> dict[str, tuple[_Entry, Any]]:
 #: (scaled_dot_product_attention: one hop per attention call)
 _RULES_MISSING_FROM_TEST_LISTS: dict[str, dict[str, Rule]] = {
     "AutocastCPU": {"scaled_dot_product_attention": Rule.LOW, "linalg_vecdot": Rule.LOW, "_convolution": Rule.LOW},
-    "AutocastCUDA": {},
+    "AutocastCUDA": {"scaled_dot_product_attention": Rule.LOW},
 }
 
 
@@ -248,8 +255,7 @@ def plan(key: str) -> dict[str, tuple[_Entry, Any]]:
             name in torch_ops
             and not entry[1]
             and rules.get(base) is entry[0]
-            and not (key == "AutocastCUDA" and base in _CUDA_SET_DTYPE)
-        )
+        ) or (entry[0] is Rule.PROMOTE and base in _NATIVE_PROMOTE and name not in torch_ops)
         if not agrees:
             out[name] = (entry, fn)
     for name in torch_ops - desired.keys():
@@ -261,44 +267,56 @@ def plan(key: str) -> dict[str, tuple[_Entry, Any]]:
 # Kernels
 # ----------------------------------------------------------------------------------------------------------------
 
-#: key -> {op: (entry, callable)}: the live plan the registered kernels read (mutated in place on table changes)
-_LIVE: dict[str, dict[str, tuple[_Entry, Any]]] = {key: {} for key in KEYS}
-_LIBS: dict[str, torch.library.Library] = {}
-_REGISTERED: dict[str, set[str]] = {key: set() for key in KEYS}
+#: {op: (entry, callable)}: the live plan the registered kernels read (mutated in place on table changes)
+_LIVE: dict[str, tuple[_Entry, Any]] = {}
+_LIBS: list[torch.library.Library] = []
+_REGISTERED: set[str] = set()
+#: the same for the kernels on ``AutocastCUDA`` (:func:`cuda_overrides`)
+_LIVE_CUDA: dict[str, tuple[_Entry, Any]] = {}
+_REGISTERED_CUDA: set[str] = set()
 _CAST_ARGS: list[Callable[..., Any]] = []
+_FALLBACK: list[torch.library.Library] = []
+#: excluded while an overridden op runs under fp16kit's rule: this engine's key and torch's autocast keys, so its
+#: internals run as called (as under the mode engine)
+_ALL_KEYS = (
+    torch._C.DispatchKeySet(_DK.AutocastIPU)
+    | torch._C.DispatchKeySet(_DK.AutocastCPU)
+    | torch._C.DispatchKeySet(_DK.AutocastCUDA)
+)
+_OWN_KEY = torch._C.DispatchKeySet(getattr(_DK, KEY))
+_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 
 
-def _make_kernel(key: str, name: str) -> Callable[..., Any]:
+def _make_kernel(name: str) -> Callable[..., Any]:
     base, _, overload = name.partition(".")
     op = getattr(getattr(torch.ops.aten, base), overload or "default")
-    dk = getattr(_DK, key)
-    excluded = torch._C.DispatchKeySet(dk)
-    live = _LIVE[key]
-    torch_kernel = torch.library.get_kernel(op, key) if _torch_has_kernel(name, key) else None
-    # torch has no kernel here (the key falls through): a composite op decomposes with autocast still on, as under
-    # the fallthrough; any other op runs with the key excluded. (Not op.redispatch(keyset - key): under Dynamo's
-    # fake-tensor propagation that came back to this kernel, forever.)
-    composite = torch_kernel is None and _torch_has_kernel(name, "CompositeImplicitAutograd")
+    live = _LIVE
     call = op._op  # what OpOverload.__call__ calls, without its Python frame (this is the hot path)
     cast_args = _CAST_ARGS[0]
-    enabled = torch.is_autocast_enabled
     guard = torch._C._ExcludeDispatchKeyGuard
+    everything, own = _ALL_KEYS, _OWN_KEY
+    inside_torch_kernel, cpu_key, cuda_key, cuda = _excluded, _DK.AutocastCPU, _DK.AutocastCUDA, _CUDA
+    backward_node = torch._C._current_autograd_node
 
-    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        if enabled(MARKER):
-            hit = live.get(name)
-            if hit is not None:
-                entry, fn = hit
-                if entry is not AS_CALLED:
-                    args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
-                with guard(excluded):
-                    return call(*args, **kwargs)
-        # torch's own behaviour on this key (outside an fp16kit region, or an op that now agrees)
-        if torch_kernel is not None:
-            return torch_kernel.call_boxed(keyset, *args, **kwargs)
-        if composite:
-            return op.decompose(*args, **kwargs)
-        with guard(excluded):
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        # Reached only inside an fp16kit region: the key is dispatched through only while the region's marker
+        # autocast state is on (see the module docstring). Inside one of torch's autocast kernels (its key is then
+        # excluded: torch's kernel cast the inputs of the op it handles and runs its internals) the op runs as
+        # called, as the internals of any table op do.
+        hit = live.get(name)
+        if (
+            hit is not None
+            and backward_node() is None  # the policy is not applied in backward (eager, or traced by AOT autograd)
+            and not inside_torch_kernel(cpu_key)
+            and (not cuda or not inside_torch_kernel(cuda_key))
+        ):
+            entry, fn = hit
+            if entry is not AS_CALLED:
+                args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
+            with guard(everything):
+                return call(*args, **kwargs)
+        # the op agrees with torch again (the table changed): torch's kernels below this key decide
+        with guard(own):
             return call(*args, **kwargs)
 
     return kernel
@@ -308,8 +326,6 @@ def _make_kernel(key: str, name: str) -> Callable[..., Any]:
 # Python-level rows: the functions of torch.nn.functional the engine wraps
 # ----------------------------------------------------------------------------------------------------------------
 
-#: every autocast key this engine drives, excluded while a wrapped function runs under its row
-_ALL_KEYS = torch._C.DispatchKeySet(_DK.AutocastCPU) | torch._C.DispatchKeySet(_DK.AutocastCUDA)
 #: (owner, attribute name) -> the original function, for each function wrapped by :func:`_wrap_functional`
 _WRAPPED: dict[tuple[Any, str], Callable[..., Any]] = {}
 #: id(original function) -> its live row ``(rule, inplace, row)``, or :data:`AS_CALLED` for the native operators
@@ -328,8 +344,7 @@ def _functional_rows() -> list[Callable[..., Any]]:
     kernel on some key (``F.layer_norm``, ``F.softmax``: the call would cost a C++ -> Python hop there, 5-25 us in a
     model's forward, where the wrapper costs one Python call)."""
     F = torch.nn.functional
-    overridden = {name.partition(".")[0] for live in _LIVE.values() for name, (entry, _fn) in live.items()
-                  if entry is not AS_CALLED}
+    overridden = {name.partition(".")[0] for name, (entry, _fn) in _LIVE.items() if entry is not AS_CALLED}
     out = []
     for fn in policy.RESOLVED:
         name = getattr(fn, "__name__", None)
@@ -346,9 +361,10 @@ def _functional_rows() -> list[Callable[..., Any]]:
 
 @contextlib.contextmanager
 def _autocast_off() -> Iterator[None]:
-    """Torch's autocast off on the engine's devices (the marker stays on): under ``torch.compile`` the traceable form of
-    excluding the autocast keys, so that a wrapped function's internals run as called there too."""
-    with torch.autocast("cpu", enabled=False):
+    """Torch's autocast off on the engine's devices and the marker off: under ``torch.compile`` the traceable form of
+    excluding the autocast keys (the engine's among them), so that a wrapped function's internals run as called there
+    too."""
+    with torch.autocast("cpu", enabled=False), torch.autocast(MARKER, enabled=False):
         if _CUDA:
             with torch.autocast("cuda", enabled=False):
                 yield
@@ -438,34 +454,110 @@ def wrapped_functions() -> list[str]:
 _OWNER_NAMES = {torch.nn.functional: "torch.nn.functional", torch.Tensor: "torch.Tensor"}
 
 
+def cuda_overrides() -> dict[str, tuple[_Entry, Any]]:
+    """The ops whose torch CUDA kernel (which runs before this engine's key on CUDA tensors) would pre-empt a row
+    the user changed (``register_*_function``, ``policy_override``) to differ from it: they get a kernel on
+    ``AutocastCUDA`` itself, which plain ``torch.autocast`` CUDA code then pays for (a Python call per op).
+    With the default table this is empty: where the default rows differ from torch's CUDA kernels (PROMOTE ops,
+    ``binary_cross_entropy``, the fp32 ops torch runs with ``dtype=``, upsampling) torch's kernel goes the same way
+    (docs/autocast.md, "Where the default table differs from torch")."""
+    torch_ops = set(_torch_kernel_ops("AutocastCUDA"))
+    sources = {name: info["source"] for name, info in policy.policy_table().items()}
+    return {
+        name: hit for name, hit in plan("AutocastCUDA").items()
+        if name in torch_ops and hit[0] is not AS_CALLED
+        and sources.get(policy.display_name(hit[1], ""), "default") in ("registered", "override")
+    }
+
+
+def _make_cuda_kernel(name: str) -> Callable[..., Any]:
+    """A kernel on ``AutocastCUDA`` for a user-changed row: fp16kit's rule inside a region, torch's kernel outside."""
+    base, _, overload = name.partition(".")
+    op = getattr(getattr(torch.ops.aten, base), overload or "default")
+    torch_kernel = torch.library.get_kernel(op, "AutocastCUDA")
+    live, call, cast_args, guard = _LIVE_CUDA, op._op, _CAST_ARGS[0], torch._C._ExcludeDispatchKeyGuard
+    enabled, everything, backward_node = torch.is_autocast_enabled, _ALL_KEYS, torch._C._current_autograd_node
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        hit = live.get(name)
+        if hit is not None and enabled(MARKER) and backward_node() is None:
+            entry, fn = hit
+            args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
+            with guard(everything):
+                return call(*args, **kwargs)
+        return torch_kernel.call_boxed(keyset, *args, **kwargs)
+
+    return kernel
+
+
+def live_plan() -> dict[str, tuple[_Entry, Any]]:
+    """The ops this engine overrides: those whose fp16kit rule differs from torch's kernel on CPU or on CUDA
+    (:func:`plan` of each key), with fp16kit's entry. One kernel on :data:`KEY` serves both devices: on a CPU
+    tensor it runs before torch's CPU kernel and instead of it; on a CUDA tensor it runs after torch's CUDA kernel,
+    where one exists (that kernel is higher in the dispatcher's order), and then agrees with it or refines it."""
+    out: dict[str, tuple[_Entry, Any]] = {}
+    for key in KEYS:
+        out.update(plan(key))  # an op's entry is the same in both plans: fp16kit's, or AS_CALLED where it has none
+    return out
+
+
 def _refresh() -> None:
-    """Recompute the plan of every key, register kernels for ops that gained an override, and wrap the Python-level
-    rows that need it."""
+    """Recompute the plan, register kernels for ops that gained an override, and wrap the Python-level rows that
+    need it."""
     if not _CAST_ARGS:
         return
-    for key in KEYS:
-        new = plan(key)
-        lib = _LIBS.get(key)
-        if lib is None:
-            lib = _LIBS[key] = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
-            for name in new.keys() - _REGISTERED[key]:
-                lib.impl(name, _make_kernel(key, name), key, with_keyset=True)
-                _REGISTERED[key].add(name)
-        _LIVE[key].clear()
-        _LIVE[key].update(new)
+    new = live_plan()
+    if not _LIBS:
+        _LIBS.append(torch.library.Library("aten", "IMPL"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
+        for name in new.keys() - _REGISTERED:
+            _LIBS[0].impl(name, _make_kernel(name), KEY)
+            _REGISTERED.add(name)
+    _LIVE.clear()
+    _LIVE.update(new)
+    cuda = cuda_overrides()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in cuda.keys() - _REGISTERED_CUDA:
+            _LIBS[0].impl(name, _make_cuda_kernel(name), "AutocastCUDA", with_keyset=True)
+            _REGISTERED_CUDA.add(name)
+    _LIVE_CUDA.clear()
+    _LIVE_CUDA.update(cuda)
     _wrap_functional()
 
 
 _LISTENING: list[bool] = []
+_include = torch._C._dispatch_tls_set_dispatch_key_included
+_included = torch._C._dispatch_tls_is_dispatch_key_included
+
+
+def include_key() -> None:
+    """Put :data:`KEY` in this thread's included dispatch keys (idempotent). Harmless outside regions: torch keeps
+    every autocast key in the default *excluded* set, and only an enabled ``torch.autocast(MARKER)`` (a region of
+    this engine) takes it out."""
+    if not _included(_OWN_DK):
+        _include(_OWN_DK, True)
 
 
 def install(cast_args: Callable[..., Any]) -> None:
     """Register the override kernels (once; later calls do nothing). ``cast_args`` is
     ``autocast_mode.cast_args``, handed in so that this module does not import the mode engine."""
+    if not _is_compiling():
+        include_key()
     if _CAST_ARGS:
         return
+    if torch._C._get_privateuse1_backend_name() == "ipu" or _torch_kernel_ops(KEY):
+        raise RuntimeError(
+            f"fp16kit's dispatcher engine drives the {KEY} dispatch key, which a backend in this process uses. "
+            "Use the mode engine: FP16KIT_AUTOCAST_ENGINE=mode (or fp16kit.amp.autocast_mode.set_engine('mode'))."
+        )
+    if not _FALLBACK:
+        # torch registers no fallback on this key (no IPU backend in core): ops without a kernel of ours fall
+        # through it, as on torch's own autocast keys
+        fallback = torch.library.Library("_", "IMPL")
+        fallback.fallback(torch.library.fallthrough_kernel, KEY)
+        _FALLBACK.append(fallback)
     for key in KEYS:
         _torch_kernel_ops(key)  # read torch's kernels before ours replace any
     _CAST_ARGS.append(cast_args)
@@ -477,22 +569,23 @@ def install(cast_args: Callable[..., Any]) -> None:
 
 
 def uninstall() -> None:
-    """Remove every override kernel: torch's own kernels are back on their keys (plain ``torch.autocast`` code
-    then pays nothing for this engine). The next region of this engine installs them again."""
+    """Remove every override kernel and wrapper (they only ever act inside a region of this engine). The next
+    region of this engine installs them again."""
     _unwrap_functional()
-    for lib in _LIBS.values():
+    for lib in _LIBS:
         lib._destroy()
     _LIBS.clear()
-    for key in KEYS:
-        _REGISTERED[key].clear()
-        _LIVE[key].clear()
+    _REGISTERED.clear()
+    _LIVE.clear()
+    _REGISTERED_CUDA.clear()
+    _LIVE_CUDA.clear()
     _CAST_ARGS.clear()
 
 
 def installed_ops(key: str = "AutocastCPU") -> dict[str, tuple[_Entry, Any]]:
-    """The live plan for ``key`` (empty before :func:`install`)."""
-    return dict(_LIVE[key])
-
+    """The live overrides that differ from torch's kernel on ``key`` (empty before :func:`install`)."""
+    differ = plan(key) if _CAST_ARGS else {}
+    return {name: hit for name, hit in _LIVE.items() if name in differ}
 
 
 @contextlib.contextmanager

@@ -68,7 +68,7 @@ _NO_KWARGS: dict[str, Any] = {}  # shared, never mutated
 #: the engines that can apply the table: "mode" (a TorchFunctionMode, this module) or "dispatch" (override kernels
 #: on torch's Autocast dispatch keys, ``_dispatch``). Chosen by FP16KIT_AUTOCAST_ENGINE, or by :func:`set_engine`.
 ENGINES = ("mode", "dispatch")
-_engine = [os.environ.get("FP16KIT_AUTOCAST_ENGINE", "mode").strip().lower() or "mode"]
+_engine = [os.environ.get("FP16KIT_AUTOCAST_ENGINE", "dispatch").strip().lower() or "dispatch"]
 if _engine[0] not in ENGINES:
     raise ValueError(f"FP16KIT_AUTOCAST_ENGINE={_engine[0]!r}: use one of {ENGINES}.")
 

@@ -28,7 +28,7 @@ from .found_inf import (
     new_found_inf,
 )
 from .histogram import exponent_histogram
-from .ops import copy_, l2norm, unscale_and_check
+from .ops import copy_, forget_autocast_casts, l2norm, unscale_and_check
 from .optimizers import (
     Bf16Weights,
     DeviceStep,
@@ -70,6 +70,7 @@ __all__ = [
     "flag_for",
     "flag_is_final",
     "flag_nonfinite",
+    "forget_autocast_casts",
     "join_halves",
     "l2norm",
     "lamb_stage1",

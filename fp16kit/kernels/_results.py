@@ -12,11 +12,19 @@ skipped by the optimizer's own ``hparam_skips`` check, so the result check stays
 (``armed`` is 0): ``found_inf`` is the loss scaler's, raised only for what a smaller scale could fix.
 """
 
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 import triton
 import triton.language as tl
 
 from ._chunks import store_chunk
 from ._rounding import round_to
+from ._step_scalars import DeviceStep, advance_step, finish_ticket
+from ._step_skeleton import skip_and_stop
 
 
 @triton.jit
@@ -72,3 +80,126 @@ def check_or_store(
         if HAS_MODEL:
             store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
     return bad
+
+
+@triton.jit
+def entry_flag(found_inf_ptr, OWN_FLAG: tl.constexpr):
+    """The skip flag as a device step's check-and-verify launch finds it: 0 for the optimizer's own flag (written
+    whole by this launch, so its old value is not read), else the handed-over (or an earlier launch's) value."""
+    if OWN_FLAG:
+        return tl.zeros((), dtype=tl.float32)
+    else:
+        return tl.load(found_inf_ptr).to(tl.float32)
+
+
+@triton.jit
+def pass_start(found_inf_ptr, num_chunks, BLOCK: tl.constexpr, VERIFY: tl.constexpr, HP_DEVICE: tl.constexpr,
+               OWN_FLAG: tl.constexpr):
+    """``(entry, skip, stop, bad, gbad)`` at the start of an SGD/Adagrad/NovoGrad pass: the flag as found
+    (:func:`entry_flag`), whether the step is skipped, the chunk loop's end (0 when skipped: nothing read or
+    written) and the zeroed result and grad lanes. A device step's check-and-verify launch is the check pass too,
+    so it does not read an own flag's old value."""
+    entry = entry_flag(found_inf_ptr, OWN_FLAG)
+    if VERIFY and HP_DEVICE:
+        skip, stop = entry != 0, tl.where(entry != 0, 0, num_chunks)
+    else:
+        skip, stop = skip_and_stop(found_inf_ptr, num_chunks)
+    bad = tl.zeros((BLOCK,), dtype=tl.int32)
+    return entry, skip, stop, bad, bad
+
+
+@triton.jit
+def check_grad(gbad, g, mask, VERIFY: tl.constexpr, HP_DEVICE: tl.constexpr):
+    """The check pass's lanes in a device step's check-and-verify launch: ``gbad`` or-ed with "the unscaled
+    gradient ``g`` is inf/NaN" (unchanged elsewhere)."""
+    if VERIFY and HP_DEVICE:
+        gbad = tl.maximum(gbad, (mask & nonfinite(g)).to(tl.int32))
+    return gbad
+
+
+@triton.jit
+def pass_end(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr, step_ptr, gbad,
+             bad, neg_lr, entry, skip, VERIFY: tl.constexpr, HP_DEVICE: tl.constexpr, ADVANCE: tl.constexpr,
+             FIRST: tl.constexpr, COUNT: tl.constexpr):
+    """The end of an SGD/Adagrad/NovoGrad pass: a device step's check-and-verify finish
+    (:func:`finish_check_and_verify`), the host-vector result check's raise (:func:`raise_found_inf`), or, after a
+    device step's update that was not skipped, the step counter's advance (``_step_scalars.advance_step``)."""
+    if VERIFY and HP_DEVICE:
+        finish_check_and_verify(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr,
+                                gbad, bad, lr_arms(neg_lr), entry, FIRST, COUNT)
+    elif VERIFY:
+        raise_found_inf(found_inf_ptr, bad, lr_arms(neg_lr))
+    elif HP_DEVICE and not skip:
+        advance_step(step_ptr, ticket_ptr, ADVANCE)
+
+
+@triton.jit
+def finish_check_and_verify(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr,
+                            gbad, rbad, armed, entry, FIRST: tl.constexpr, COUNT: tl.constexpr):
+    """The end of a device step's check-and-verify launch (the check pass and the result check in one read of
+    the grads; docs/optim.md, "The step on the device"). Every program or-s its lanes into ``bad_ptr`` (int32
+    ``[2]``: ``[0]`` an unscaled grad is inf/NaN, ``[1]`` a stored value would be); the program that takes the last
+    ticket (``_step_scalars.finish_ticket``) then, as the two passes of the host-vector step do:
+
+    * raises ``found_inf`` for a non-finite grad (the check pass), else, when the result check is ``armed`` (a
+      valid ``lr``), for a non-finite result; the flag is written whole, ``max(entry, ...)``;
+    * writes ``result_ptr`` (float32 ``[1]``): 1 when the result check raised the flag (stored whole by the
+      ``FIRST`` launch of the step, else or-ed in), and adds it to ``result_count_ptr`` (int64 ``[1]``);
+    * with ``COUNT`` (the optimizer's own flag), adds 1 to ``nonfinite_count_ptr`` when this launch raised it.
+
+    It resets ``bad_ptr`` for the next step."""
+    tl.atomic_max(bad_ptr, tl.max(gbad, axis=0), sem="acq_rel")
+    tl.atomic_max(bad_ptr + 1, tl.max(rbad, axis=0) * armed, sem="acq_rel")
+    tl.debug_barrier()
+    if finish_ticket(ticket_ptr):
+        grads_bad = tl.atomic_xchg(bad_ptr, 0, sem="acq_rel") != 0
+        results_bad = tl.atomic_xchg(bad_ptr + 1, 0, sem="acq_rel") != 0
+        clear = entry == 0
+        raised_r = clear & ~grads_bad & results_bad
+        raised = clear & (grads_bad | results_bad)
+        tl.store(found_inf_ptr, tl.where(raised, 1.0, entry))
+        if FIRST:
+            tl.store(result_ptr, raised_r.to(tl.float32))
+        else:
+            tl.store(result_ptr, tl.maximum(tl.load(result_ptr, cache_modifier=".cg"), raised_r.to(tl.float32)))
+        tl.store(result_count_ptr, tl.load(result_count_ptr, cache_modifier=".cg") + raised_r.to(tl.int64))
+        if COUNT:
+            tl.store(nonfinite_count_ptr, tl.load(nonfinite_count_ptr, cache_modifier=".cg") + raised.to(tl.int64))
+
+
+@dataclass(eq=False)
+class StepVerify:
+    """What a device step's check-and-verify launches write besides ``found_inf`` (:func:`finish_check_and_verify`):
+    ``result`` (float32 ``[1]``, 1 when the result check raised the flag this step), ``result_count`` (int64 ``[1]``,
+    the optimizer's ``result_skips``), ``nonfinite_count`` (int64 ``[1]``, ``nonfinite_skips``; None when the flag
+    is a loss scaler's), ``own_flag`` (the flag is the optimizer's own, written whole by the first launch).
+    ``launches`` counts the step's check-and-verify launches so far (one per kernel group)."""
+
+    result: torch.Tensor
+    result_count: torch.Tensor
+    nonfinite_count: torch.Tensor | None
+    own_flag: bool
+    launches: int = 0
+
+
+def step_arguments(
+    hp: torch.Tensor | DeviceStep, table: Any, names: Sequence[str], verify: bool, check: StepVerify | None
+) -> tuple[Any, tuple, dict]:
+    """``(hp_ptr, scalars, constexprs)`` of the SGD, Adagrad and NovoGrad kernels: ``DeviceStep.arguments``
+    (``_step_scalars.py``), then the four pointers of the check-and-verify finish (placeholders outside it)."""
+    device_verify = verify and isinstance(hp, DeviceStep)
+    if device_verify:
+        if check is None:
+            raise RuntimeError("a device step's result check needs its StepVerify")
+        hp = dataclasses.replace(hp, advance=True)  # for the table's ticket (the launch advances nothing)
+    hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, names)
+    if not device_verify or check is None:
+        return hp_ptr, scalars + (hp_ptr,) * 4, {**flags, "OWN_FLAG": False, "FIRST": False, "COUNT": False}
+    bad = table.scratch_buffer("verify_bad", 2, torch.int32, zero=True)
+    first = check.launches == 0
+    check.launches += 1
+    counts = check.nonfinite_count
+    tail = (bad, check.result, bad if counts is None else counts, check.result_count)
+    flags = {**flags, "ADVANCE": False, "OWN_FLAG": check.own_flag and first, "FIRST": first,
+             "COUNT": counts is not None}
+    return hp_ptr, scalars + tail, flags

@@ -33,10 +33,31 @@ import torch
 import triton
 import triton.language as tl
 
+from . import l2norm_kernel
 from ._chunks import chunk_span, load_chunk, row_pointer
-from ._results import check_or_store, lr_arms, raise_found_inf
+from ._results import (
+    StepVerify,
+    check_grad,
+    check_or_store,
+    lr_arms,
+    nonfinite,
+    pass_end,
+    pass_start,
+    step_arguments,
+)
 from ._rounding import to_fp32
-from ._table import chunk_table, num_programs, triton_dtype
+from ._step_scalars import (
+    DeviceStep,
+    bias_correction64,
+    inv_scale64,
+    join3,
+    lr64,
+    next_step,
+    split3_cached,
+)
+from ._step_skeleton import load_grad
+from ._table import STEP_PROGRAMS_PER_SM, chunk_table, num_programs, step_block, triton_dtype
+from .l2norm_kernel import segment_total
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
@@ -44,6 +65,8 @@ LAUNCH: dict[str, dict] = {
     "_absmax_kernel": {"num_warps": 16, "enable_fp_fusion": False},
     # _novograd_kernel: each operation rounded as in the torch fallback.
     "_novograd_kernel": {"num_warps": 16, "enable_fp_fusion": False},
+    # _novograd_prepare_kernel: float64 products and sums rounded one by one, as the torch blend.
+    "_novograd_prepare_kernel": {"num_warps": 4, "enable_fp_fusion": False},
 }
 
 
@@ -106,6 +129,20 @@ def _novograd_kernel(
     hp_ptr,
     denoms_ptr,
     found_inf_ptr,
+    step_ptr,
+    ticket_ptr,
+    lr_ptr,
+    scale_ptr,
+    lr_hi, lr_mid, lr_lo,
+    b1_hi, b1_mid, b1_lo,
+    b3_hi, b3_mid, b3_lo,
+    wd_hi, wd_mid, wd_lo,
+    bad_ptr,
+    result_ptr,
+    nonfinite_count_ptr,
+    result_count_ptr,
+    v_ptrs,
+    v_new_ptr,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
@@ -114,16 +151,33 @@ def _novograd_kernel(
     VERIFY: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
+    HP_DEVICE: tl.constexpr = False,
+    LR_TENSOR: tl.constexpr = False,
+    HAS_SCALE: tl.constexpr = False,
+    BIAS_CORRECTION: tl.constexpr = False,
+    ADVANCE: tl.constexpr = False,
+    OWN_FLAG: tl.constexpr = False,
+    FIRST: tl.constexpr = False,
+    COUNT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    neg_lr = -tl.load(hp_ptr).to(tl.float32)
-    beta1 = tl.load(hp_ptr + 1).to(tl.float32)
-    beta3 = tl.load(hp_ptr + 2).to(tl.float32)
-    wd = tl.load(hp_ptr + 3).to(tl.float32)
-    bc1 = tl.load(hp_ptr + 4).to(tl.float32)
-    inv_scale = tl.load(hp_ptr + 5).to(tl.float32)
-    stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
-    bad = tl.zeros((BLOCK,), dtype=tl.int32)
+    if HP_DEVICE:
+        # the host-vector step's hparams64 on the device: float64 values, each rounded once to float32
+        neg_lr = -lr64(lr_hi, lr_mid, lr_lo, lr_ptr, LR_TENSOR).to(tl.float32)
+        b1_64 = join3(b1_hi, b1_mid, b1_lo)
+        beta1 = b1_64.to(tl.float32)
+        beta3 = join3(b3_hi, b3_mid, b3_lo).to(tl.float32)
+        wd = join3(wd_hi, wd_mid, wd_lo).to(tl.float32)
+        bc1 = bias_correction64(b1_64, next_step(step_ptr), BIAS_CORRECTION).to(tl.float32)
+        inv_scale = inv_scale64(scale_ptr, HAS_SCALE).to(tl.float32)
+    else:
+        neg_lr = -tl.load(hp_ptr).to(tl.float32)
+        beta1 = tl.load(hp_ptr + 1).to(tl.float32)
+        beta3 = tl.load(hp_ptr + 2).to(tl.float32)
+        wd = tl.load(hp_ptr + 3).to(tl.float32)
+        bc1 = tl.load(hp_ptr + 4).to(tl.float32)
+        inv_scale = tl.load(hp_ptr + 5).to(tl.float32)
+    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, num_chunks, BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
     for c in range(pid, stop, tl.num_programs(0)):
         t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
         denom = tl.load(denoms_ptr + t).to(tl.float32)
@@ -131,7 +185,12 @@ def _novograd_kernel(
         g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
         m_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
         p = to_fp32(load_chunk(p_ptr, offs, mask, full))
-        g = to_fp32(load_chunk(g_ptr, offs, mask, full)) * inv_scale
+        g = load_grad(g_ptr, offs, mask, full) * inv_scale
+        gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
+        if HP_DEVICE and not VERIFY:  # noqa: SIM102  (a compile-time branch around a runtime one)
+            # the tensor's new second moment (from _novograd_prepare_kernel), committed by its first chunk's program
+            if tl.load(chunk_start + c) == 0:
+                tl.store(tl.load(v_ptrs + t).to(tl.pointer_type(tl.float32)), tl.load(v_new_ptr + t))
         m = load_chunk(m_ptr, offs, mask, full)
         if REG_INSIDE:
             g = tl.div_rn(g, denom) + wd * p
@@ -144,8 +203,56 @@ def _novograd_kernel(
         model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
         bad = check_or_store(p, m, p_ptr, m_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, True,
                              HAS_MODEL, VERIFY)
-    if VERIFY:
-        raise_found_inf(found_inf_ptr, bad, lr_arms(neg_lr))
+    pass_end(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr, step_ptr, gbad, bad,
+             neg_lr, entry, skip, VERIFY, HP_DEVICE, ADVANCE, FIRST, COUNT)
+
+
+@triton.jit
+def _novograd_prepare_kernel(
+    partials_ptr,
+    first_chunk,
+    chunk_counts,
+    num_tensors,
+    v_ptrs,
+    v_new_ptr,
+    denoms_ptr,
+    bad_ptr,
+    step_ptr,
+    lr_ptr,
+    lr_hi, lr_mid, lr_lo,
+    b2_hi, b2_mid, b2_lo,
+    omb2_hi, omb2_mid, omb2_lo,
+    eps_hi, eps_mid, eps_lo,
+    LR_TENSOR: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+    INIT_ZERO: tl.constexpr,
+):
+    """Per tensor ``t`` (``novograd_update``'s float64 blend, on the device): its L2 norm ``n`` from the chunk
+    partials of ``_sumsq_kernel`` (summed as ``l2norm`` sums them, rounded to fp32 as ``l2norm`` returns it), the new
+    second moment ``v = sqrt(b2 s^2 + (1 - b2) n^2)`` with ``s`` the stored ``v`` (or ``n``, 0 with ``INIT_ZERO``,
+    while it is -0.0: no step taken yet), rounded to fp32, into ``v_new[t]``, and ``denoms[t] = v / sqrt(bc2) + eps``
+    (fp32). A non-finite ``v`` raises the result check's lane ``bad_ptr[1]`` (with a valid ``lr``)."""
+    pid = tl.program_id(0)
+    b2 = join3(b2_hi, b2_mid, b2_lo)
+    one_minus_b2 = join3(omb2_hi, omb2_mid, omb2_lo)
+    eps = join3(eps_hi, eps_mid, eps_lo)
+    bc2_sqrt = tl.sqrt(bias_correction64(b2, next_step(step_ptr), BIAS_CORRECTION))
+    armed = lr_arms(-lr64(lr_hi, lr_mid, lr_lo, lr_ptr, LR_TENSOR).to(tl.float32))
+    bad = tl.zeros((), dtype=tl.int32)
+    for t in range(pid, num_tensors, tl.num_programs(0)):
+        total = segment_total(partials_ptr, tl.load(first_chunk + t), tl.load(chunk_counts + t))
+        n = tl.sqrt(total).to(tl.float32).to(tl.float64)  # (float64 sqrt is IEEE-rounded: sqrt.rn.f64)
+        old = tl.load(tl.load(v_ptrs + t).to(tl.pointer_type(tl.float32)))
+        fresh = old.to(tl.int32, bitcast=True) < 0  # -0.0 (or a negative value, refused at load): not yet set
+        if INIT_ZERO:  # noqa: SIM108  (a compile-time branch)
+            start = tl.where(fresh, 0.0, old.to(tl.float64))
+        else:
+            start = tl.where(fresh, n, old.to(tl.float64))
+        v = tl.sqrt(b2 * start * start + one_minus_b2 * n * n).to(tl.float32)
+        tl.store(v_new_ptr + t, v)
+        tl.store(denoms_ptr + t, (v.to(tl.float64) / bc2_sqrt + eps).to(tl.float32))
+        bad = tl.maximum(bad, nonfinite(v).to(tl.int32))
+    tl.atomic_max(bad_ptr + 1, bad * armed)
 
 
 def launch_novograd(
@@ -153,27 +260,51 @@ def launch_novograd(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     models: Sequence[torch.Tensor] | None,
-    hp: torch.Tensor,
-    denoms: torch.Tensor,
+    hp: torch.Tensor | DeviceStep,
+    denoms: torch.Tensor | None,
     found_inf: torch.Tensor,
     *,
     reg_inside_moment: bool,
     verify: bool = False,
+    exp_avg_sqs: Sequence[torch.Tensor] | None = None,
+    init_zero: bool = False,
+    check: StepVerify | None = None,
 ) -> None:
     """One NovoGrad launch for contiguous, non-empty tensors of one dtype combination (fp32 exp_avg);
     ``denoms`` is the fp32 [N] vector of per-tensor denominators, in the order of ``params``. ``verify``: the
-    result check (``_results.py``), nothing written but ``found_inf``."""
+    result check (``_results.py``), nothing written but ``found_inf``.
+
+    ``hp`` a :class:`DeviceStep` (host numbers ``lr``, ``beta1``, ``beta3``, ``weight_decay``, ``beta2``,
+    ``one_minus_beta2``, ``eps``; the L2 norm only): ``denoms`` is None and ``exp_avg_sqs`` the per-tensor second
+    moments (fp32 ``[1]`` each). ``verify`` then runs the norms' partials (``_sumsq_kernel``), the per-tensor blend
+    (``_novograd_prepare_kernel``: new moments and denominators into the table's scratch) and the check-and-verify
+    launch; the update launch commits the new moments with the step, advancing the counter."""
     table = chunk_table(
         [params, grads, exp_avgs, params if models is None else models],
         written=(0, 2) if models is None else (0, 2, 3),
     )
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
+    device_step = isinstance(hp, DeviceStep)
+    if device_step:
+        if exp_avg_sqs is None:
+            raise RuntimeError("a NovoGrad device step needs the per-tensor second moments")
+        v_table = chunk_table([exp_avg_sqs], written=(0,))
+        v_ptrs, v_new = v_table.ptrs, table.scratch_buffer("novograd_v", table.num_tensors, torch.float32)
+        denoms = table.scratch_buffer("novograd_denoms", table.num_tensors, torch.float32)
+        if verify:
+            _novograd_prepare(table, grads, hp, v_ptrs, v_new, denoms, init_zero)
+    else:
+        v_ptrs = v_new = denoms
+    hp_ptr, scalars, flags = step_arguments(hp, table, ("lr", "beta1", "beta3", "weight_decay"), verify, check)
     _novograd_kernel[(num_programs(device, table.num_chunks),)](
         *table.leading_args(),
-        hp,
+        hp_ptr,
         denoms,
         found_inf,
+        *scalars,
+        v_ptrs,
+        v_new,
         P_DTYPE=p_dtype,
         G_DTYPE=triton_dtype(grads[0].dtype),
         MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
@@ -182,5 +313,45 @@ def launch_novograd(
         VERIFY=verify,
         BLOCK=table.block,
         ALIGNED=table.aligned,
+        **flags,
         **LAUNCH["_novograd_kernel"],
+    )
+
+
+def _novograd_prepare(table, grads: Sequence[torch.Tensor], hp: DeviceStep, v_ptrs: torch.Tensor,
+                      v_new: torch.Tensor, denoms: torch.Tensor, init_zero: bool) -> None:
+    """The per-tensor L2 norms of the unscaled grads (``_sumsq_kernel``'s chunk partials over the table ``l2norm``
+    uses, with the same unscale factor), then ``_novograd_prepare_kernel``; the result-check lane it raises is the
+    check-and-verify launch's (``table``'s ``verify_bad``)."""
+    device = grads[0].device
+    g_table = chunk_table([grads], step_block(device))
+    partials = g_table.scratch_buffer("novograd_partials", g_table.num_chunks, torch.float64)
+    if hp.scale is None:  # unscale by 1: a constant of the table, filled once
+        scale = g_table.scratch.get("one")
+        if scale is None:
+            scale = g_table.scratch["one"] = torch.ones(1, dtype=torch.float32, device=device)
+    else:
+        scale = hp.scale
+    l2norm_kernel._sumsq_kernel[(num_programs(device, g_table.num_chunks, STEP_PROGRAMS_PER_SM),)](
+        g_table.ptrs, g_table.numels, g_table.chunk_tensor, g_table.chunk_start, g_table.num_chunks,
+        scale, partials, partials, partials, partials, partials, partials, 1.0,
+        IN_DTYPE=triton_dtype(grads[0].dtype),
+        CHECK=False,
+        BLOCK=g_table.block,
+        ALIGNED=g_table.aligned,
+        NORM=True,
+        SCALE_IS_GRAD_SCALE=hp.scale is not None,
+        **l2norm_kernel.LAUNCH["_sumsq_kernel"],
+    )
+    bad = table.scratch_buffer("verify_bad", 2, torch.int32, zero=True)
+    parts: tuple[float, ...] = ()
+    for name in ("lr", "beta2", "one_minus_beta2", "eps"):
+        parts += split3_cached(float(hp.host.get(name, 0.0)))
+    _novograd_prepare_kernel[(num_programs(device, g_table.num_tensors),)](
+        partials, g_table.first_chunk, g_table.chunk_counts, g_table.num_tensors, v_ptrs, v_new, denoms, bad,
+        hp.step, hp.step if hp.lr is None else hp.lr, *parts,
+        LR_TENSOR=hp.lr is not None,
+        BIAS_CORRECTION=hp.bias_correction,
+        INIT_ZERO=init_zero,
+        **LAUNCH["_novograd_prepare_kernel"],
     )

@@ -18,7 +18,7 @@ from . import _plan, fallback
 from ._checks import check_flag, check_scalar_tensor, check_tensor_list, resolve_inputs
 from ._table import index_tensor, playing
 
-__all__ = ["copy_", "l2norm", "unscale_and_check"]
+__all__ = ["copy_", "forget_autocast_casts", "l2norm", "unscale_and_check"]
 
 # The rows of each op, for the planner (fp16kit/kernels/_plan.py): validation, grouping and the cache.
 _UNSCALE = _plan.Spec("unscale_and_check", ("tensors",), written=(0,), key_rows=(0,))
@@ -260,6 +260,17 @@ def l2norm(
     return (total, sumsq.sqrt().float()) if per_tensor else total
 
 
+def forget_autocast_casts() -> None:
+    """Drop torch's autocast weight-cast cache (``torch.clear_autocast_cache``) after a write into weights.
+
+    torch keys that cache by tensor, not by ``_version``: inside an autocast region (torch's, or fp16kit's default
+    engine, which uses it), a weight cast before an in-place write (the O2 master -> model copy, an optimizer step)
+    would otherwise be reused stale by the next op of the region. Cheap: outside a region the cache is empty. Not
+    while compiling (the compiled graph holds no cache)."""
+    if not torch.compiler.is_compiling():
+        torch.clear_autocast_cache()
+
+
 def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for whole lists: one launch per (source, destination) dtype pair.
 
@@ -268,7 +279,8 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     view as its own source; it may not overlap another destination or another source, nor have internal
     overlap or the negative bit (``ValueError``, every backend). Sources with the negative bit are resolved.
     A destination that is a leaf requiring grad (an ``nn.Parameter``) is a ``RuntimeError`` while grad mode is
-    on, as for ``Tensor.copy_``, on every backend. Every destination's ``_version`` is bumped.
+    on, as for ``Tensor.copy_``, on every backend. Every destination's ``_version`` is bumped, and torch's autocast
+    weight-cast cache is dropped (:func:`forget_autocast_casts`).
     """
     dst, src = _seq("copy_", "dst", dst), _seq("copy_", "src", src)
     _check_leaf_outputs("copy_", "dst", dst)
@@ -286,3 +298,4 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
             _bump(dsts)
     for g in plan.rest:
         fallback.copy_(g.pick(dst), g.pick(srcs))  # torch's _foreach_copy_ bumps the destinations itself
+    forget_autocast_casts()

@@ -34,6 +34,7 @@ import torch
 
 from . import _bf16_weights, _plan, cpu_native, optim_fallback, optim_fallback_apex
 from ._bf16_weights import Bf16Weights, join_halves, split_halves, stochastic_round
+from ._results import StepVerify
 from ._step_scalars import DeviceStep
 from ._table import playing
 from .backend import Backend, select_backend
@@ -43,6 +44,7 @@ __all__ = [
     "Bf16Weights",
     "DeviceStep",
     "LambStaged",
+    "StepVerify",
     "adagrad_update",
     "adam_update",
     "check_and_norm",
@@ -432,12 +434,24 @@ def _torch_stage2(
 # apex's SGD, Adagrad and NovoGrad
 
 
+def _kernel_hps(plan: _plan.Plan, hp64: torch.Tensor | DeviceStep) -> list[tuple[_plan.Group, Any]]:
+    """Each kernel group with what its launch gets: the float32 vector, or the :class:`DeviceStep` (the last group's
+    launch advances the counter). A device step takes no fallback rows (the caller planned with ``plan_only``)."""
+    if not isinstance(hp64, DeviceStep):
+        hp32 = hp64.float()
+        return [(g, hp32) for g in plan.kernel]
+    if plan.rest:
+        raise RuntimeError("a device step got rows outside the Triton kernels; plan with plan_only=True first")
+    last = len(plan.kernel) - 1
+    return [(g, dataclasses.replace(hp64, advance=i == last) if last else hp64) for i, g in enumerate(plan.kernel)]
+
+
 def sgd_update(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     momentum_buffers: Sequence[torch.Tensor] | None,
     models: Sequence[torch.Tensor | None],
-    hp64: torch.Tensor,
+    hp64: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     *,
     first_run: Sequence[bool],
@@ -445,30 +459,37 @@ def sgd_update(
     wd_after_momentum: bool,
     nesterov: bool,
     verify: bool = False,
-) -> None:
+    check: StepVerify | None = None,
+    plan_only: bool = False,
+) -> bool | None:
     """apex's SGD for one group (``sgd_kernel.py``: ``hp64 = [lr, momentum, 1 - dampening, wd, inv_scale]``);
     ``momentum_buffers`` None for plain SGD; ``first_run[i]``: the buffer's first use (``m = g``). No-op on the
     device when ``found_inf`` is set. ``verify=True``: the result check instead (``_results.py``), which writes
-    nothing but raises ``found_inf`` when the step would store an inf/NaN."""
+    nothing but raises ``found_inf`` when the step would store an inf/NaN.
+
+    Device step (docs/optim.md, "The step on the device"): ``hp64`` a :class:`DeviceStep` (every row in a kernel
+    group: see ``plan_only``), ``verify`` then also the check pass, finished into ``check``; the last update launch
+    advances the step counter. ``plan_only``: plan, run nothing, and return whether the kernels take every row."""
     if not params:
-        return
+        return False if plan_only else None
     bufs = momentum_buffers
     lists = (params, grads) if bufs is None else (params, grads, bufs)
     names = ("params", "grads") if bufs is None else ("params", "grads", "momentum_buffers")
     plan, with_models = _rows("sgd_update", names, () if bufs is None else (2,), lists, models, tuple(first_run))
+    if plan_only:
+        return not plan.rest
     flag = found_inf.reshape(1)
     modes = {"weight_decay": weight_decay, "wd_after_momentum": wd_after_momentum, "nesterov": nesterov,
              "verify": verify}
     if plan.kernel:
         from .sgd_kernel import launch_sgd
 
-        hp32 = hp64.float()
-        for g in plan.kernel:
+        for g, hp in _kernel_hps(plan, hp64):
             p = g.pick(params)
             with playing(g.tape):
                 launch_sgd(p, g.pick(grads), None if bufs is None else g.pick(bufs),
-                           _kernel_models(_models_of(g, models, with_models, len(p))), hp32, flag,
-                           first_run=first_run[g.idx[0]], **modes)
+                           _kernel_models(_models_of(g, models, with_models, len(p))), hp, flag,
+                           first_run=first_run[g.idx[0]], check=check, **modes)
     for g in plan.rest:
         p = g.pick(params)
         optim_fallback_apex.sgd_(
@@ -482,29 +503,34 @@ def adagrad_update(
     grads: Sequence[torch.Tensor],
     sums: Sequence[torch.Tensor],
     models: Sequence[torch.Tensor | None],
-    hp64: torch.Tensor,
+    hp64: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     *,
     l2_mode: bool,
     decoupled: bool,
     verify: bool = False,
-) -> None:
+    check: StepVerify | None = None,
+    plan_only: bool = False,
+) -> bool | None:
     """apex's Adagrad for one group (``adagrad_kernel.py``: ``hp64 = [lr, eps, wd, inv_scale]``). No-op on the
-    device when ``found_inf`` is set; ``verify=True``: the result check instead (see :func:`sgd_update`)."""
+    device when ``found_inf`` is set; ``verify=True``: the result check instead; a :class:`DeviceStep`, ``check``
+    and ``plan_only`` as in :func:`sgd_update`."""
     if not params:
-        return
+        return False if plan_only else None
     plan, with_models = _rows("adagrad_update", ("params", "grads", "sums"), (2,), (params, grads, sums), models)
+    if plan_only:
+        return not plan.rest
     flag = found_inf.reshape(1)
     modes = {"l2_mode": l2_mode, "decoupled": decoupled, "verify": verify}
     if plan.kernel:
         from .adagrad_kernel import launch_adagrad
 
-        hp32 = hp64.float()
-        for g in plan.kernel:
+        for g, hp in _kernel_hps(plan, hp64):
             p = g.pick(params)
             with playing(g.tape):
                 launch_adagrad(p, g.pick(grads), g.pick(sums),
-                               _kernel_models(_models_of(g, models, with_models, len(p))), hp32, flag, **modes)
+                               _kernel_models(_models_of(g, models, with_models, len(p))), hp, flag, check=check,
+                               **modes)
     for g in plan.rest:
         p = g.pick(params)
         hp = hp64 if p[0].dtype == F64 else hp64.float()
@@ -519,18 +545,20 @@ def novograd_update(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     models: Sequence[torch.Tensor | None],
-    hp64: torch.Tensor,
+    hp64: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     *,
     new: Sequence[bool],
     beta2: float,
     eps: float,
-    bc2_sqrt: torch.Tensor,
+    bc2_sqrt: torch.Tensor | None,
     norm_type: int,
     init_zero: bool,
     reg_inside_moment: bool,
     verify: bool = False,
-) -> None:
+    check: StepVerify | None = None,
+    plan_only: bool = False,
+) -> bool | None:
     """apex's NovoGrad for one group (``novograd_kernel.py``: ``hp64 = [lr, b1, beta3, wd, bc1, inv_scale]``).
 
     Per param, with ``n`` the norm (``norm_type`` 2: L2, 0: max) of its unscaled gradient and ``v`` its
@@ -543,13 +571,31 @@ def novograd_update(
     ``v`` is committed only for a step that is taken (``found_inf`` clear): a skipped step leaves it bit for bit,
     so a moment created as -0.0 ("not initialised", fp16kit/optim/novograd.py) is initialised by the first step
     that is not skipped. ``verify=True``: the result check instead (see :func:`sgd_update`; an inf ``v`` counts).
+
+    Device step (the L2 norm, no state created this step): ``hp64`` a :class:`DeviceStep` whose host numbers hold
+    ``beta2``, ``one_minus_beta2`` and ``eps`` too; the norms, the blend of ``v`` and the denominators are computed
+    on the device by the ``verify`` launches (``novograd_kernel.launch_novograd``), ``v`` committed by the update.
+    ``check`` and ``plan_only`` as in :func:`sgd_update`.
     """
     if not params:
-        return
+        return False if plan_only else None
     device = params[0].device
     plan, with_models = _rows("novograd_update", ("params", "grads", "exp_avgs"), (2,), (params, grads, exp_avgs),
                               models)
+    if plan_only:
+        return not plan.rest
     flag = found_inf.reshape(1)
+    if isinstance(hp64, DeviceStep):
+        from .novograd_kernel import launch_novograd
+
+        for g, hp in _kernel_hps(plan, hp64):
+            p = g.pick(params)
+            with playing(g.tape):
+                launch_novograd(p, g.pick(grads), g.pick(exp_avgs),
+                                _kernel_models(_models_of(g, models, with_models, len(p))), hp, None, flag,
+                                reg_inside_moment=reg_inside_moment, verify=verify,
+                                exp_avg_sqs=g.pick(exp_avg_sqs), init_zero=init_zero, check=check)
+        return None
     for kernel, g in [(True, g) for g in plan.kernel] + [(False, g) for g in plan.rest]:
         p = g.pick(params)
         math = F64 if p[0].dtype == F64 else torch.float32

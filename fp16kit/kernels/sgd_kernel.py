@@ -33,8 +33,10 @@ import triton
 import triton.language as tl
 
 from ._chunks import chunk_span, load_chunk, row_pointer
-from ._results import check_or_store, lr_arms, raise_found_inf
+from ._results import StepVerify, check_grad, check_or_store, pass_end, pass_start, step_arguments
 from ._rounding import to_fp32
+from ._step_scalars import DeviceStep, inv_scale64, join3, lr64
+from ._step_skeleton import load_grad
 from ._table import chunk_table, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -54,6 +56,18 @@ def _sgd_kernel(
     num_chunks,
     hp_ptr,
     found_inf_ptr,
+    step_ptr,
+    ticket_ptr,
+    lr_ptr,
+    scale_ptr,
+    lr_hi, lr_mid, lr_lo,
+    mom_hi, mom_mid, mom_lo,
+    omd_hi, omd_mid, omd_lo,
+    wd_hi, wd_mid, wd_lo,
+    bad_ptr,
+    result_ptr,
+    nonfinite_count_ptr,
+    result_count_ptr,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
@@ -66,21 +80,37 @@ def _sgd_kernel(
     VERIFY: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
+    HP_DEVICE: tl.constexpr = False,
+    LR_TENSOR: tl.constexpr = False,
+    HAS_SCALE: tl.constexpr = False,
+    BIAS_CORRECTION: tl.constexpr = False,
+    ADVANCE: tl.constexpr = False,
+    OWN_FLAG: tl.constexpr = False,
+    FIRST: tl.constexpr = False,
+    COUNT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    neg_lr = -tl.load(hp_ptr).to(tl.float32)
-    momentum = tl.load(hp_ptr + 1).to(tl.float32)
-    one_minus_dampening = tl.load(hp_ptr + 2).to(tl.float32)
-    wd = tl.load(hp_ptr + 3).to(tl.float32)
-    inv_scale = tl.load(hp_ptr + 4).to(tl.float32)
-    stop = tl.where(tl.load(found_inf_ptr) != 0, 0, num_chunks)
-    bad = tl.zeros((BLOCK,), dtype=tl.int32)
+    if HP_DEVICE:
+        # the host-vector step's hparams64 on the device: float64 values, each rounded once to float32
+        neg_lr = -lr64(lr_hi, lr_mid, lr_lo, lr_ptr, LR_TENSOR).to(tl.float32)
+        momentum = join3(mom_hi, mom_mid, mom_lo).to(tl.float32)
+        one_minus_dampening = join3(omd_hi, omd_mid, omd_lo).to(tl.float32)
+        wd = join3(wd_hi, wd_mid, wd_lo).to(tl.float32)
+        inv_scale = inv_scale64(scale_ptr, HAS_SCALE).to(tl.float32)
+    else:
+        neg_lr = -tl.load(hp_ptr).to(tl.float32)
+        momentum = tl.load(hp_ptr + 1).to(tl.float32)
+        one_minus_dampening = tl.load(hp_ptr + 2).to(tl.float32)
+        wd = tl.load(hp_ptr + 3).to(tl.float32)
+        inv_scale = tl.load(hp_ptr + 4).to(tl.float32)
+    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, num_chunks, BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
     for c in range(pid, stop, tl.num_programs(0)):
         t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
         p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
         g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
         p = to_fp32(load_chunk(p_ptr, offs, mask, full))
-        g = to_fp32(load_chunk(g_ptr, offs, mask, full)) * inv_scale
+        g = load_grad(g_ptr, offs, mask, full) * inv_scale
+        gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
         if WD and not WD_AFTER:
             g = g + wd * p
         if MOMENTUM:
@@ -103,8 +133,8 @@ def _sgd_kernel(
         else:
             bad = check_or_store(p, p, p_ptr, p_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, False,
                                  HAS_MODEL, VERIFY)
-    if VERIFY:
-        raise_found_inf(found_inf_ptr, bad, lr_arms(neg_lr))
+    pass_end(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr, step_ptr, gbad, bad,
+             neg_lr, entry, skip, VERIFY, HP_DEVICE, ADVANCE, FIRST, COUNT)
 
 
 def launch_sgd(
@@ -112,7 +142,7 @@ def launch_sgd(
     grads: Sequence[torch.Tensor],
     momentum_buffers: Sequence[torch.Tensor] | None,
     models: Sequence[torch.Tensor] | None,
-    hp: torch.Tensor,
+    hp: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     *,
     weight_decay: bool,
@@ -120,19 +150,29 @@ def launch_sgd(
     nesterov: bool,
     first_run: bool,
     verify: bool = False,
+    check: StepVerify | None = None,
 ) -> None:
     """One SGD launch for contiguous, non-empty tensors of one dtype combination (fp32 momentum buffers, or
     ``None`` for plain SGD without momentum). ``verify``: the result check (``_results.py``), nothing written
-    but ``found_inf``."""
+    but ``found_inf``.
+
+    ``hp``: the float32 vector of the module docstring, or a :class:`DeviceStep` (host numbers ``lr``, ``momentum``,
+    ``one_minus_dampening``, ``weight_decay`` as launch arguments, a tensor ``lr`` and the loss scale read on the
+    device; the launch that is not ``verify`` advances the step counter). With a ``DeviceStep``, ``verify`` is the
+    step's check pass as well, finished on the device into ``check`` (``_results.finish_check_and_verify``)."""
     rows = [params, grads, params if momentum_buffers is None else momentum_buffers]
     written = (0,) + ((2,) if momentum_buffers is not None else ()) + ((3,) if models is not None else ())
     table = chunk_table([*rows, params if models is None else models], written=written)
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
+    hp_ptr, scalars, flags = step_arguments(
+        hp, table, ("lr", "momentum", "one_minus_dampening", "weight_decay"), verify, check
+    )
     _sgd_kernel[(num_programs(device, table.num_chunks),)](
         *table.leading_args(),
-        hp,
+        hp_ptr,
         found_inf,
+        *scalars,
         P_DTYPE=p_dtype,
         G_DTYPE=triton_dtype(grads[0].dtype),
         MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
@@ -145,5 +185,6 @@ def launch_sgd(
         VERIFY=verify,
         BLOCK=table.block,
         ALIGNED=table.aligned,
+        **flags,
         **LAUNCH["_sgd_kernel"],
     )

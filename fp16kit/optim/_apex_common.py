@@ -22,8 +22,11 @@ from typing import Any, ClassVar
 import torch
 from torch.optim.optimizer import required
 
+from fp16kit.kernels import DeviceStep, check_found_inf
+from fp16kit.kernels.optimizers import StepVerify
+
 from . import functional as F
-from ._base import _LOW_PRECISION, FusedOptimizer
+from ._base import _LOW_PRECISION, FusedOptimizer, _capturing
 from ._checkpoint import TORCH_FLAGS, check_state_values, refuse_foreign
 from ._validate import _number, check_sparse_grad, check_step_value, naming_group
 
@@ -252,6 +255,90 @@ class ApexStateOptimizer(FusedOptimizer):
             f"or check the gradients' magnitude."
         )
 
+    # -- the device-resident step (docs/optim.md, "The step on the device") ---------------------------------
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """``FusedOptimizer.step``; the rows ``_collect`` kept for ``_on_device`` are let go after it (a step that
+        ends early must not keep this step's grads alive)."""
+        try:
+            return super().step(closure)
+        finally:
+            if not torch.compiler.is_compiling():
+                self._step_cache.pop("apex_rows", None)
+
+    def _device_ready(self, group: dict[str, Any], rows: ApexRows) -> bool:
+        """Do the Triton kernels take every row of this group (the update op planned with ``plan_only``)? A
+        subclass with a device step answers; the others never step on the device."""
+        return False
+
+    def _on_device(self, device: torch.device) -> bool:
+        """``FusedOptimizer._on_device``, and every group's rows in the kernels' groups (rows the torch fallback
+        takes, e.g. float64 or non-contiguous params, keep the whole step on the host-vector path)."""
+        rows = self._step_cache.pop("apex_rows", None)
+        if rows is None or not super()._on_device(device):
+            return False
+        return all(self._device_ready(g, r) for g, r in zip(self.param_groups, rows) if r.params)
+
+    def _step_on_device(self, all_rows: list, device: torch.device) -> None:  # type: ignore[override]
+        """``step`` with nothing copied from the host and nothing read back (CUDA-graph capturable): per group and
+        dtype combination, one check-and-verify launch (the grads' inf/NaN check and the result check in one read,
+        finished on the device: flag, ``result_skips``, ``nonfinite_skips``), then after all of them the update
+        launch, which derives the hyper-parameters on the device and advances the step counter. Same results,
+        bit for bit, as the host-vector step (``FusedOptimizer.step``'s check pass, ``_check_results``, updates)."""
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        own_flag = found_inf is None
+        if own_flag:
+            found_inf = self._device_buffers(device)["flag"]
+        else:
+            check_found_inf(f"{self._name}.step", found_inf, device)
+        check = StepVerify(
+            result=self._result_buffer(device),
+            result_count=self._counter("result_skips", device),
+            nonfinite_count=self._counter("nonfinite_skips", device) if own_flag else None,
+            own_flag=own_flag,
+        )
+        work = []
+        for gi, (group, rows) in enumerate(zip(self.param_groups, all_rows)):
+            step = self._own_step(gi, group, device)
+            ds = self._device_step(group, DeviceStep(step, {}, scale=grad_scale)) if rows.params else None
+            work.append((group, rows, step, ds))
+            if ds is not None:  # the check pass and the result check of every group, before any write
+                self._run_device_update(group, rows, ds, found_inf, verify=True, check=check)
+        if check.launches == 0:  # no grad anywhere (a group of empty tensors): nothing checked
+            if own_flag:
+                found_inf.zero_()
+            check.result.zero_()
+        bad_hp = F.bad_lr_flag([g["lr"] for g in self.param_groups], device)
+        skip = found_inf if bad_hp is None else torch.maximum(found_inf.reshape(1), bad_hp)
+        for group, rows, step, ds in work:
+            if ds is None:
+                F.advance_step(step, skip)
+            else:
+                self._run_device_update(group, rows, ds, skip)
+        if self.unscale_grads and grad_scale is not None:
+            grads = [g for rows in all_rows for g in rows.grads]
+            self._write_unscaled_grads(grads, F.inv_scale_from_grad_scale(grad_scale, device), device)
+        report = not (device.type == "cuda" and _capturing())
+        if report and not own_flag:
+            self._report(check.result, self._result_message())
+        self._count_and_report(bad_hp, found_inf if own_flag else None, device, counted=True, report=report)
+
+    def _result_buffer(self, device: torch.device) -> torch.Tensor:
+        """float32 ``[1]`` on ``device``: 1 when this step's result check raised the flag (written whole each step)."""
+        store = self._skip_counts
+        key = f"result:{device}"
+        buf = store.get(key)
+        if buf is None:
+            buf = store[key] = torch.zeros(1, dtype=torch.float32, device=device)
+        return buf
+
+    def _run_device_update(  # type: ignore[override]
+        self, group: dict[str, Any], rows: ApexRows, ds: DeviceStep, skip: torch.Tensor, *, verify: bool = False,
+        check: StepVerify | None = None,
+    ) -> None:
+        raise NotImplementedError
+
     def _collect(self) -> list[ApexRows]:  # type: ignore[override]
         out = []
         for group in self.param_groups:
@@ -273,6 +360,8 @@ class ApexStateOptimizer(FusedOptimizer):
                 rows.states.append(state)
                 rows.new.append(new)
             out.append(rows)
+        if not torch.compiler.is_compiling():
+            self._step_cache["apex_rows"] = out  # for _on_device, which takes it out again
         return out
 
 

@@ -47,6 +47,7 @@ from fp16kit.kernels import (
     common_device,
     flag_is_final,
     flag_nonfinite,
+    forget_autocast_casts,
     join_halves,
     library,
     metadata_guard,
@@ -590,6 +591,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not torch.compiler.is_compiling() and not _capturing():  # pending warnings: CUDA events of eager steps
             self._flush_warnings()
+            forget_autocast_casts()  # a step inside an autocast region: its next op re-casts the stepped weights
         unchecked_steps = self._check_groups()
         all_rows = self._collect()
         cache = self._step_cache

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 
-from fp16kit.kernels import adagrad_update
+from fp16kit.kernels import DeviceStep, adagrad_update
+from fp16kit.kernels.optimizers import StepVerify
 
+from . import functional as F
 from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
 
 __all__ = ["FusedAdagrad"]
@@ -42,6 +45,7 @@ class FusedAdagrad(ApexStateOptimizer):
         set_grad_none: ``zero_grad()`` sets grads to None (apex's default) instead of zeroing them.
         adagrad_w_mode: decoupled (AdamW-style) weight decay.
         master_weights, on_nonfinite: as in :class:`fp16kit.optim.FusedLAMB`.
+        capturable: accepted (torch's capture recipe passes it); the step is capturable either way.
     """
 
     _name = "FusedAdagrad"
@@ -59,10 +63,13 @@ class FusedAdagrad(ApexStateOptimizer):
         *,
         master_weights: bool = False,
         on_nonfinite: str = "warn",
+        capturable: bool = False,
     ) -> None:
         defaults = {"lr": lr, "eps": eps, "weight_decay": weight_decay}
         self._check_group(defaults)
         self.adagrad_w_mode = bool(adagrad_w_mode)
+        # accepted as torch's: the step already captures into a CUDA graph (docs/optim.md, "The step on the device")
+        self.capturable = bool(capturable)
         super().__init__(
             params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
         )
@@ -117,3 +124,29 @@ class FusedAdagrad(ApexStateOptimizer):
         sums = rows.state("sum")
         modes = {"l2_mode": not self.adagrad_w_mode and wd != 0, "decoupled": self.adagrad_w_mode and wd != 0}
         adagrad_update(rows.params, rows.grads, sums, rows.models, hp64, found_inf, verify=verify, **modes)
+
+    # -- the device-resident step (docs/optim.md, "The step on the device") ---------------------------------
+
+    def _modes(self, group: dict[str, Any]) -> dict[str, bool]:
+        wd = float(group["weight_decay"])
+        return {"l2_mode": not self.adagrad_w_mode and wd != 0, "decoupled": self.adagrad_w_mode and wd != 0}
+
+    def _device_ready(self, group: dict[str, Any], rows: ApexRows) -> bool:
+        return bool(adagrad_update(rows.params, rows.grads, rows.state("sum"), rows.models, group["lr"], None,
+                                   plan_only=True, **self._modes(group)))
+
+    def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
+        lr = group["lr"]
+        host = {
+            "lr": 0.0 if isinstance(lr, torch.Tensor) else float(lr),
+            "eps": float(group["eps"]),
+            "weight_decay": float(group["weight_decay"]),
+        }
+        return dataclasses.replace(base, host=host, lr=F.device_lr(lr, base.step.device))
+
+    def _run_device_update(  # type: ignore[override]
+        self, group: dict[str, Any], rows: ApexRows, ds: DeviceStep, skip: torch.Tensor, *, verify: bool = False,
+        check: StepVerify | None = None,
+    ) -> None:
+        adagrad_update(rows.params, rows.grads, rows.state("sum"), rows.models, ds, skip, verify=verify, check=check,
+                       **self._modes(group))

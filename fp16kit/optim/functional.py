@@ -57,8 +57,11 @@ _constants: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
 def _constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
     """A cached float64 device tensor of host constants: built once, so no per-step host-to-device copy."""
-    if torch.compiler.is_compiling():  # a constant of the graph; the cache is host state Dynamo need not trace
-        return torch.tensor(values, dtype=F64, device=device)
+    if torch.compiler.is_compiling():
+        # Fills in the graph (the cache is host state Dynamo need not trace): ``torch.tensor(values, device=...)``
+        # would be a host constant copied to the device at every run of a compiled step
+        # (tests/optim/test_fake_cuda_trace.py).
+        return torch.cat([torch.full((1,), v, dtype=F64, device=device) for v in values])
     key = (device, values)
     t = _constants.get(key)
     if t is None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 
-from fp16kit.kernels import novograd_update
+from fp16kit.kernels import DeviceStep, novograd_update
+from fp16kit.kernels.optimizers import StepVerify
 
 from . import functional as F
 from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
@@ -53,6 +55,7 @@ class FusedNovoGrad(ApexStateOptimizer):
         amsgrad: must be False (RuntimeError otherwise, as in apex).
         set_grad_none: ``zero_grad()`` sets grads to None (default) instead of zeroing them.
         master_weights, on_nonfinite: as in :class:`fp16kit.optim.FusedLAMB`.
+        capturable: accepted (torch's capture recipe passes it); the step is capturable either way.
 
     Difference from apex: apex keeps ``v`` of all fp16 and of all fp32 params as two tensors in
     ``group["exp_avg_sq"]``; here each param has its own one-element ``state[p]["exp_avg_sq"]`` (fp32), so
@@ -80,6 +83,7 @@ class FusedNovoGrad(ApexStateOptimizer):
         *,
         master_weights: bool = False,
         on_nonfinite: str = "warn",
+        capturable: bool = False,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
@@ -97,6 +101,8 @@ class FusedNovoGrad(ApexStateOptimizer):
         self.reg_inside_moment = bool(reg_inside_moment)
         # apex's name for the same switch (0: regularization inside the moment, 1: decoupled)
         self.moment_mode = 0 if reg_inside_moment else 1
+        # accepted as torch's: the step already captures into a CUDA graph (docs/optim.md, "The step on the device")
+        self.capturable = bool(capturable)
         super().__init__(
             params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
         )
@@ -159,4 +165,42 @@ class FusedNovoGrad(ApexStateOptimizer):
             init_zero=bool(group["init_zero"]),
             reg_inside_moment=self.reg_inside_moment,
             verify=verify,
+        )
+
+    # -- the device-resident step (docs/optim.md, "The step on the device") ---------------------------------
+
+    def _device_ready(self, group: dict[str, Any], rows: ApexRows) -> bool:
+        """The L2 norm (apex's default; the inf-norm keeps the host-vector step), no state made in this step (a
+        step that creates state, the first, takes the host-vector step), every row in the kernels' groups."""
+        if int(group["norm_type"]) != 2 or any(rows.new):
+            return False
+        return bool(self._device_update(group, rows, group["lr"], None, plan_only=True))
+
+    def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
+        lr = group["lr"]
+        b1, b2 = float(group["betas"][0]), float(group["betas"][1])
+        host = {
+            "lr": 0.0 if isinstance(lr, torch.Tensor) else float(lr),
+            "beta1": b1,
+            "beta3": 1.0 - b1 if group["grad_averaging"] else 1.0,
+            "weight_decay": float(group["weight_decay"]),
+            "beta2": b2,
+            "one_minus_beta2": 1.0 - b2,
+            "eps": float(group["eps"]),
+        }
+        return dataclasses.replace(base, host=host, lr=F.device_lr(lr, base.step.device),
+                                   bias_correction=bool(group["bias_correction"]))
+
+    def _run_device_update(  # type: ignore[override]
+        self, group: dict[str, Any], rows: ApexRows, ds: DeviceStep, skip: torch.Tensor, *, verify: bool = False,
+        check: StepVerify | None = None,
+    ) -> None:
+        self._device_update(group, rows, ds, skip, verify=verify, check=check)
+
+    def _device_update(self, group: dict[str, Any], rows: ApexRows, hp: Any, found_inf: Any, **kwargs: Any) -> Any:
+        return novograd_update(
+            rows.params, rows.grads, rows.state("exp_avg"), rows.state("exp_avg_sq"), rows.models, hp, found_inf,
+            new=rows.new, beta2=float(group["betas"][1]), eps=float(group["eps"]), bc2_sqrt=None,
+            norm_type=int(group["norm_type"]), init_zero=bool(group["init_zero"]),
+            reg_inside_moment=self.reg_inside_moment, **kwargs,
         )

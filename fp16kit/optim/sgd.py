@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch.optim.optimizer import required  # type: ignore[attr-defined]
 
-from fp16kit.kernels import sgd_update
+from fp16kit.kernels import DeviceStep, sgd_update
+from fp16kit.kernels.optimizers import StepVerify
 
+from . import functional as F
 from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
 
 __all__ = ["FusedSGD"]
@@ -135,3 +138,36 @@ class FusedSGD(ApexStateOptimizer):
         bufs = rows.state("momentum_buffer") if momentum != 0 else None
         modes = {"weight_decay": wd != 0, "wd_after_momentum": self.wd_after_momentum, "nesterov": group["nesterov"]}
         sgd_update(rows.params, rows.grads, bufs, rows.models, hp64, found_inf, first_run=first, verify=verify, **modes)
+
+    # -- the device-resident step (docs/optim.md, "The step on the device") ---------------------------------
+
+    def _sgd_rows(self, group: dict[str, Any], rows: ApexRows) -> tuple[list | None, list[bool], dict[str, bool]]:
+        """``(momentum buffers or None, first use per row, kernel modes)`` of the group's update."""
+        momentum, wd = float(group["momentum"]), float(group["weight_decay"])
+        first = list(rows.new) if momentum != 0 else [False] * len(rows.params)
+        bufs = rows.state("momentum_buffer") if momentum != 0 else None
+        modes = {"weight_decay": wd != 0, "wd_after_momentum": self.wd_after_momentum, "nesterov": group["nesterov"]}
+        return bufs, first, modes
+
+    def _device_ready(self, group: dict[str, Any], rows: ApexRows) -> bool:
+        bufs, first, modes = self._sgd_rows(group, rows)
+        return bool(sgd_update(rows.params, rows.grads, bufs, rows.models, group["lr"], None, first_run=first,
+                               plan_only=True, **modes))
+
+    def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
+        lr = group["lr"]
+        host = {
+            "lr": 0.0 if isinstance(lr, torch.Tensor) else float(lr),
+            "momentum": float(group["momentum"]),
+            "one_minus_dampening": 1.0 - float(group["dampening"]),
+            "weight_decay": float(group["weight_decay"]),
+        }
+        return dataclasses.replace(base, host=host, lr=F.device_lr(lr, base.step.device))
+
+    def _run_device_update(  # type: ignore[override]
+        self, group: dict[str, Any], rows: ApexRows, ds: DeviceStep, skip: torch.Tensor, *, verify: bool = False,
+        check: StepVerify | None = None,
+    ) -> None:
+        bufs, first, modes = self._sgd_rows(group, rows)
+        sgd_update(rows.params, rows.grads, bufs, rows.models, ds, skip, first_run=first, verify=verify, check=check,
+                   **modes)

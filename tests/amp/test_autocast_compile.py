@@ -23,7 +23,7 @@ class Small(nn.Module):
 
     def forward(self, x):
         h = self.fc1(x)  # LOW
-        a = F.gelu(h)  # FP32
+        a = F.softplus(h)  # FP32
         y = self.fc2(a)  # LOW
         r = y + x  # PROMOTE (low + fp32 -> fp32)
         p = torch.softmax(self.norm(r), -1)  # FP32, FP32

@@ -3,10 +3,11 @@
 Engine-specific contracts; the behaviour every engine shares is tested by the rest of tests/amp, which runs against
 this engine with ``FP16KIT_AUTOCAST_ENGINE=dispatch``:
 
-* override kernels are registered only for the aten ops whose fp16kit rule differs from torch's kernel on the key;
-  the ops where they agree keep torch's C++ kernel;
+* override kernels are registered on the engine's own key (``AutocastIPU``) only for the aten ops whose fp16kit
+  rule differs from torch's kernel on CPU or CUDA; the ops where they agree keep torch's C++ kernel, and torch's own
+  autocast keys are never touched (with the default table);
 * outside an fp16kit region, plain ``torch.autocast`` gives torch's dtypes and bits with the kernels installed, in
-  eager and compiled code;
+  eager and compiled code, and reaches no kernel of ours;
 * compiled == eager: dtypes under aot_eager and inductor, bits under aot_eager, with ``fullgraph=True``, the region
   outside or inside the compiled function;
 * the plan follows the table (``policy_override``), and :func:`_dispatch.uninstall` gives torch its kernels back.
@@ -55,12 +56,42 @@ def test_overrides_only_where_fp16kit_differs_from_torch():
         assert "autocast_mode.cpp" in _kernel_source(f"aten::{agree}"), agree
     # torch's CPU autocast leaves these alone (FP32 rows), has no kernel for in-place forms, raises on fp16 + bf16
     # (cat: PROMOTE), runs binary_cross_entropy in fp32 (BANNED here) and casts avg_pool3d (absent here)
-    for differ in ("softmax.int", "layer_norm", "exp", "exp_", "sum", "addmm_", "cat", "binary_cross_entropy"):
+    for differ in ("softmax.int", "layer_norm", "exp", "exp_", "sum", "addmm_", "atan2", "binary_cross_entropy"):
         assert differ in cpu, differ
-        assert "_dispatch.py" in _kernel_source(f"aten::{differ}"), differ
+        assert "_dispatch.py" in _kernel_source(f"aten::{differ}", D.KEY), differ
+        assert "_dispatch.py" not in _kernel_source(f"aten::{differ}"), differ  # torch's CPU key untouched
     assert cpu["avg_pool3d"][0] is D.AS_CALLED and cpu["reflection_pad1d"][0] is D.AS_CALLED
     assert cpu["exp"][0][0].name == "FP32"
-    assert _kernel_source("aten::relu") == "fallthrough"  # an op neither casts is not touched
+    assert _kernel_source("aten::relu", D.KEY) == "fallthrough"  # an op neither casts is not touched
+    for agree in ("linear", "mm", "conv2d"):
+        assert _kernel_source(f"aten::{agree}", D.KEY) == "fallthrough", agree
+
+
+def test_torch_autocast_keys_carry_no_kernel_of_ours_with_the_default_table():
+    """Plain ``torch.autocast`` code pays nothing for the engine (issue 23, item 2): every override sits on the
+    engine's own key, which only a region of the engine puts in the dispatch path."""
+    assert D.cuda_overrides() == {}
+    for name in D._LIVE:
+        for key in D.KEYS:
+            assert "_dispatch.py" not in _kernel_source(f"aten::{name}", key), (name, key)
+    own = torch._C.DispatchKey.AutocastIPU
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch._C._dispatch_tls_is_dispatch_key_excluded(own)  # not in torch.autocast's path
+    with autocast(dtype=torch.bfloat16):
+        assert not torch._C._dispatch_tls_is_dispatch_key_excluded(own)
+        assert torch._C._dispatch_tls_is_dispatch_key_included(own)
+    assert torch._C._dispatch_tls_is_dispatch_key_excluded(own)
+
+
+def test_a_user_edited_row_that_torch_cuda_casts_gets_a_cuda_kernel():
+    """On CUDA tensors torch's kernel runs before the engine's key: a row the user changes against it gets a kernel
+    on ``AutocastCUDA`` (its cost is documented); the default table needs none."""
+    with policy_override({"linear": "fp32", "softmax": "low", F.gelu: "low"}):
+        # torch's CUDA autocast runs softmax in fp32 and linear low; it has no gelu kernel to pre-empt
+        assert {name.partition(".")[0] for name in D.cuda_overrides()} == {"linear", "softmax"}
+        assert "_dispatch.py" in _kernel_source("aten::linear", "AutocastCUDA")
+        assert "_dispatch.py" in _kernel_source("aten::linear", D.KEY)
+    assert D.cuda_overrides() == {}
 
 
 @pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
@@ -169,11 +200,12 @@ def test_the_plan_follows_the_table():
     assert "linear" not in D.installed_ops()  # agrees again: torch's kernel runs (ours passes through to it)
 
 
-def test_uninstall_gives_torch_its_kernels_back():
-    assert "_dispatch.py" in _kernel_source("aten::binary_cross_entropy")
+def test_uninstall_removes_the_kernels():
+    assert "_dispatch.py" in _kernel_source("aten::binary_cross_entropy", D.KEY)
+    assert "autocast_mode.cpp" in _kernel_source("aten::binary_cross_entropy")  # torch's, installed or not
     D.uninstall()
     assert "autocast_mode.cpp" in _kernel_source("aten::binary_cross_entropy")
-    assert _kernel_source("aten::softmax.int") == "fallthrough"
+    assert _kernel_source("aten::softmax.int", D.KEY) == "fallthrough"
     with autocast(dtype=torch.bfloat16):  # a region installs them again
         assert torch.softmax(torch.randn(2, 2).bfloat16(), -1).dtype == torch.float32
 
@@ -229,7 +261,7 @@ def test_composite_rows_follow_the_table(low):
 
 
 def test_a_wrapped_function_hops_through_no_kernel():
-    live = D._LIVE["AutocastCPU"]
+    live = D._LIVE
     real = live["layer_norm"]
     hops: list[int] = []
 
@@ -415,3 +447,72 @@ def test_compiled_equals_eager_region_inside(low):
         assert_bitwise_equal(c, e)
     assert_bitwise_equal(compiled_grad, eager_grad)
     assert eager[4].dtype == torch.float32 and eager[0].dtype == low
+
+
+def test_plain_torch_autocast_on_another_thread_during_a_region_is_untouched():
+    """The engine's dispatch state is per thread: while one thread is inside an fp16kit region, plain
+    ``torch.autocast`` code on another thread dispatches exactly as torch does (issue 23, item 2, "during")."""
+    import threading
+
+    y = torch.randn(4, 8).bfloat16()
+    seen: dict[str, object] = {}
+    inside, done = threading.Event(), threading.Event()
+
+    def other():
+        inside.wait(10)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            seen["excluded"] = torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutocastIPU)
+            seen["softmax"] = torch.softmax(y, -1).dtype  # torch's CPU autocast leaves softmax alone
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with autocast(dtype=torch.bfloat16):
+        inside.set()
+        assert done.wait(10)
+        assert torch.softmax(y, -1).dtype == torch.float32  # this thread: fp16kit's row
+    t.join(10)
+    assert seen == {"excluded": True, "softmax": torch.bfloat16}
+
+
+def _aot_graphs(model, x, region):
+    """The forward and backward aten graphs AOT autograd traces for ``model(x).float().sum()`` under ``region``."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append([f"{n.target}[{getattr(n.meta.get('val'), 'dtype', None)}]"
+                       for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: model(x).float().sum(), backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    with region():
+        loss = compiled(x)
+    loss.backward()
+    return graphs
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("low", LOW, ids=IDS)
+def test_the_policy_is_not_applied_in_backward(low):
+    """Backward runs as under torch.autocast: in eager (``backward()`` inside the region) and in the backward graph
+    AOT autograd traces (a compiled step): the graphs of a GELU MLP are torch.autocast's, op for op and dtype for
+    dtype (before, the bias gradients' ``sum`` came out as an FP32 row: 40 extra nodes)."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.GELU())
+    x = torch.randn(4, 16)
+    ours = _aot_graphs(mlp, x, lambda: autocast(dtype=low))
+    torch_graphs = _aot_graphs(mlp, x, lambda: torch.autocast("cpu", dtype=low))
+    assert ours == torch_graphs
+
+    def eager_grads(region):
+        mlp.zero_grad()
+        with region():
+            mlp(x).float().sum().backward()  # backward inside the region
+        return [p.grad.clone() for p in mlp.parameters()]
+
+    ours = eager_grads(lambda: autocast(dtype=low))
+    for got, ref in zip(ours, eager_grads(lambda: torch.autocast("cpu", dtype=low))):
+        assert_bitwise_equal(got, ref)

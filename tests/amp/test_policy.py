@@ -21,6 +21,7 @@ from _op_inputs import INPUTS, TARGET_INPUTS
 from fp16kit.amp import (
     Rule,
     autocast,
+    autocast_mode,
     disable_casts,
     policy_override,
     policy_table,
@@ -129,7 +130,8 @@ def test_default_table_matches_spec_names():
     assert P.DEFAULT_TABLE["cat"] is Rule.PROMOTE
     assert P.DEFAULT_TABLE["binary_cross_entropy"] is Rule.BANNED
     assert "batch_norm" not in P.DEFAULT_TABLE  # absent on purpose (cast-policy.md)
-    assert len(P.DEFAULT_TABLE) == 28 + 64 + 12 + 1
+    assert len(P.DEFAULT_TABLE) == 28 + 63 + 12 + 1  # the spec's rows but gelu (docs/autocast.md)
+    assert "gelu" not in P.DEFAULT_TABLE
     for op in ("add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge"):  # torch's native promotion
         assert op not in P.DEFAULT_TABLE
     names = {q for row in P.DEFAULT_TABLE for q, _ in P._DEFAULT_TARGETS[row]}
@@ -243,7 +245,10 @@ def test_registration_of_torch_function():
         register_half_function(torch, "tanh")
         with autocast(dtype=torch.bfloat16):
             assert torch.tanh(x).dtype == torch.bfloat16
-            assert torch.Tensor.tanh(x).dtype == torch.float32  # the Tensor method is another callable
+            # the Tensor method is another callable to the mode engine; the dispatcher engine applies rows per aten op
+            # (docs/autocast.md, "The two engines")
+            per_op = autocast_mode.engine() == "dispatch"
+            assert torch.Tensor.tanh(x).dtype == (torch.bfloat16 if per_op else torch.float32)
         assert policy_table()["torch.tanh"] == {"rule": Rule.LOW, "row": "torch.tanh", "source": "registered"}
         register_float_function(torch, "tanh")  # a later registration replaces the row
         with autocast(dtype=torch.bfloat16):
@@ -313,7 +318,9 @@ def test_policy_override_is_scoped_and_nestable():
             assert F.softmax(x, -1).dtype == torch.bfloat16  # a row covers all its callables
             assert policy_table()["torch.softmax"]["source"] == "override"
             with policy_override({"torch.softmax": None}, linear="fp32"):
-                assert torch.softmax(x, -1).dtype == torch.float32  # absent: run as called (fp32 in)
+                # absent: run as called (fp32 in); the dispatcher engine keeps the aten op's other callables' row
+                per_op = autocast_mode.engine() == "dispatch"
+                assert torch.softmax(x, -1).dtype == (torch.bfloat16 if per_op else torch.float32)
                 assert F.softmax(x, -1).dtype == torch.bfloat16  # the rest of the row still LOW
                 assert F.linear(x.bfloat16(), x.bfloat16()).dtype == torch.float32
             assert torch.softmax(x, -1).dtype == torch.bfloat16
@@ -355,9 +362,35 @@ def test_policy_table_export_and_print():
     buf = io.StringIO()
     print_policy(buf, rule="fp32")  # "why did my op run in fp32?"
     text = buf.getvalue()
-    n_fp32 = 64 + sum(r is Rule.FP32 for r in P.TORCH_CUDA_TABLE.values())
+    n_fp32 = 63 + sum(r is Rule.FP32 for r in P.TORCH_CUDA_TABLE.values())
     assert text.startswith(f"FP32 ({n_fp32} rows)") and "LOW (" not in text and "torch.log_softmax" in text
     with policy_override({"exp": "low"}):
         buf = io.StringIO()
         print_policy(buf, rule=Rule.LOW)
         assert "[override]" in buf.getvalue() and "torch.Tensor.exp_" in buf.getvalue()
+
+
+def test_gelu_runs_as_called_by_default():
+    """gelu has no default row (neither apex O1 nor torch.autocast casts it; docs/autocast.md, "Where the default
+    table differs from torch.autocast"): it runs in its input's dtype. The FP32 row it had (still one override away)
+    changed no bit in bf16 where a LOW op consumes it, forward or backward (exact and tanh forms), and cost two casts
+    per call."""
+    assert "torch.nn.functional.gelu" not in policy_table()
+    torch.manual_seed(0)
+    x0 = (torch.randn(16, 40) * 3).requires_grad_()
+    lin = torch.nn.Linear(40, 24)
+
+    def run(approximate: str, fp32_row: bool):
+        x = x0.detach().clone().requires_grad_()
+        lin.zero_grad()
+        rows = {F.gelu: "fp32"} if fp32_row else {}
+        with autocast(dtype=torch.bfloat16), policy_override(rows):
+            h = F.gelu(lin(x), approximate=approximate)
+            assert h.dtype == (torch.float32 if fp32_row else torch.bfloat16)
+            out = F.linear(h, lin.weight[:, :24])
+        out.float().pow(2).sum().backward()
+        return out, x.grad, lin.weight.grad.clone()
+
+    for approximate in ("none", "tanh"):
+        for got, ref in zip(run(approximate, False), run(approximate, True)):
+            assert_bitwise_equal(got, ref)

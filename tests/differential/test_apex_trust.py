@@ -513,13 +513,18 @@ def test_apex_multi_tensor_scale_still_writes_model_params_like_apex():
             assert torch.equal(model.detach(), torch.ones(4, dtype=torch.float16))
 
 
+#: the host-vector layout of the SGD/Adagrad kernels' device-step constexprs (tests/optim/apex_optim_helpers.py)
+APEX_HP_LEGACY = {"HP_DEVICE": False, "LR_TENSOR": False, "HAS_SCALE": False, "BIAS_CORRECTION": False,
+                  "ADVANCE": False, "OWN_FLAG": False, "FIRST": False, "COUNT": False}
+
+
 @pytest.mark.parametrize(
     ("module", "kernel", "constexprs"),
     [
         ("sgd_kernel", "_sgd_kernel", {"WD": True, "WD_AFTER": False, "MOMENTUM": True, "NESTEROV": True,
-                                       "FIRST_RUN": False}),
-        ("adagrad_kernel", "_adagrad_kernel", {"L2_MODE": True, "DECOUPLED": False}),
-        ("novograd_kernel", "_novograd_kernel", {"REG_INSIDE": False}),
+                                       "FIRST_RUN": False, **APEX_HP_LEGACY}),
+        ("adagrad_kernel", "_adagrad_kernel", {"L2_MODE": True, "DECOUPLED": False, **APEX_HP_LEGACY}),
+        ("novograd_kernel", "_novograd_kernel", {"REG_INSIDE": False, **APEX_HP_LEGACY}),
     ],
 )
 def test_result_check_kernels_compile_for_sm90_and_store_nothing(module, kernel, constexprs):

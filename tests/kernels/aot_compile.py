@@ -51,12 +51,14 @@ I64_PTRS = {"ptrs", "numels", "chunk_start", "counts_ptr", "first_ptr"}
 I32_PTRS = {"chunk_tensor", "row_idx_ptr"}
 #: the device-resident step's counters (fp16kit/kernels/_step_scalars.py)
 I32_STEP = {"ticket_ptr", "done_ptr", "bad_ptr"}
-I64_STEP = {"chunk_counts", "first_chunk", "count_ptr"}
+I64_STEP = {"chunk_counts", "first_chunk", "count_ptr", "nonfinite_count_ptr", "result_count_ptr", "v_ptrs"}
 #: the legacy layout (a float32 hp vector) and the device-derived one
 HP_LEGACY = dict(HP_DEVICE=False, LR_TENSOR=False, HAS_SCALE=False, BIAS_CORRECTION=False, ADVANCE=False)
 HP_ON_DEVICE = dict(HP_DEVICE=True, LR_TENSOR=False, HAS_SCALE=True, BIAS_CORRECTION=True, ADVANCE=True)
 #: the plain write epilogue (no bf16 mode), for the Adam kernel and LAMB stage 2 (stage 1 has WEIGHTS only)
 PLAIN = dict(WEIGHTS=0, ROW_IDX=False)
+#: the SGD/Adagrad/NovoGrad kernels' device-step switches (fp16kit/kernels/_results.py), off
+APEX_LEGACY = dict(**HP_LEGACY, OWN_FLAG=False, FIRST=False, COUNT=False)
 SUMSQ_PLAIN = dict(FINISH=False, NORM=True, OWN_FLAG=False, COUNT=False, SCALE_IS_GRAD_SCALE=False)
 
 
@@ -171,15 +173,32 @@ CASES = {
     "sgd (fp32 masters -> fp16 model, nesterov)": (
         sgd_kernel._sgd_kernel,
         dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, WD=True, WD_AFTER=False, MOMENTUM=True,
-             NESTEROV=True, FIRST_RUN=False, VERIFY=False, BLOCK=4096, ALIGNED=True)),
+             NESTEROV=True, FIRST_RUN=False, VERIFY=False, BLOCK=4096, ALIGNED=True, **APEX_LEGACY)),
     "adagrad (fp32 masters -> bf16 model, decoupled)": (
         adagrad_kernel._adagrad_kernel,
         dict(P_DTYPE=F32, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=True, L2_MODE=False, DECOUPLED=True, VERIFY=False,
-             BLOCK=4096, ALIGNED=True)),
+             BLOCK=4096, ALIGNED=True, **APEX_LEGACY)),
     "novograd (fp32 masters -> fp16 model)": (
         novograd_kernel._novograd_kernel,
         dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, REG_INSIDE=False, VERIFY=False, BLOCK=4096,
-             ALIGNED=True)),
+             ALIGNED=True, **APEX_LEGACY)),
+    "sgd check-and-verify on the device (fp16 grads, tensor lr)": (
+        sgd_kernel._sgd_kernel,
+        dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, WD=True, WD_AFTER=False, MOMENTUM=True,
+             NESTEROV=False, FIRST_RUN=False, VERIFY=True, BLOCK=4096, ALIGNED=True,
+             **{**APEX_LEGACY, **HP_ON_DEVICE, "LR_TENSOR": True, "ADVANCE": False, "OWN_FLAG": True, "FIRST": True,
+                "COUNT": True})),
+    "adagrad update on the device (fp32)": (
+        adagrad_kernel._adagrad_kernel,
+        dict(P_DTYPE=F32, G_DTYPE=F32, MODEL_DTYPE=F32, HAS_MODEL=False, L2_MODE=True, DECOUPLED=False, VERIFY=False,
+             BLOCK=4096, ALIGNED=True, **{**APEX_LEGACY, **HP_ON_DEVICE})),
+    "novograd update on the device (fp32 masters -> bf16 model)": (
+        novograd_kernel._novograd_kernel,
+        dict(P_DTYPE=F32, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=True, REG_INSIDE=False, VERIFY=False, BLOCK=4096,
+             ALIGNED=True, **{**APEX_LEGACY, **HP_ON_DEVICE})),
+    "novograd norms, moments, denominators on the device": (
+        novograd_kernel._novograd_prepare_kernel,
+        dict(LR_TENSOR=False, BIAS_CORRECTION=True, INIT_ZERO=False), {"partials_ptr": "*fp64"}),
     "novograd absmax bf16": (novograd_kernel._absmax_kernel, dict(IN_DTYPE=BF16, BLOCK=4096, ALIGNED=True)),
     **{
         f"exponent histogram {name}": (histogram_kernel._histogram_kernel, consts, HISTOGRAM_SIG)

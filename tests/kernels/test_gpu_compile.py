@@ -75,6 +75,10 @@ FMA = {
     "lamb stage 1 on the device (fp32, decoupled)": 0,
     "lamb stage 2 on the device (fp32 masters -> fp16 model)": 0,
     "adam on the device (fp32)": 0,
+    "sgd check-and-verify on the device (fp16 grads, tensor lr)": 0,
+    "adagrad update on the device (fp32)": 0,
+    "novograd update on the device (fp32 masters -> bf16 model)": 0,
+    "novograd norms, moments, denominators on the device": 0,
     # the bf16 write epilogues (fp16kit/kernels/_bf16_weights.py): integer bit arithmetic and Philox, no FMA
     "adam on the device, bf16 split": 0,
     "adam on the device, bf16 stochastic": 0,

@@ -9,6 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from apex_optim_helpers import (
+    APEX_HP_DEVICE,
+    APEX_HP_DEVICE_VERIFY,
+    APEX_HP_LEGACY,
     adagrad_step_and_check,
     check_amp_o2,
     check_edge_values,
@@ -200,8 +203,26 @@ def test_kernel_compiles_for_sm90_with_vector_memory_ops():
                     "VERIFY": False,
                     "BLOCK": 4096,
                     "ALIGNED": True,
+                    **APEX_HP_LEGACY,
+                },
+            ),
+            "adagrad on the device: check and verify, bf16": (
+                "_adagrad_kernel",
+                {
+                    "P_DTYPE": "bfloat16", "G_DTYPE": "bfloat16", "MODEL_DTYPE": "bfloat16", "HAS_MODEL": False,
+                    "L2_MODE": True, "DECOUPLED": False, "VERIFY": True, "BLOCK": 4096, "ALIGNED": True,
+                    **APEX_HP_DEVICE_VERIFY,
+                },
+            ),
+            "adagrad on the device: the update, fp32 masters -> fp16 model": (
+                "_adagrad_kernel",
+                {
+                    "P_DTYPE": "float32", "G_DTYPE": "float16", "MODEL_DTYPE": "float16", "HAS_MODEL": True,
+                    "L2_MODE": False, "DECOUPLED": True, "VERIFY": False, "BLOCK": 4096, "ALIGNED": True,
+                    **APEX_HP_DEVICE,
                 },
             ),
         },
     )
-    assert all(r["v4_loads"] > 0 and r["v4_stores"] > 0 for r in result.values()), result
+    # (the check-and-verify launch stores nothing but its flags)
+    assert all(r["v4_loads"] > 0 and (r["v4_stores"] > 0 or "verify" in name) for name, r in result.items()), result

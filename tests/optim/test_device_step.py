@@ -262,8 +262,8 @@ def replay_against_eager(opt: torch.optim.Optimizer, ref: torch.optim.Optimizer,
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["adam", "lamb", "sgd"])
 def test_cuda_graph_capture_replays_equal_eager(kind):
-    """torch's documented capture of ``opt.step()``; FusedSGD takes the host-vector path (its hyper-parameters
-    are torch ops on the device, captured with the kernels)."""
+    """torch's documented capture of ``opt.step()`` (FusedSGD, FusedAdagrad and FusedNovoGrad also in
+    test_device_step_apex.py)."""
     ps, opt, ref_ps, ref, lr = _twins(kind)
     replay_against_eager(opt, ref, lr, 4e-3)
     for a, b in zip(ps, ref_ps):
