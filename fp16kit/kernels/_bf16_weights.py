@@ -206,21 +206,24 @@ def split_halves(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hi, lo)`` of an fp32 tensor: the bf16 high half (round to nearest, ties away from zero) and the int16
     signed remainder, such that :func:`join_halves` gives ``master`` back bit for bit (NaN: canonical NaN, 0).
 
-    int32 arithmetic on the bits: ``(bits + 0x8000) >> 16`` (arithmetic shift) is the high half as a value in the
-    int16 range for every non-NaN pattern (only NaN magnitudes wrap), and ``(bits << 16) >> 16`` the sign-extended
-    low half, so both narrow to int16 exactly."""
-    bits = master.contiguous().view(torch.int32)
-    nan = torch.isnan(master)
-    hi = torch.where(nan, 0x7FC0, (bits + 0x8000) >> 16).to(torch.int16)
-    lo = torch.where(nan, 0, (bits << 16) >> 16).to(torch.int16)
+    On the 16-bit halves of the bits (in memory order ``[low, high]``: a little-endian host, as torch's own
+    dtype views of these tensors assume): ``lo`` is the low half itself
+    (``bits - (hi << 16)`` is the low half read as a signed int16), and ``hi = high + (lo < 0)``: adding ``0x8000``
+    to the bits carries into the high half exactly when the low half is ``0x8000`` or more."""
+    flat = master.contiguous().view(-1)
+    halves = flat.view(torch.int16).view(-1, 2)
+    nan = torch.isnan(flat)
+    lo = torch.where(nan, 0, halves[:, 0])
+    hi = torch.where(nan, 0x7FC0, halves[:, 1] + (halves[:, 0] < 0).to(torch.int16))
     return hi.view(torch.bfloat16).view(master.shape), lo.view(master.shape)
 
 
 def join_halves(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """The fp32 master ``(hi << 16) + lo`` of a bf16 ``hi`` and its int16 low half ``lo`` (int32 arithmetic with
-    two's complement wrap-around, i.e. the uint32 sum of the bits)."""
-    bits = (hi.contiguous().view(torch.int16).to(torch.int32) << 16) + lo.to(torch.int32)
-    return bits.view(torch.float32).view(hi.shape)
+    """The fp32 master ``(hi << 16) + lo`` of a bf16 ``hi`` and its int16 low half ``lo`` (the uint32 sum of the
+    bits): low half ``lo``, high half ``hi - (lo < 0)`` (the borrow of a negative remainder)."""
+    lo16 = lo.contiguous().view(-1)
+    high = hi.contiguous().view(torch.int16).view(-1) - (lo16 < 0).to(torch.int16)
+    return torch.stack((lo16, high), dim=1).view(torch.int32).view(torch.float32).view(hi.shape)
 
 
 def _mul_hi_lo(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
