@@ -185,9 +185,9 @@ def restore_state(
         )
     if dropped:
         warnings.warn(
-            f"{fn}.load_state_dict: ignored the fp32 master weights of {dropped} param(s): this optimizer keeps "
-            f"none for them (master_weights=False, or not an fp16/bf16 param). Construct it with "
-            f"master_weights=True to resume from the masters.",
+            f"{fn}.load_state_dict: ignored the fp32 master weights (or split mode's low halves, 'master_low') of "
+            f"{dropped} param(s): this optimizer keeps none for them (master_weights=False or 'stochastic', or not "
+            f"an fp16/bf16 param). Construct it with master_weights=True (or 'split') to resume from the masters.",
             RuntimeWarning,
             stacklevel=3,
         )

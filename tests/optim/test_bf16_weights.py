@@ -430,3 +430,21 @@ def test_amp_master_weights_refuse_the_bf16_modes():
     opt = FusedAdam(model.parameters(), master_weights="split")
     with pytest.raises(ValueError, match="without fp32 masters"):
         amp.initialize(model, opt, opt_level="O2", verbosity=0)
+
+
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_checkpoints_between_the_bf16_modes(kind):
+    """A stochastic (or plain bf16) run's checkpoint continues in split mode from its bf16 params exactly (low halves
+    0); a split checkpoint loaded without split mode drops the low halves, with a warning naming them."""
+    ps, opt = _train(kind, "stochastic", steps=2, rounding_seed=4)
+    saved, qs = copy.deepcopy(opt.state_dict()), [p.detach().clone().requires_grad_() for p in ps]
+    split = MAKERS[kind](qs, master_weights="split")
+    split.load_state_dict(saved)
+    assert all(torch.equal(a, b.float()) for a, b in zip(split.split_masters(), ps))
+    assert all(int(split.state[q]["master_low"].abs().sum()) == 0 for q in qs)
+    _train(kind, "split", steps=1, ps=qs, opt=split)
+    saved = copy.deepcopy(split.state_dict())
+    plain = MAKERS[kind]([q.detach().clone().requires_grad_() for q in qs], master_weights="stochastic")
+    with pytest.warns(RuntimeWarning, match="ignored"):
+        plain.load_state_dict(saved)
+    assert all("master_low" not in st for st in plain.state.values())
