@@ -448,3 +448,37 @@ def test_checkpoints_between_the_bf16_modes(kind):
     with pytest.warns(RuntimeWarning, match="ignored"):
         plain.load_state_dict(saved)
     assert all("master_low" not in st for st in plain.state.values())
+
+
+def _hostile_params(seed: int) -> list[torch.Tensor]:
+    """Contiguous, transposed (non-contiguous: the fallback's rows beside the kernels'), 0-size and one-element."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(37, 5, generator=g).bfloat16().t().requires_grad_(), torch.randn(300, generator=g).bfloat16()
+            .requires_grad_(), torch.zeros(0, dtype=torch.bfloat16, requires_grad=True),
+            torch.randn(1, generator=g).bfloat16().requires_grad_()]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@settings(max_examples=12, deadline=None)
+@given(kind=st.sampled_from(["adam", "lamb"]), lr=st.floats(1e-4, 1e-1), wd=st.sampled_from([0.0, 0.01, 0.3]),
+       adam_w_mode=st.booleans(), b2=st.sampled_from([0.95, 0.999]), scale=st.sampled_from([None, 3.0, 2.0**16]),
+       seed=st.integers(0, 1000))
+def test_split_equals_fp32_masters_hypothesis(backend, kind, lr, wd, adam_w_mode, b2, scale, seed):
+    """Random hyper-parameters, modes and loss scales (a non-power-of-two included), hostile layouts: split's
+    reassembled masters, moments and counters are master mode's bit for bit."""
+    cls = FusedAdam if kind == "adam" else FusedLAMB
+    runs = []
+    with use_backend(backend):
+        for mode in (True, "split"):
+            ps = _hostile_params(seed)
+            opt = cls(ps, lr=lr, weight_decay=wd, adam_w_mode=adam_w_mode, betas=(0.9, b2), master_weights=mode)
+            g = torch.Generator().manual_seed(seed + 1)
+            for _ in range(3):
+                for p in ps:
+                    p.grad = (torch.randn(p.shape, generator=g) * (scale or 1.0)).bfloat16()
+                if scale is not None:
+                    opt.grad_scale = torch.full((1,), scale)
+                    opt.found_inf = torch.zeros(1)
+                opt.step()
+            runs.append((ps, opt))
+    _assert_same_state(*runs)
