@@ -482,3 +482,28 @@ def test_split_equals_fp32_masters_hypothesis(backend, kind, lr, wd, adam_w_mode
                 opt.step()
             runs.append((ps, opt))
     _assert_same_state(*runs)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_stochastic_step_is_the_rule_applied_to_the_fp32_result(backend, kind):
+    """First step from equal params: each stochastically rounded param is ``stochastic_round`` of the fp32-master
+    run's master with its row (its position in the group) and the step number: the counters are the module
+    docstring's on both backends, also when the rows form two kernel groups (bf16 and fp32 grads: the row table)."""
+    g = torch.Generator().manual_seed(8)
+    init = [torch.randn(n, generator=g).bfloat16() for n in (300, 41, 17, 1000)]
+    grads = [torch.randn(t.shape, generator=g) for t in init]
+    out = {}
+    with use_backend(backend):
+        for mode in (True, "stochastic"):
+            ps = [t.clone().requires_grad_() for t in init]
+            for i, (p, gr) in enumerate(zip(ps, grads)):
+                if i % 2:
+                    p.grad_dtype = torch.float32  # torch >= 2.10: fp32 grads of bf16 params need the opt-in
+                p.grad = gr.bfloat16() if i % 2 == 0 else gr.clone()
+            opt = MAKERS[kind](ps, master_weights=mode, rounding_seed=21 if mode == "stochastic" else None)
+            opt.step()
+            out[mode] = [opt.state[p]["master"] for p in ps] if mode is True else ps
+    for i, (master, p) in enumerate(zip(out[True], out["stochastic"])):
+        want = stochastic_round(master, 21, i, 0, torch.tensor(1.0))
+        assert torch.equal(p.view(torch.int16), want.view(torch.int16)), i
