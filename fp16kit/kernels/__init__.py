@@ -46,6 +46,9 @@ from .optimizers import (
     step_check,
     stochastic_round,
 )
+from .state8 import absmax_of as state8_absmax
+from .state8 import dequantize as dequantize_state8
+from .state8 import from_state8, to_state8, uses_state8
 
 __all__ = [
     "KERNEL_DTYPES",
@@ -66,11 +69,13 @@ __all__ = [
     "checks_inf_itself",
     "common_device",
     "copy_",
+    "dequantize_state8",
     "exponent_histogram",
     "flag_for",
     "flag_is_final",
     "flag_nonfinite",
     "forget_autocast_casts",
+    "from_state8",
     "join_halves",
     "l2norm",
     "lamb_stage1",
@@ -86,10 +91,13 @@ __all__ = [
     "select_backend",
     "sgd_update",
     "split_halves",
+    "state8_absmax",
     "step_check",
     "stochastic_round",
+    "to_state8",
     "unscale_and_check",
     "use_backend",
+    "uses_state8",
     "vouched_rows",
 ]
 

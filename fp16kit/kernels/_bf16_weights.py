@@ -337,7 +337,7 @@ def fallback_step(
     for i in mine:
         work[i] = join_halves(params[i], models[i].view(torch.int16)) if split else params[i].float()
     others = [None if split else m for m in models]
-    step_fn(work, *rest, others, hp, found_inf, **modes, fused=fused)
+    step_fn(work, *rest, others, hp, found_inf, **modes, **({} if fused is None else {"fused": fused}))
     if not mine:
         return
     if split:

@@ -26,14 +26,17 @@ FLOAT_DTYPES = (*KERNEL_DTYPES, torch.float64)
 _FLOAT_SET = frozenset(FLOAT_DTYPES)
 
 
-def check_tensor_list(fn: str, name: str, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """A list of dense floating-point tensors (fp16, bf16, fp32, fp64)."""
+def check_tensor_list(
+    fn: str, name: str, tensors: Sequence[torch.Tensor], allow: frozenset = frozenset()
+) -> list[torch.Tensor]:
+    """A list of dense floating-point tensors (fp16, bf16, fp32, fp64; or a dtype in ``allow``: the uint8 codes of
+    8-bit optimizer state)."""
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a list of tensors, got a single tensor; wrap it as [tensor].")
     out = list(tensors)
     for i, t in enumerate(out):
         # Fast path first: this runs for every tensor on every call.
-        if isinstance(t, torch.Tensor) and t.dtype in _FLOAT_SET and t.layout == torch.strided:
+        if isinstance(t, torch.Tensor) and (t.dtype in _FLOAT_SET or t.dtype in allow) and t.layout == torch.strided:
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name}[{i}] is a {type(t).__name__}, not a torch.Tensor.")

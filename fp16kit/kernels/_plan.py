@@ -69,9 +69,9 @@ _data_ptr = torch.Tensor.data_ptr
 class Spec:
     """What one op's rows are. ``names``: each row's name in error messages; ``written``: rows the op writes
     (checked against each other and the read rows); ``key_rows``: rows whose dtypes make a kernel group's key;
-    ``state_rows``: rows that must be fp32 for the kernels (optimizer state); ``optional``: a row that may hold
-    ``None`` entries (model copies); ``keep_empty``: empty tensors go to the fallback (optimizer rows, a no-op
-    there) instead of being dropped; ``math_key``: fallback groups are keyed by the math dtype of row 0 (float64
+    ``state_rows``: rows that must be fp32 for the kernels (optimizer state; ``state_dtypes``); ``optional``: a row
+    that may hold ``None`` entries (model copies); ``keep_empty``: empty tensors go to the fallback (optimizer rows,
+    a no-op there) instead of being dropped; ``math_key``: fallback groups are keyed by the math dtype of row 0 (float64
     or float32) instead of the key rows' dtypes; ``loose``: read rows whose addresses are not part of the cache
     key (an optimizer's grads, re-allocated every step): a hit re-checks only that they overlap no written
     tensor (the one fact of the validation that depends on their addresses; see the module docstring)."""
@@ -85,6 +85,8 @@ class Spec:
     keep_empty: bool = False
     math_key: bool = False
     loose: tuple[int, ...] = ()
+    #: The dtypes ``state_rows`` may have in a kernel group (``state_bits=8`` adds uint8: 8-bit moments).
+    state_dtypes: frozenset = frozenset({torch.float32})
 
 
 class Group:
@@ -413,7 +415,8 @@ def _make(
             check_tensor_list(fn, names[r], _present(row))
             lists.append(row)
         else:
-            lists.append(check_tensor_list(fn, names[r], row))
+            allow = spec.state_dtypes if r in spec.state_rows else frozenset()
+            lists.append(check_tensor_list(fn, names[r], row, allow))
     for r in range(1, len(lists)):
         if r == opt:
             _check_optional_pairs(fn, names[0], lists[0], names[r], lists[r])
@@ -479,12 +482,12 @@ def _group(spec: Spec, lists: list[list], extra: tuple | None, triton_ok: bool, 
         empty = x.numel() == 0
         if empty and not spec.keep_empty:
             continue
-        row = [lst[i] for lst in lists if lst[i] is not None]
+        row = [lst[i] for r, lst in enumerate(lists) if lst[i] is not None and r not in spec.state_rows]
         fits = (
             triton_ok
             and not empty
             and all(t.dtype in ok and t.is_contiguous() for t in row)
-            and all(lists[s][i].dtype == _F32 for s in spec.state_rows)
+            and all(lists[s][i].dtype in spec.state_dtypes and lists[s][i].is_contiguous() for s in spec.state_rows)
         )
         if fits:
             key = tuple(None if lists[r][i] is None else lists[r][i].dtype for r in spec.key_rows) + tail

@@ -21,6 +21,10 @@ Per element (fp32 math, each tensor read once and written once)::
     p = p + (-lr / bc1) * (m / (sqrt(v) / sqrt(bc2) + eps))
 
 ``found_inf`` non-zero: zero loop iterations, nothing written.
+
+``QSTATE`` (``state_bits=8``): rows 2 and 3 of a tensor of at least ``state8.SMALL_NUMEL`` elements hold 8-bit
+moments (``fp16kit/kernels/state8.py``): they are dequantized on load and the new m, v quantized on store
+(``_state8.load_state``/``store_state``); p is updated from the new fp32 m, v before quantization.
 """
 
 from __future__ import annotations
@@ -32,15 +36,18 @@ import triton
 import triton.language as tl
 
 from ._bf16_weights import Bf16Weights, launch_arguments, load_master, rng_step, store_weights
-from ._chunks import store_chunk
+from ._state8 import load_state, state_rows, store_state
 from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
-from ._step_skeleton import chunk_rows, load_grad, load_param_moments, skip_and_stop
+from ._step_skeleton import chunk_rows, load_grad, skip_and_stop
 from ._table import STEP_PROGRAMS_PER_SM, STEP_WARPS_GPU, chunk_table, num_programs, step_block, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
     # _adam_kernel: each operation rounded as in ``torch.optim.Adam``'s for-each path and the torch fallback.
     "_adam_kernel": {"num_warps": STEP_WARPS_GPU, "enable_fp_fusion": False},
+    # with QSTATE (8-bit moments): 16 warps, so that the two block quantizations (an 8-step search each) fit in
+    # <= 128 registers without spills (8 warps: 221-240 registers on sm_90, tests/kernels/test_gpu_compile.py)
+    "_adam_kernel_state8": {"num_warps": 16, "enable_fp_fusion": False},
 }
 
 
@@ -67,6 +74,7 @@ def _adam_kernel(
     stream,
     rng_step_ptr,
     row_idx_ptr,
+    book_ptr,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
@@ -82,6 +90,7 @@ def _adam_kernel(
     ADVANCE: tl.constexpr,
     WEIGHTS: tl.constexpr,
     ROW_IDX: tl.constexpr,
+    QSTATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if HP_DEVICE:
@@ -116,7 +125,8 @@ def _adam_kernel(
         t, offs, mask, full, p_ptr, g_ptr, m_ptr, v_ptr = chunk_rows(
             ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED
         )
-        p, m, v = load_param_moments(p_ptr, m_ptr, v_ptr, offs, mask, full)
+        p, m, v = load_state(ptrs, num_tensors, numels, t, p_ptr, m_ptr, v_ptr, offs, mask, full, book_ptr, QSTATE,
+                             BLOCK, ALIGNED)
         p = load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS, ALIGNED)
         g = load_grad(g_ptr, offs, mask, full) * inv_scale
         if L2_MODE:
@@ -129,8 +139,8 @@ def _adam_kernel(
             p = p * decay
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         p = p + neg_step_size * tl.div_rn(m, denom)
-        store_chunk(m_ptr, offs, m, mask, full)
-        store_chunk(v_ptr, offs, v, mask, full)
+        store_state(ptrs, num_tensors, numels, t, m_ptr, v_ptr, offs, mask, full, m, v, book_ptr, QSTATE, BLOCK,
+                    ALIGNED)
         store_weights(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED,
                       WEIGHTS, seed, stream, rng, row_idx_ptr, ROW_IDX)
     if not skip:
@@ -150,14 +160,17 @@ def launch_adam(
     decoupled: bool,
     weights: Bf16Weights | None = None,
     row_idx: torch.Tensor | None = None,
+    state8: bool = False,
 ) -> None:
-    """One Adam launch for contiguous, non-empty tensors of one dtype combination (fp32 m, v).
+    """One Adam launch for contiguous, non-empty tensors of one dtype combination (fp32 m, v; with ``state8``,
+    8-bit moments where ``state8.uses_state8``).
 
     ``hp``: the float32 vector of the module docstring, or a :class:`DeviceStep` (the hyper-parameters derived
     in the kernel from the device step counter, which the launch advances when ``hp.advance``). ``weights``: the
     bf16 write epilogue (``_bf16_weights.py``; split mode: ``models`` holds the low halves); ``row_idx``: each
     tensor's position in the update call (int32, device), for stochastic rounding's counters, when not ``0..n-1``."""
     device = params[0].device
+    exp_avgs, exp_avg_sqs, book = state_rows(exp_avgs, exp_avg_sqs, state8, device)
     table = chunk_table(
         [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
         step_block(device),
@@ -172,6 +185,7 @@ def launch_adam(
         found_inf,
         *scalars,
         *epilogue,
+        book,
         P_DTYPE=p_dtype,
         G_DTYPE=triton_dtype(grads[0].dtype),
         MODEL_DTYPE=p_dtype if not has_model else triton_dtype(models[0].dtype),
@@ -181,6 +195,7 @@ def launch_adam(
         DECOUPLED=decoupled,
         BLOCK=table.block,
         ALIGNED=table.aligned,
+        QSTATE=state8,
         **flags,
-        **LAUNCH["_adam_kernel"],
+        **LAUNCH["_adam_kernel_state8" if state8 else "_adam_kernel"],
     )

@@ -25,6 +25,11 @@ and no update buffer is needed), then ``p = p - ratio * u`` with the per-tensor 
 ``ratio = lr * |p| / |u|`` when ``TRUST`` and both norms are non-zero, else ``lr``; it writes p and, in
 master-weights mode, ``round_to_nearest_even(p)`` into the model copy.
 
+``QSTATE`` (``state_bits=8``): rows 2 and 3 of a tensor of at least ``state8.SMALL_NUMEL`` elements hold 8-bit
+moments (``fp16kit/kernels/state8.py``), dequantized on load and quantized on store. Stage 1 computes ``u`` and
+its norms from the moments as stored (quantized, then dequantized in registers), so stage 2, which reloads them,
+recomputes the same ``u``.
+
 Both stages read ``found_inf`` first: when it is non-zero they run zero loop iterations and write nothing.
 Divisions and square roots are the IEEE-rounded ``div_rn``/``sqrt_rn`` (plain ``/`` and ``sqrt`` are
 approximate on NVIDIA GPUs), as apex's CUDA code is with nvcc's default flags.
@@ -39,9 +44,9 @@ import triton
 import triton.language as tl
 
 from ._bf16_weights import Bf16Weights, epilogue_mode, launch_arguments, load_master, rng_step, store_weights
-from ._chunks import store_chunk
+from ._state8 import book, load_state, state_rows, store_state
 from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
-from ._step_skeleton import chunk_rows, load_grad, load_param_moments, skip_and_stop
+from ._step_skeleton import chunk_rows, load_grad, skip_and_stop
 from ._table import (
     STEP_PROGRAMS_PER_SM,
     STEP_WARPS_GPU,
@@ -58,6 +63,8 @@ LAUNCH: dict[str, dict] = {
     # _lamb_stage1_kernel: the moments and ``u`` must round each operation as the torch fallback and the float64
     # reference do.
     "_lamb_stage1_kernel": {"num_warps": STEP_WARPS_GPU, "enable_fp_fusion": False},
+    # with QSTATE (8-bit moments): 16 warps keep the two block quantizations within 128 registers (8 warps: 234)
+    "_lamb_stage1_kernel_state8": {"num_warps": 16, "enable_fp_fusion": False},
     # _lamb_stage2_kernel: the same ``u`` as stage 1 bit for bit (the trust-ratio norms were taken from stage 1's
     # ``u``); 8 warps: at 16 ptxas (with Triton's ``--regAllocOptLevel=2``) caps it at 64 registers and spills.
     "_lamb_stage2_kernel": {"num_warps": 8, "enable_fp_fusion": False},
@@ -145,6 +152,7 @@ def _lamb_stage1_kernel(
     first_chunk,
     u_sumsq,
     p_sumsq,
+    book_ptr,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     L2_MODE: tl.constexpr,
@@ -158,6 +166,7 @@ def _lamb_stage1_kernel(
     BIAS_CORRECTION: tl.constexpr,
     ADVANCE: tl.constexpr,
     FINISH_SUMS: tl.constexpr,
+    QSTATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     _, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = _lamb_scalars(
@@ -172,15 +181,16 @@ def _lamb_stage1_kernel(
         t, offs, mask, full, p_ptr, g_ptr, m_ptr, v_ptr = chunk_rows(
             ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED
         )
-        p, m, v = load_param_moments(p_ptr, m_ptr, v_ptr, offs, mask, full)
+        p, m, v = load_state(ptrs, num_tensors, numels, t, p_ptr, m_ptr, v_ptr, offs, mask, full, book_ptr, QSTATE,
+                             BLOCK, ALIGNED)
         p = load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS, ALIGNED)
         g = tl.div_rn(load_grad(g_ptr, offs, mask, full) * inv_scale, clip)
         if L2_MODE:
             g = g + wd * p
         m = m * beta1 + beta3 * g
         v = v * beta2 + one_minus_beta2 * g * g
-        store_chunk(m_ptr, offs, m, mask, full)
-        store_chunk(v_ptr, offs, v, mask, full)
+        m, v = store_state(ptrs, num_tensors, numels, t, m_ptr, v_ptr, offs, mask, full, m, v, book_ptr, QSTATE, BLOCK,
+                           ALIGNED)
         u = _lamb_update(m, v, p, mask, eps, wd, bc1, bc2, DECOUPLED)
         tl.store(u_partials + c, tl.sum(u * u, axis=0))
         tl.store(p_partials + c, tl.sum(p * p, axis=0))
@@ -219,6 +229,7 @@ def _lamb_stage2_kernel(
     stream,
     rng_step_ptr,
     row_idx_ptr,
+    book_ptr,
     P_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
     HAS_MODEL: tl.constexpr,
@@ -233,6 +244,7 @@ def _lamb_stage2_kernel(
     ADVANCE: tl.constexpr,
     WEIGHTS: tl.constexpr,
     ROW_IDX: tl.constexpr,
+    QSTATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     lr, _, _, _, _, eps, wd, bc1, bc2, _, _ = _lamb_scalars(
@@ -247,7 +259,8 @@ def _lamb_stage2_kernel(
         t, offs, mask, full, p_ptr, _grads, m_ptr, v_ptr = chunk_rows(
             ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, P_DTYPE, BLOCK, ALIGNED
         )
-        p, m, v = load_param_moments(p_ptr, m_ptr, v_ptr, offs, mask, full)
+        p, m, v = load_state(ptrs, num_tensors, numels, t, p_ptr, m_ptr, v_ptr, offs, mask, full, book_ptr, QSTATE,
+                             BLOCK, ALIGNED)
         p = load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS, ALIGNED)
         u = _lamb_update(m, v, p, mask, eps, wd, bc1, bc2, DECOUPLED)
         ratio = lr
@@ -279,18 +292,20 @@ def launch_lamb(
     trust: bool,
     weights: Bf16Weights | None = None,
     row_idx: torch.Tensor | None = None,
+    state8: bool = False,
 ) -> None:
-    """Both LAMB stages for contiguous, non-empty tensors of one dtype combination (fp32 m, v).
+    """Both LAMB stages for contiguous, non-empty tensors of one dtype combination (fp32 m, v; with ``state8``,
+    8-bit moments where ``state8.uses_state8``).
 
     ``models`` (master-weights mode) receives the rounded copy of the updated ``params``; ``weights``, ``row_idx``:
     the bf16 write epilogue, as in ``adam_kernel.launch_adam`` (split mode: ``models`` holds the low halves).
     """
     table, p_sumsq, u_sumsq = launch_lamb_stage1(
         params, grads, exp_avgs, exp_avg_sqs, models, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled,
-        weights=weights,
+        weights=weights, state8=state8,
     )
     launch_lamb_stage2(table, params, models, hp, found_inf, u_sumsq, p_sumsq, decoupled=decoupled, trust=trust,
-                       weights=weights, row_idx=row_idx)
+                       weights=weights, row_idx=row_idx, state8=state8)
 
 
 def launch_lamb_stage1(
@@ -305,6 +320,7 @@ def launch_lamb_stage1(
     l2_mode: bool,
     decoupled: bool,
     weights: Bf16Weights | None = None,
+    state8: bool = False,
 ) -> tuple[ChunkTable, torch.Tensor, torch.Tensor]:
     """Stage 1 (m, v written; ``u`` not stored) and the per-tensor sums of ``p^2`` and ``u^2``.
 
@@ -313,6 +329,7 @@ def launch_lamb_stage1(
     (``fp16kit/kernels/optimizers.py``); :func:`launch_lamb` hands them straight to :func:`launch_lamb_stage2`.
     """
     device = params[0].device
+    exp_avgs, exp_avg_sqs, qbook = state_rows(exp_avgs, exp_avg_sqs, state8, device)
     table = chunk_table(
         [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
         step_block(device),
@@ -344,6 +361,7 @@ def launch_lamb_stage1(
         table.first_chunk,
         sums[n:] if finish else sums,
         sums[:n] if finish else sums,
+        qbook,
         P_DTYPE=triton_dtype(params[0].dtype),
         G_DTYPE=triton_dtype(grads[0].dtype),
         L2_MODE=l2_mode,
@@ -352,8 +370,9 @@ def launch_lamb_stage1(
         BLOCK=table.block,
         ALIGNED=table.aligned,
         FINISH_SUMS=finish,
+        QSTATE=state8,
         **flags,
-        **LAUNCH["_lamb_stage1_kernel"],
+        **LAUNCH["_lamb_stage1_kernel_state8" if state8 else "_lamb_stage1_kernel"],
     )
     if finish:
         return table, sums[:n], sums[n:]
@@ -373,6 +392,7 @@ def launch_lamb_stage2(
     trust: bool,
     weights: Bf16Weights | None = None,
     row_idx: torch.Tensor | None = None,
+    state8: bool = False,
 ) -> None:
     """Stage 2 over ``table`` (from :func:`launch_lamb_stage1`): ``p -= ratio * u`` with the per-tensor trust
     ratio from the completed sums; model copies written."""
@@ -390,6 +410,7 @@ def launch_lamb_stage2(
         u_sumsq,
         p_sumsq,
         *epilogue,
+        book(device) if state8 else p_sumsq,
         P_DTYPE=p_dtype,
         MODEL_DTYPE=p_dtype if not has_model else triton_dtype(models[0].dtype),
         HAS_MODEL=has_model,
@@ -398,6 +419,7 @@ def launch_lamb_stage2(
         TRUST=trust,
         BLOCK=table.block,
         ALIGNED=table.aligned,
+        QSTATE=state8,
         **flags,
         **LAUNCH["_lamb_stage2_kernel"],
     )

@@ -364,6 +364,21 @@ def lamb_direction(
     gg = torch._foreach_mul(g, one_minus_beta2)
     torch._foreach_mul_(gg, g)
     torch._foreach_add_(v, gg)
+    return m, v, lamb_u(p, m, v, eps, wd, bc1, bc2, decoupled)
+
+
+def lamb_u(
+    p: list[torch.Tensor],
+    m: list[torch.Tensor],
+    v: list[torch.Tensor],
+    eps: torch.Tensor | float,
+    wd: torch.Tensor | float,
+    bc1: torch.Tensor | float,
+    bc2: torch.Tensor | float,
+    decoupled: bool,
+) -> list[torch.Tensor]:
+    """LAMB's update direction ``u = (m / bc1) / (sqrt(v / bc2) + eps) (+ wd p when decoupled)`` from the new
+    moments (new tensors; the kernel's rounding sequence)."""
     u = torch._foreach_div(m, bc1)
     denom = torch._foreach_div(v, bc2)
     torch._foreach_sqrt_(denom)
@@ -371,7 +386,7 @@ def lamb_direction(
     torch._foreach_div_(u, denom)
     if decoupled:
         torch._foreach_add_(u, torch._foreach_mul(p, wd))
-    return m, v, u
+    return u
 
 
 def _trust_ratios(

@@ -63,12 +63,15 @@ F64 = torch.float64
 
 
 @functools.cache
-def _spec(fn: str, names: tuple[str, ...], state: tuple[int, ...], with_models: bool) -> _plan.Spec:
+def _spec(
+    fn: str, names: tuple[str, ...], state: tuple[int, ...], with_models: bool, state8: bool = False
+) -> _plan.Spec:
     """The planner's description of an optimizer's rows: params (0) and grads (1) first, state rows (written,
     fp32 for the kernels), then the optional model copies (written; ``None`` entries allowed). Kernel groups are
     keyed by the param, grad and model dtypes, fallback groups by the math dtype; empty tensors go to the
     fallback (a no-op there). The grads are loose rows: a step with new grad tensors (``zero_grad(set_to_none=True)``
-    and a backward pass) still hits the cached plan when they fit it (``_plan.Spec.loose``)."""
+    and a backward pass) still hits the cached plan when they fit it (``_plan.Spec.loose``). ``state8``: the state
+    rows may also be uint8 (8-bit moments, ``state8.py``) in a kernel group."""
     models = len(names) if with_models else None
     extra = () if models is None else (models,)
     return _plan.Spec(
@@ -81,6 +84,7 @@ def _spec(fn: str, names: tuple[str, ...], state: tuple[int, ...], with_models: 
         keep_empty=True,
         math_key=True,
         loose=(1,),
+        state_dtypes=frozenset({torch.float32, torch.uint8}) if state8 else frozenset({torch.float32}),
     )
 
 
@@ -96,10 +100,11 @@ def _rows(
     lists: tuple[Sequence[torch.Tensor], ...],
     models: Sequence[torch.Tensor | None] | None,
     extra: tuple | None = None,
+    state8: bool = False,
 ) -> tuple[_plan.Plan, bool]:
     with_models = _has_models(models)
     rows = lists + ((models,) if with_models else ())
-    return _plan.plan(_spec(fn, names, state, with_models), rows, extra), with_models
+    return _plan.plan(_spec(fn, names, state, with_models, state8), rows, extra), with_models
 
 
 def _models_of(group: _plan.Group, models: Sequence[torch.Tensor | None] | None, with_models: bool, n: int) -> list:
@@ -179,16 +184,22 @@ def _lamb_or_adam(
     found_inf: torch.Tensor,
     modes: dict[str, bool],
     step: torch.Tensor | None,
+    state8: bool = False,
     weights: Bf16Weights | None = None,
 ) -> None:
     """Run ``kind`` ("lamb" or "adam") on the kernel groups (one launch set per dtype combination) and the
     fallback groups (per math dtype). ``step`` (the counter ``hp64`` was derived from) lets the CPU fallback
-    hand the Adam math to torch's fused CPU Adam kernel (``optim_fallback.py``). ``weights``: how bf16 params are
+    hand the Adam math to torch's fused CPU Adam kernel (``optim_fallback.py``). ``state8``: moments may be 8-bit
+    (``state8.py``): the kernels' ``QSTATE``, ``optim_fallback_state8.py``. The 8-bit layout is checked every call
+    (``check_state8``: dtypes and storage sizes, no tensor op), not once per plan: room for the absmax is a property
+    of the storage, which a plan hit (same addresses and metadata) does not prove. ``weights``: how bf16 params are
     written (``_bf16_weights.py``: the kernels' epilogue, the fallback's wrapper)."""
     if not params:
         return
     fn = f"{kind}_update"
-    plan, with_models = _rows(fn, _ADAM_NAMES, (2, 3), (params, grads, exp_avgs, exp_avg_sqs), models)
+    plan, with_models = _rows(fn, _ADAM_NAMES, (2, 3), (params, grads, exp_avgs, exp_avg_sqs), models, None, state8)
+    if state8:
+        check_state8(fn, params, exp_avgs, exp_avg_sqs)
     flag = found_inf.reshape(1)
     device_step = hp64 if isinstance(hp64, DeviceStep) else None
     if device_step is not None:
@@ -213,7 +224,7 @@ def _lamb_or_adam(
             chosen = _kernel_models(_models_of(g, models, with_models, len(g.idx)))
             epilogue = {} if weights is None else {"weights": weights, "row_idx": _row_idx(g, weights)}
             with playing(g.tape):
-                launch(*lists, chosen, hp, flag, **modes, **epilogue)
+                launch(*lists, chosen, hp, flag, **modes, state8=state8, **epilogue)
             # Done whether or not ``found_inf`` skipped the write on the device: a spurious bump is harmless.
             optim_fallback.bump_versions(lists[0], lists[2], lists[3], chosen or [])
     step_fn = optim_fallback.lamb_ if kind == "lamb" else optim_fallback.adam_
@@ -222,7 +233,16 @@ def _lamb_or_adam(
         hp = hp64 if p[0].dtype == F64 else hp64.float()
         lists = (p, g.pick(grads), g.pick(exp_avgs), g.pick(exp_avg_sqs))
         chosen = _models_of(g, models, with_models, len(p))
-        if kind == "lamb" and cpu_native.takes(*lists, chosen):
+        if state8:  # the kernels' rounding sequence for every row, 8-bit or not: one result per backend
+            from . import optim_fallback_state8 as fb8
+
+            fn8 = fb8.lamb8_ if kind == "lamb" else fb8.adam8_
+            if weights is not None:
+                _bf16_weights.fallback_step(fn8, lists, chosen, hp, flag, modes, None, weights, g.idx)
+            else:
+                fn8(*lists, chosen, hp, flag, **modes)
+            continue
+        if weights is None and kind == "lamb" and cpu_native.takes(*lists, chosen):
             cpu_native.lamb_(*lists, hp, flag, **modes)
             optim_fallback.bump_versions(lists[0], lists[2], lists[3], [])
             continue
@@ -258,19 +278,22 @@ def lamb_update(
     use_nvlamb: bool,
     step: torch.Tensor | None = None,
     weights: Bf16Weights | None = None,
+    state_bits: int = 32,
 ) -> None:
     """LAMB stages 1 and 2 for one group (validated lists, one device); a no-op on the device when found_inf is
     set. ``hp64``: ``[lr, b1, b2, beta3, 1 - b2, eps, wd, bc1, bc2, inv_scale, clip]`` (``lamb_kernel.py``);
     ``models``: model copies written with the rounded params (``None`` entries allowed). ``step``: the counter
-    ``hp64`` was built from (optional; it enables the fast CPU path). ``weights``: bf16 params without fp32 masters
-    (:class:`Bf16Weights`: ``"split"``, with ``models`` holding the int16 low halves as bf16 views, or
-    ``"stochastic"``); docs/optim.md, "bf16 weights without fp32 masters"."""
+    ``hp64`` was built from (optional; it enables the fast CPU path). ``state_bits=8``: the moments of params of
+    at least ``state8.SMALL_NUMEL`` elements are 8-bit (``to_state8``; else ``ValueError``), the rest fp32.
+    ``weights``: bf16 params without fp32 masters (:class:`Bf16Weights`: ``"split"``, with ``models`` holding the
+    int16 low halves as bf16 views, or ``"stochastic"``); docs/optim.md, "bf16 weights without fp32 masters"."""
     modes = {
         "l2_mode": not adam_w_mode and weight_decay != 0,
         "decoupled": adam_w_mode and weight_decay != 0,
         "trust": use_nvlamb or weight_decay != 0,
     }
-    _lamb_or_adam("lamb", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step, weights)
+    _lamb_or_adam("lamb", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step,
+                  _state8_flag(state_bits), weights)
 
 
 def adam_update(
@@ -286,13 +309,42 @@ def adam_update(
     adam_w_mode: bool,
     step: torch.Tensor | None = None,
     weights: Bf16Weights | None = None,
+    state_bits: int = 32,
 ) -> None:
     """The Adam pass for one group (validated lists, one device); a no-op on the device when found_inf is set.
     ``hp64``: ``[lr, b1, b2, 1 - b1, 1 - b2, eps, wd, -lr/bc1, sqrt(bc2), inv_scale, 1 - lr*wd]``
     (``adam_kernel.py``). ``step``: the counter ``hp64`` was built from (optional; it enables the fast CPU path).
-    ``weights``: bf16 params without fp32 masters, as in :func:`lamb_update`."""
+    ``state_bits=8``: as :func:`lamb_update`. ``weights``: bf16 params without fp32 masters, as in
+    :func:`lamb_update`."""
     modes = {"l2_mode": not adam_w_mode and weight_decay != 0, "decoupled": adam_w_mode and weight_decay != 0}
-    _lamb_or_adam("adam", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step, weights)
+    _lamb_or_adam("adam", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step,
+                  _state8_flag(state_bits), weights)
+
+
+def _state8_flag(state_bits: int) -> bool:
+    if state_bits not in (8, 32):
+        raise ValueError(f"fp16kit: state_bits={state_bits!r} is not supported; choose 32 (fp32 moments) or 8.")
+    return state_bits == 8
+
+
+def check_state8(
+    fn: str, params: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor]
+) -> None:
+    """The 8-bit layout the kernels rely on: a param that ``uses_state8`` has 8-bit moments made by ``to_state8``
+    (codes with room for their absmax), any other fp32/fp64 moments; else ``ValueError`` naming the position."""
+    from .state8 import SMALL_NUMEL, check_room, uses_state8
+
+    for i, (p, m, v) in enumerate(zip(params, exp_avgs, exp_avg_sqs)):
+        want = torch.uint8 if uses_state8(p) else (F64 if p.dtype == F64 else torch.float32)
+        for name, x in (("exp_avgs", m), ("exp_avg_sqs", v)):
+            if x.dtype != want:
+                raise ValueError(
+                    f"{fn}: {name}[{i}] has dtype {x.dtype} but with state_bits=8 a param of {p.numel()} elements and "
+                    f"dtype {p.dtype} needs {want} moments (8-bit from {SMALL_NUMEL} elements up). Make the state with "
+                    f"fp16kit.kernels.to_state8 (or let the optimizer make it)."
+                )
+            if want == torch.uint8:
+                check_room(x)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -308,6 +360,7 @@ class LambStaged:
     hp64: torch.Tensor
     rows: tuple[list, list, list, list, list]
     parts: list[tuple[str, _plan.Group, Any]]
+    state8: bool = False  # state_bits=8: moments may be 8-bit (``state8.py``)
 
 
 def lamb_stage1(
@@ -321,15 +374,21 @@ def lamb_stage1(
     *,
     l2_mode: bool,
     decoupled: bool,
+    state_bits: int = 32,
 ) -> LambStaged:
     """LAMB's stage 1 over one group (m, v updated; the update direction ``u`` kept) and the per-tensor sums
     of ``p^2`` and ``u^2`` that stage 2's trust ratio needs. Kernel groups run ``lamb_kernel.py``'s stage-1
-    kernel; the others the torch stage below. No-op on the device when ``found_inf`` is set."""
+    kernel; the others the torch stage below. No-op on the device when ``found_inf`` is set. ``state_bits=8``:
+    as :func:`lamb_update` (``u`` and its sums from the moments as stored)."""
     device = params[0].device
     sums = torch.zeros(2, len(params), dtype=torch.float32, device=device)
-    plan, _ = _rows("lamb_stage1", _ADAM_NAMES, (2, 3), (params, grads, exp_avgs, exp_avg_sqs), models)
+    state8 = _state8_flag(state_bits)
+    plan, _ = _rows("lamb_stage1", _ADAM_NAMES, (2, 3), (params, grads, exp_avgs, exp_avg_sqs), models, None,
+                    state8)
+    if state8:
+        check_state8("lamb_stage1", params, exp_avgs, exp_avg_sqs)
     rows = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(models))
-    staged = LambStaged(sums, hp64, rows, [])
+    staged = LambStaged(sums, hp64, rows, [], state8)
     modes = {"l2_mode": l2_mode, "decoupled": decoupled}
     for g in plan.kernel:
         state = _kernel_stage1(staged, g, found_inf, modes)
@@ -367,7 +426,7 @@ def _kernel_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes
     with playing(g.tape):
         return launch_lamb_stage1(
             params, grads, exp_avgs, exp_avg_sqs, None if models[0] is None else models, staged.hp64.float(),
-            flag.reshape(1), l2_mode=modes["l2_mode"], decoupled=modes["decoupled"],
+            flag.reshape(1), l2_mode=modes["l2_mode"], decoupled=modes["decoupled"], state8=staged.state8,
         )
 
 
@@ -382,7 +441,7 @@ def _kernel_stage2(
     params, _, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
     models = None if models[0] is None else models
     launch_lamb_stage2(table, params, models, staged.hp64.float(), flag, u_sumsq, p_sumsq, decoupled=decoupled,
-                       trust=trust)
+                       trust=trust, state8=staged.state8)
     optim_fallback.bump_versions(params, exp_avgs, exp_avg_sqs, [] if models is None else models)
 
 
@@ -395,8 +454,16 @@ def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes:
     """
     params, grads, exp_avgs, exp_avg_sqs, _ = _lists(staged, g)
     hp = staged.hp64 if params[0].dtype == F64 else staged.hp64.float()
-    skip = optim_fallback._skip(flag, None)
     sums = torch.zeros(2, len(params), dtype=F64, device=hp.device)
+    if staged.state8:
+        # 8-bit moments: committed here (the state tensors stand in as "new" m, v for stage 2's masked commit)
+        from .optim_fallback_state8 import lamb8_stage1
+
+        p, u = lamb8_stage1(params, grads, exp_avgs, exp_avg_sqs, hp, flag, **modes)
+        sums[0] = torch.stack(torch._foreach_norm(p)).to(F64).square()
+        sums[1] = torch.stack(torch._foreach_norm(u)).to(F64).square()
+        return hp, flag.reshape(()) != 0, p, list(exp_avgs), list(exp_avg_sqs), u, sums
+    skip = optim_fallback._skip(flag, None)
     if skip is True:
         return hp, skip, None, None, None, None, sums
     scalars = hp.tolist()[1:] if skip is False else hp.unbind()[1:]

@@ -53,8 +53,11 @@ from fp16kit.kernels import (
     metadata_guard,
     new_found_inf,
     select_backend,
+    state8_absmax,
     step_check,
+    to_state8,
     unscale_and_check,
+    uses_state8,
     vouched_rows,
 )
 
@@ -132,6 +135,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     #: (apex's optimizers leave them so; torch's fused optimizers and fp16kit by default leave them scaled).
     #: The apex aliases (``fp16kit.compat.install_apex``) set it; set it on an optimizer to get the same.
     unscale_grads: bool = False
+    #: 32: fp32 moments; 8: 8-bit moments for params of at least 4096 elements (``state_bits`` of FusedAdam and
+    #: FusedLAMB; docs/optim.md, "8-bit moments").
+    state_bits: int = 32
 
     def __init__(
         self,
@@ -143,7 +149,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         on_nonfinite: str,
         process_group: Any = None,
         rounding_seed: int | None = None,
+        state_bits: int = 32,
     ) -> None:
+        if state_bits not in (8, 32):
+            raise ValueError(
+                f"{self._name}: state_bits={state_bits!r} is not supported; choose 32 (fp32 moments) or 8 (8-bit "
+                f"moments, docs/optim.md)."
+            )
+        self.state_bits = int(state_bits)
         if on_nonfinite not in _POLICIES:
             raise ValueError(
                 f"{self._name}: on_nonfinite={on_nonfinite!r} is not understood; choose 'skip' (skip the step "
@@ -311,9 +324,45 @@ class FusedOptimizer(torch.optim.Optimizer):
             elif self.bf16_weights == "split" and p.dtype == torch.bfloat16:
                 # the bf16 value is its own fp32 master exactly: high half p, low half 0
                 state[LOW_KEY] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.contiguous_format)
+            if self._state8(p):
+                self._set_moments8(state, p.new_zeros(p.shape, dtype=torch.float32), p.new_zeros(p.shape,
+                                   dtype=torch.float32))
+                return state
             state["exp_avg"] = torch.zeros_like(p, dtype=math, memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=math, memory_format=torch.contiguous_format)
         return state
+
+    def _state8(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s moments are 8-bit here (``state_bits=8`` and ``uses_state8``); raises for FSDP2 params."""
+        if self.state_bits != 8 or not uses_state8(p):
+            return False
+        if is_dtensor(p):
+            raise NotImplementedError(
+                f"{self._name}: state_bits=8 with FSDP2 (DTensor) params is not supported yet: a shard's 8-bit blocks "
+                f"would not line up with the unsharded tensor's. Use state_bits=32 for sharded training."
+            )
+        return True
+
+    @staticmethod
+    def _set_moments8(state: dict[str, Any], exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """8-bit moments quantized from the fp32 values, and their absmax views under ``*_absmax`` keys (so
+        ``state_dict()`` carries them)."""
+        for key, x, signed in (("exp_avg", exp_avg, True), ("exp_avg_sq", exp_avg_sq, False)):
+            codes = to_state8(x.float(), signed)
+            state[key] = codes
+            state[f"{key}_absmax"] = state8_absmax(codes)
+
+    def _state_kw(self) -> dict[str, int]:
+        """The ``state_bits`` argument of the update ops (none for fp32 state). ``torch.compile`` of an 8-bit step
+        is refused: the dispatcher ops take fp32 state only."""
+        if self.state_bits == 32:
+            return {}
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                f"{self._name}: torch.compile of a state_bits=8 step is not supported yet; run the step eagerly (it "
+                f"is already one launch set per dtype group)."
+            )
+        return {"state_bits": self.state_bits}
 
     def _collect(self) -> list[_Rows]:
         """Rows of every group (params without a grad are left out), each checked (``check_row``).
@@ -364,7 +413,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             state = self._state_for(p)
-            check_row(self._name, gi, i, p, p.grad, state, moment_keys)
+            check_row(self._name, gi, i, p, p.grad, state, moment_keys, state8=self._state8(p))
             master = state.get(self._paired_key)
             if self._paired_key == LOW_KEY:
                 rows.params.append(p)
@@ -512,12 +561,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         keys come from the defaults; AMSGrad or ``maximize`` fail here). Rejects state that does not fit the
         params and NaN/inf/negative moments or step counters, naming the group, param and key. With
         ``master_weights=True``, masters missing from the checkpoint are rebuilt from the params (warning).
-        One host read for the values (loading is not on the hot path).
+        One host read for the values (loading is not on the hot path). 8-bit moments (``state_bits=8``) load
+        exactly into an 8-bit optimizer and dequantized into an fp32 one; fp32 moments are quantized into an
+        8-bit one (``_checkpoint.split_state8``/``apply_state8``).
         """
         fn = self._name
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError(f"{fn}.load_state_dict: expected a dict with 'state' and 'param_groups' (a state_dict()).")
         saved_groups = state_dict["param_groups"]
+        saved_state, state8 = _checkpoint.split_state8(fn, state_dict["state"])
+        state_dict = {**state_dict, "state": saved_state}
         groups = _checkpoint.import_groups(
             fn, saved_groups, self.defaults, adam_w_mode=bool(getattr(self, "adam_w_mode", True))
         )
@@ -534,6 +587,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 bf16_weights=self.__dict__.get("bf16_weights"),
             )
             _checkpoint.check_state(fn, self.param_groups, state, self._moment_keys)
+            _checkpoint.apply_state8(self, self.param_groups, saved_groups, state, state8)
             for gi, group in enumerate(self.param_groups):
                 with naming_group(gi):
                     self._check_group(group)

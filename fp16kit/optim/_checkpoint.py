@@ -16,6 +16,12 @@
 3. :func:`check_state` — structure (shapes, dtypes, devices against the params: the raw-address kernels
    trust them) and values (finite moments, ``exp_avg_sq >= 0``, finite masters, a finite step >= 0),
    with one host read for all the values (loading is not on the hot path).
+
+8-bit moments (``state_bits=8``; docs/optim.md, "8-bit moments") travel as uint8 ``exp_avg``/``exp_avg_sq`` codes
+with fp32 ``exp_avg_absmax``/``exp_avg_sq_absmax``. :func:`split_state8` dequantizes them before step 2 (so every
+check above runs on their fp32 values) and keeps the originals; :func:`apply_state8` then gives an 8-bit optimizer
+8-bit moments: the saved codes and absmax themselves where the checkpoint had them (a round trip is exact), else
+the fp32 moments quantized. A ``state_bits=32`` optimizer keeps the dequantized fp32 values.
 """
 
 from __future__ import annotations
@@ -27,11 +33,20 @@ from typing import Any
 import torch
 
 from fp16kit.distributed import is_dtensor
-from fp16kit.kernels import join_halves, split_halves
+from fp16kit.kernels import dequantize_state8, join_halves, split_halves, state8_absmax, to_state8
 
 from ._validate import check_state_tensor, check_step_value, state_dtype
 
-__all__ = ["check_state", "finish_split", "import_groups", "refuse_foreign", "restore_state", "writer_of"]
+__all__ = [
+    "apply_state8",
+    "check_state",
+    "finish_split",
+    "import_groups",
+    "refuse_foreign",
+    "restore_state",
+    "split_state8",
+    "writer_of",
+]
 
 LOW_KEY = "master_low"  # split mode's int16 low halves (fp16kit/optim/_base.py)
 
@@ -304,3 +319,68 @@ def check_state_values(fn: str, entries: Sequence[tuple[int, int, str, torch.Ten
             f"{fn}: state[{key!r}] of param_groups[{gi}]['params'][{i}] {problem}; loading it would put NaN into "
             f"the weights. The checkpoint is corrupt: load an earlier one."
         )
+
+
+_MOMENTS8 = (("exp_avg", True), ("exp_avg_sq", False))
+
+
+def split_state8(fn: str, saved_state: dict[Any, Any]) -> tuple[dict[Any, Any], dict[Any, dict[str, tuple]]]:
+    """``(state, originals)``: ``saved_state`` with every 8-bit moment dequantized to fp32 (its ``*_absmax`` key
+    dropped), and per saved index the original ``(codes, absmax)`` of each 8-bit moment. Raises ``ValueError``
+    for codes without a matching absmax (or an absmax without codes), naming the entry and the fix."""
+    out: dict[Any, Any] = {}
+    originals: dict[Any, dict[str, tuple]] = {}
+    for idx, entry in saved_state.items():
+        if not isinstance(entry, dict) or not any(f"{k}_absmax" in entry for k, _ in _MOMENTS8):
+            out[idx] = entry
+            continue
+        entry = dict(entry)
+        for key, signed in _MOMENTS8:
+            codes, absmax = entry.get(key), entry.pop(f"{key}_absmax", None)
+            where = f"{fn}.load_state_dict: state[{idx!r}][{key!r}]"
+            if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+                raise ValueError(
+                    f"{where}: the checkpoint has {key}_absmax but {key} is not uint8 codes; an 8-bit moment is "
+                    f"saved as both. The checkpoint was edited or mixed from two optimizers: load an unmodified one."
+                )
+            blocks = -(-codes.numel() // 256)
+            if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.float32 or absmax.numel() != blocks:
+                got = "nothing" if absmax is None else f"{getattr(absmax, 'dtype', type(absmax).__name__)} " \
+                    f"{getattr(absmax, 'numel', lambda: '?')()} entries"
+                raise ValueError(
+                    f"{where}: 8-bit codes of {codes.numel()} elements need a float32 {key}_absmax of {blocks} "
+                    f"entries (one per 256-element block), got {got}. Load an unmodified checkpoint."
+                )
+            codes, absmax = codes.contiguous(), absmax.contiguous().to(codes.device)
+            originals.setdefault(idx, {})[key] = (codes, absmax)
+            entry[key] = dequantize_state8(codes, absmax, signed)
+        out[idx] = entry
+    return out, originals
+
+
+def apply_state8(
+    optimizer: Any,
+    groups: Sequence[dict[str, Any]],
+    saved_groups: Sequence[dict[str, Any]],
+    state: dict[torch.Tensor, dict[str, torch.Tensor]],
+    originals: dict[Any, dict[str, tuple]],
+) -> None:
+    """Give the params whose moments are 8-bit in ``optimizer`` (``optimizer._state8(p)``) 8-bit moments, in
+    place in ``state``: the saved codes and absmax where ``originals`` has them for the param's saved index (exact),
+    else the restored fp32 moments quantized."""
+    for group, saved_group in zip(groups, saved_groups):
+        for p, idx in zip(group["params"], saved_group["params"]):
+            entry = state.get(p)
+            if not entry or not optimizer._state8(p):
+                continue
+            saved = originals.get(idx, {})
+            for key, signed in _MOMENTS8:
+                if key in saved:
+                    codes_in, absmax_in = saved[key]
+                    codes = to_state8(torch.zeros(p.shape, dtype=torch.float32, device=p.device), signed)
+                    codes.copy_(codes_in.view(p.shape))
+                    state8_absmax(codes).copy_(absmax_in)
+                else:
+                    codes = to_state8(entry[key].float(), signed)
+                entry[key] = codes
+                entry[f"{key}_absmax"] = state8_absmax(codes)

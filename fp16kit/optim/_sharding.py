@@ -53,6 +53,7 @@ class _Pending:
     hp64: torch.Tensor
     modes: dict[str, bool]
     split: list[bool]
+    state_bits: int = 32
 
 
 @dataclass
@@ -187,7 +188,7 @@ def defer_lamb(
         "decoupled": adam_w_mode and weight_decay != 0,
         "trust": use_nvlamb or weight_decay != 0,
     }
-    plan.pending.append(_Pending(rows, hp64, modes, plan.split[id(rows)]))
+    plan.pending.append(_Pending(rows, hp64, modes, plan.split[id(rows)], optimizer.state_bits))
     return True
 
 
@@ -196,5 +197,5 @@ def _stage1(job: _Pending, found_inf: torch.Tensor) -> LambStaged:
     r = job.rows
     return lamb_stage1(
         r.params, r.grads, r.exp_avgs, r.exp_avg_sqs, r.models, job.hp64, found_inf,
-        l2_mode=job.modes["l2_mode"], decoupled=job.modes["decoupled"],
+        l2_mode=job.modes["l2_mode"], decoupled=job.modes["decoupled"], state_bits=job.state_bits,
     )

@@ -198,8 +198,11 @@ def check_row(
     g: torch.Tensor,
     state: dict[str, Any],
     moment_keys: Sequence[str],
+    *,
+    state8: bool = False,
 ) -> None:
     """The per-step check of one param's row: its grad and its state (moments, master) against the param.
+    ``state8``: the moments are 8-bit (uint8 codes, ``fp16kit.kernels.to_state8``).
 
     Runs for every param with a grad at every step, so its fast test reads only what memory safety needs and
     is cheap to read: the element count (``numel``, ~0.1 us; a ``shape`` comparison costs ~0.6 us), the
@@ -212,7 +215,7 @@ def check_row(
     if g.numel() != n or g.dtype not in _FLOATS or g.layout is not _STRIDED:
         _grad_error(fn, group, index, p, g)
     device = p.device
-    dtype = _F64 if p.dtype is _F64 else _F32
+    dtype = torch.uint8 if state8 else _F64 if p.dtype is _F64 else _F32
     for key in moment_keys:
         t = state.get(key)
         if not (

@@ -35,6 +35,9 @@ class FusedAdam(FusedOptimizer):
     rank skips together). ``amsgrad=True`` raises RuntimeError. ``load_state_dict`` accepts
     ``torch.optim.Adam``/``AdamW`` checkpoints (``docs/optim.md``). ``torch.compile(opt.step)`` captures the
     step in one graph, bit-identical to eager (docs/optim.md, "torch.compile").
+    ``state_bits=8``: 8-bit moments (block-wise dynamic quantization, 256-element blocks, fp32 absmax) for params
+    of at least 4096 elements, dequantized and requantized in the same pass (docs/optim.md, "8-bit moments");
+    not with FSDP2 (DTensor) params or ``torch.compile`` (``NotImplementedError``).
     """
 
     _bf16_modes = True
@@ -57,6 +60,7 @@ class FusedAdam(FusedOptimizer):
         on_nonfinite: str = "warn",
         process_group: Any = None,
         rounding_seed: int | None = None,
+        state_bits: int = 32,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
@@ -71,7 +75,7 @@ class FusedAdam(FusedOptimizer):
         self.adam_w_mode = bool(adam_w_mode)
         self.capturable = bool(capturable)
         options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group,
-                   "rounding_seed": rounding_seed}
+                   "rounding_seed": rounding_seed, "state_bits": state_bits}
         super().__init__(params, defaults, set_grad_none=set_grad_none, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -119,6 +123,7 @@ class FusedAdam(FusedOptimizer):
             adam_w_mode=self.adam_w_mode,
             step=step,
             **({} if weights is None else {"weights": weights}),
+            **self._state_kw(),
         )
 
     def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
@@ -137,4 +142,5 @@ class FusedAdam(FusedOptimizer):
         F.adam_update(
             rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models, ds, skip,
             weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, weights=self._weights(group),
+            **self._state_kw(),
         )

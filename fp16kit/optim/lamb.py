@@ -74,6 +74,9 @@ class FusedLAMB(FusedOptimizer):
     params, and corrupt checkpoints, raise before anything changes.
 
     ``torch.compile(opt.step)`` captures the step in one graph, bit-identical to eager (docs/optim.md).
+    ``state_bits=8``: 8-bit moments for params of at least 4096 elements; the trust-ratio norms come from the update
+    computed from the moments as stored (docs/optim.md, "8-bit moments"); not with FSDP2 (DTensor) params or
+    ``torch.compile`` (``NotImplementedError``).
     """
 
     _bf16_modes = True
@@ -99,6 +102,7 @@ class FusedLAMB(FusedOptimizer):
         process_group: Any = None,
         capturable: bool = False,
         rounding_seed: int | None = None,
+        state_bits: int = 32,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
@@ -120,7 +124,7 @@ class FusedLAMB(FusedOptimizer):
         # (docs/optim.md, "The step on the device")
         self.capturable = bool(capturable)
         options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group,
-                   "rounding_seed": rounding_seed}
+                   "rounding_seed": rounding_seed, "state_bits": state_bits}
         super().__init__(params, defaults, set_grad_none=set_grad_none, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -183,6 +187,7 @@ class FusedLAMB(FusedOptimizer):
             use_nvlamb=self.use_nvlamb,
             step=step,
             **({} if weights is None else {"weights": weights}),
+            **self._state_kw(),
         )
 
     def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
@@ -205,4 +210,5 @@ class FusedLAMB(FusedOptimizer):
             rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models, ds, skip,
             weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, use_nvlamb=self.use_nvlamb,
             weights=self._weights(group),
+            **self._state_kw(),
         )

@@ -170,6 +170,23 @@ CASES = {
         lamb_kernel._lamb_stage2_kernel,
         dict(P_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=False, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
              WEIGHTS=2, ROW_IDX=False, **HP_ON_DEVICE)),
+    # 8-bit moments (state_bits=8): the QSTATE epilogue of the same kernels (fp16kit/kernels/_state8.py)
+    "adam 8-bit moments on the device (fp32)": (
+        adam_kernel._adam_kernel,
+        dict(QSTATE=True, P_DTYPE=F32, G_DTYPE=F32, MODEL_DTYPE=F32, HAS_MODEL=False, L2_MODE=False, DECOUPLED=True,
+             BLOCK=SB, ALIGNED=True, **HP_ON_DEVICE)),
+    "adam 8-bit moments (fp32 masters -> bf16 model)": (
+        adam_kernel._adam_kernel,
+        dict(QSTATE=True, P_DTYPE=F32, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=True, L2_MODE=False,
+             DECOUPLED=True, BLOCK=SB, ALIGNED=True, **PLAIN, **HP_LEGACY)),
+    "lamb stage 1 8-bit moments on the device (fp32, decoupled)": (
+        lamb_kernel._lamb_stage1_kernel,
+        dict(QSTATE=True, P_DTYPE=F32, G_DTYPE=F32, L2_MODE=False, DECOUPLED=True, BLOCK=SB, ALIGNED=True,
+             FINISH_SUMS=True, **HP_ON_DEVICE)),
+    "lamb stage 2 8-bit moments on the device (fp32 masters -> fp16 model)": (
+        lamb_kernel._lamb_stage2_kernel,
+        dict(QSTATE=True, P_DTYPE=F32, MODEL_DTYPE=F16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=SB,
+             ALIGNED=True, **HP_ON_DEVICE)),
     "sgd (fp32 masters -> fp16 model, nesterov)": (
         sgd_kernel._sgd_kernel,
         dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, WD=True, WD_AFTER=False, MOMENTUM=True,
@@ -214,9 +231,14 @@ CASES = {
 FORBIDDEN = {"ftz": r"\.ftz\b", "approx": r"\.approx\b", "div_full": r"\bdiv\.full\b"}
 
 
-def launch_options(fn) -> dict:
-    """The options the kernel's launcher passes (its module's ``LAUNCH``)."""
-    return dict(sys.modules[fn.fn.__module__].LAUNCH[fn.fn.__name__])
+def launch_options(fn, constexprs: dict | None = None) -> dict:
+    """The options the kernel's launcher passes (its module's ``LAUNCH``; with ``QSTATE``, the ``*_state8`` entry
+    where the module has one)."""
+    launch = sys.modules[fn.fn.__module__].LAUNCH
+    name = fn.fn.__name__
+    if constexprs and constexprs.get("QSTATE") and f"{name}_state8" in launch:
+        name = f"{name}_state8"
+    return dict(launch[name])
 
 
 def ptxas_usage(ptx: str, arch: int, fp_fusion: bool) -> dict:
@@ -243,8 +265,12 @@ def main() -> None:
     target = GPUTarget("cuda", arch, 32)
     out = {}
     for name, (fn, constexprs, *overrides) in CASES.items():
+        if any(p.name == "QSTATE" for p in fn.params):  # the Adam/LAMB kernels: fp32 moments unless a case says
+            constexprs = {"QSTATE": False, **constexprs}
+        # ... and the plain write epilogue unless a case names a bf16 mode (fp16kit/kernels/_bf16_weights.py)
+        constexprs = {**{k: v for k, v in PLAIN.items() if any(p.name == k for p in fn.params)}, **constexprs}
         try:
-            options = launch_options(fn)
+            options = launch_options(fn, constexprs)
             src = ASTSource(fn=fn, signature=signature(fn, constexprs, *overrides), constexprs=constexprs)
             ptx = triton.compile(src, target=target, options=options).asm["ptx"]
             code = "\n".join(line.split("//")[0] for line in ptx.splitlines())  # instructions, not comments

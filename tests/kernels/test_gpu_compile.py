@@ -85,6 +85,11 @@ FMA = {
     "lamb stage 1 on the device, bf16 split": 0,
     "lamb stage 2 on the device, bf16 split": 0,
     "lamb stage 2 on the device, bf16 stochastic": 0,
+    # 8-bit moments (state_bits=8): the QSTATE epilogue
+    "adam 8-bit moments on the device (fp32)": 0,
+    "adam 8-bit moments (fp32 masters -> bf16 model)": 0,
+    "lamb stage 1 8-bit moments on the device (fp32, decoupled)": 0,
+    "lamb stage 2 8-bit moments on the device (fp32 masters -> fp16 model)": 0,
 }
 MAX_REGISTERS = 128
 #: Kernels over the register budget on an older (still supported) Triton, with the reason. Triton 3.6 (the GPU

@@ -507,3 +507,19 @@ def test_stochastic_step_is_the_rule_applied_to_the_fp32_result(backend, kind):
     for i, (master, p) in enumerate(zip(out[True], out["stochastic"])):
         want = stochastic_round(master, 21, i, 0, torch.tensor(1.0))
         assert torch.equal(p.view(torch.int16), want.view(torch.int16)), i
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_split_with_8bit_moments_equals_fp32_masters_with_8bit_moments(backend, kind):
+    """The two epilogues compose (``state_bits=8`` quantizes rows 2-3, the bf16 modes own rows 0 and 4): split with
+    8-bit moments keeps 2 + 2 + 2 B/param and its masters are those of ``master_weights=True, state_bits=8`` bit for
+    bit; stochastic rounding with 8-bit moments (4 B/param) runs and stays finite."""
+    with use_backend(backend):
+        a = _train(kind, True, steps=3, state_bits=8)
+        b = _train(kind, "split", steps=3, state_bits=8)
+        for x, y in zip(_masters(a[1], a[0]), _masters(b[1], b[0])):
+            assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+        ps, opt = _train(kind, "stochastic", steps=3, state_bits=8, rounding_seed=2)
+        assert opt.state[ps[0]]["exp_avg"].dtype == torch.uint8
+        assert all(bool(torch.isfinite(p).all()) for p in ps)
