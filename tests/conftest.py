@@ -43,3 +43,16 @@ def _default_backend(request):
     else:
         with use_backend("torch"):
             yield
+
+
+@pytest.fixture
+def mode_engine():
+    """The ``TorchFunctionMode`` engine for one test: for contracts only that engine makes (its own weight cache,
+    which re-casts after in-place updates and never grows under ``no_grad``; docs/autocast.md, "Two engines, one
+    table")."""
+    from fp16kit.amp import autocast_mode
+
+    before = autocast_mode.engine()
+    autocast_mode.set_engine("mode")
+    yield
+    autocast_mode.set_engine(before)

@@ -198,6 +198,7 @@ def test_dynamo_traces_any_id_by_version(version, traces):
     assert _versions.dynamo_traces_any_id(version) is traces
 
 
+@pytest.mark.usefixtures("mode_engine")
 def test_autocast_pushes_the_mode_this_torch_needs():
     from fp16kit.amp import autocast_mode as M
 

@@ -134,7 +134,7 @@ def test_every_table_row_compiled_equals_eager(low):
     wrong = _sweep(low, "aot_eager")
     if autocast_mode.engine() == "dispatch":
         # Dynamo rewrites these into their pointwise constituents before any dispatch key is reached, so the
-        # dispatcher engine cannot apply their PROMOTE row under compile (docs/autocast.md, "The two engines")
+        # dispatcher engine cannot apply their PROMOTE row under compile (docs/autocast.md, "Two engines, one table")
         known = {"torch.addcdiv[0]", "torch.Tensor.addcdiv_[0]", "torch.Tensor.addcmul_[0]"}
         assert {w.partition(":")[0] for w in wrong} == known, "\n".join(wrong)
         return

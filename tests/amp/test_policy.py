@@ -246,7 +246,7 @@ def test_registration_of_torch_function():
         with autocast(dtype=torch.bfloat16):
             assert torch.tanh(x).dtype == torch.bfloat16
             # the Tensor method is another callable to the mode engine; the dispatcher engine applies rows per aten op
-            # (docs/autocast.md, "The two engines")
+            # (docs/autocast.md, "Two engines, one table")
             per_op = autocast_mode.engine() == "dispatch"
             assert torch.Tensor.tanh(x).dtype == (torch.bfloat16 if per_op else torch.float32)
         assert policy_table()["torch.tanh"] == {"rule": Rule.LOW, "row": "torch.tanh", "source": "registered"}

@@ -54,7 +54,7 @@ def fake_kernels(monkeypatch) -> list[tuple[str, dict]]:
     launches: list[tuple[str, dict]] = []
     for name in MODULES:
         module = importlib.import_module(f"fp16kit.kernels.{name}_kernel")
-        for kernel in module.LAUNCH:
+        for kernel in {key.removesuffix("_state8") for key in module.LAUNCH}:  # a _state8 key: a variant's options
             monkeypatch.setattr(module, kernel, _Recorder(kernel, launches))
     monkeypatch.setattr(_table, "_tables", OrderedDict())
     monkeypatch.setattr(_table, "_graph_tables", {})
@@ -118,13 +118,16 @@ def _every_launch_path() -> None:
 @interpreter
 def test_every_launch_passes_its_pinned_options(fake_kernels):
     _every_launch_path()
-    pinned = {}
+    pinned: dict[str, set[int]] = {}
     for name in MODULES:
-        pinned.update(importlib.import_module(f"fp16kit.kernels.{name}_kernel").LAUNCH)
+        for key, options in importlib.import_module(f"fp16kit.kernels.{name}_kernel").LAUNCH.items():
+            assert options.get("enable_fp_fusion") is False, key
+            # "<kernel>_state8": the same kernel's launch options with 8-bit moments (its QSTATE epilogue)
+            pinned.setdefault(key.removesuffix("_state8"), set()).add(options["num_warps"])
     assert {name for name, _ in fake_kernels} == set(pinned), "some kernel was never launched by the paths above"
     for name, kwargs in fake_kernels:
         assert kwargs.get("enable_fp_fusion") is False, (name, kwargs)
-        assert kwargs.get("num_warps") == pinned[name]["num_warps"], (name, kwargs)
+        assert kwargs.get("num_warps") in pinned[name], (name, kwargs)
 
 
 def test_table_upload_is_pinned_and_non_blocking(monkeypatch):
