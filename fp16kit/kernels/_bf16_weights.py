@@ -18,9 +18,9 @@ ulp off; round-to-nearest-*even* is not exact in 16 bits (its remainder takes th
 ``-32768 .. 32768`` at ties), round-to-nearest with ties away from zero takes exactly 2^16. So ``hi`` is
 ``x.to(torch.bfloat16)`` except at exact ties (low half ``0x8000``, where both neighbours are equally near), and the
 reassembled master is ``x`` bit for bit for every non-NaN ``x`` (±0, subnormals, ±inf, the largest finite value:
-tested exhaustively on edge values). Exceptions, the same as ``x.to(torch.bfloat16)``'s: ``|x|`` within half a
-bf16 ulp of fp32's top (above 3.3961e38) gives ``hi = ±inf`` (``lo`` still restores ``x``); a NaN ``x`` is written
-as the canonical NaN ``0x7FC0`` with ``lo = 0`` (its payload is not kept).
+tested with Hypothesis over random patterns and an edge list). Exceptions, the same as ``x.to(torch.bfloat16)``'s:
+``|x|`` within half a bf16 ulp of fp32's top (above 3.3961e38) gives ``hi = ±inf`` (``lo`` still restores ``x``);
+a NaN ``x`` is written as the canonical NaN ``0x7FC0`` with ``lo = 0`` (its payload is not kept).
 
 **Stochastic rounding.** No master: ``x`` is rounded to one of its two bf16 neighbours, up (in magnitude) with
 probability ``(bits & 0xFFFF) / 2^16``, so ``E[hi] = x`` exactly within a binade::
