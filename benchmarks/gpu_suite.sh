@@ -17,7 +17,7 @@ log "OUT=$OUT"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"; } \
   2>&1 | tee -a "$OUT/summary.txt"
-STEPS=${STEPS:-gpu_tests gpu_step autocast bench_kernels gpu_tune suite_cpu}  # a subset: STEPS="gpu_tests gpu_step"
+STEPS=${STEPS:-gpu_tests gpu_step autocast bench_kernels bench_bf16 gpu_tune suite_cpu}  # a subset: STEPS="gpu_tests gpu_step"
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) log "$name: not selected"; return ;; esac
@@ -32,6 +32,7 @@ step gpu_step 150 "$PY" benchmarks/gpu_step.py --out "$OUT/gpu_step.md"
 step autocast 120 "$PY" benchmarks/bench_autocast_default.py --device cuda --bert-base --dtype fp16 --iters 10 \
   --repeats 5 --out "$OUT/autocast.md"
 step bench_kernels 60 "$PY" benchmarks/bench_kernels.py --out "$OUT/bench_kernels.md"
+step bench_bf16 90 "$PY" benchmarks/bench_bf16_modes.py --quick --out "$OUT/bench_bf16_modes.md"
 step gpu_tune 170 "$PY" benchmarks/gpu_tune.py --budget 140 --out "$OUT/gpu_tune.md"
 # The whole suite: CPU tests under the interpreter, GPU tests compiled (the interpreter is process-wide, so two runs).
 step suite_cpu 120 env TRITON_INTERPRET=1 "$PY" -m pytest -q -n 8 -p no:cacheprovider tests -m "not gpu and not slow"

@@ -30,17 +30,21 @@ from .found_inf import (
 from .histogram import exponent_histogram
 from .ops import copy_, forget_autocast_casts, l2norm, unscale_and_check
 from .optimizers import (
+    Bf16Weights,
     DeviceStep,
     LambStaged,
     adagrad_update,
     adam_update,
     check_and_norm,
+    join_halves,
     lamb_stage1,
     lamb_stage2,
     lamb_update,
     novograd_update,
     sgd_update,
+    split_halves,
     step_check,
+    stochastic_round,
 )
 from .state8 import absmax_of as state8_absmax
 from .state8 import dequantize as dequantize_state8
@@ -50,6 +54,7 @@ __all__ = [
     "KERNEL_DTYPES",
     "Backend",
     "BackendChoice",
+    "Bf16Weights",
     "DeviceStep",
     "LambStaged",
     "adagrad_update",
@@ -71,6 +76,7 @@ __all__ = [
     "flag_nonfinite",
     "forget_autocast_casts",
     "from_state8",
+    "join_halves",
     "l2norm",
     "lamb_stage1",
     "lamb_stage2",
@@ -84,8 +90,10 @@ __all__ = [
     "release_graph_tables",
     "select_backend",
     "sgd_update",
+    "split_halves",
     "state8_absmax",
     "step_check",
+    "stochastic_round",
     "to_state8",
     "unscale_and_check",
     "use_backend",

@@ -11,6 +11,7 @@ An optimizer kernel over an address table (rows ``0`` params or fp32 masters, ``
         g = load_grad(g_ptr, offs, mask, full)
         ... the update rule ...
         store_param(..., p, ...)                                 # the param and, with masters, the model copy
+                                                                 # (Adam/LAMB: _bf16_weights.store_weights)
     if not skip:
         advance_step(...)                                        # fp16kit/kernels/_step_scalars.py
 

@@ -1,7 +1,9 @@
 """Triton kernel and launcher: one Adam/AdamW pass over many tensors, in ``torch.optim.Adam``'s order of ops.
 
 Address-table rows: ``0`` params (the fp32 master in master-weights mode), ``1`` grads, ``2`` exp_avg
-(fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (row 0 again when there is none; never written then).
+(fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (row 0 again when there is none; never written then), or in
+split mode the int16 low halves of the bf16 params' masters. The param is read through ``load_master`` and written
+through ``store_weights`` (``_bf16_weights.py``: plain, split or stochastic rounding, the constexpr ``WEIGHTS``).
 
 Hyper-parameters come from ``hp``, a float32 device tensor (built by ``fp16kit.optim.functional``; the
 derived values are computed in float64 and rounded once, as torch does with its Python-float scalars)::
@@ -33,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ._bf16_weights import Bf16Weights, launch_arguments, load_master, rng_step, store_weights
 from ._state8 import load_state, state_rows, store_state
 from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
-from ._step_skeleton import chunk_rows, load_grad, skip_and_stop, store_param
+from ._step_skeleton import chunk_rows, load_grad, skip_and_stop
 from ._table import STEP_PROGRAMS_PER_SM, STEP_WARPS_GPU, chunk_table, num_programs, step_block, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -67,6 +70,10 @@ def _adam_kernel(
     b2_hi, b2_mid, b2_lo,
     eps_hi, eps_mid, eps_lo,
     wd_hi, wd_mid, wd_lo,
+    seed,
+    stream,
+    rng_step_ptr,
+    row_idx_ptr,
     book_ptr,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
@@ -81,6 +88,8 @@ def _adam_kernel(
     HAS_SCALE: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
     ADVANCE: tl.constexpr,
+    WEIGHTS: tl.constexpr,
+    ROW_IDX: tl.constexpr,
     QSTATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -111,12 +120,14 @@ def _adam_kernel(
         inv_scale = tl.load(hp_ptr + 9).to(tl.float32)
         decay = tl.load(hp_ptr + 10).to(tl.float32)
     skip, stop = skip_and_stop(found_inf_ptr, num_chunks)
+    rng = rng_step(rng_step_ptr, HP_DEVICE, WEIGHTS)
     for c in range(pid, stop, tl.num_programs(0)):
         t, offs, mask, full, p_ptr, g_ptr, m_ptr, v_ptr = chunk_rows(
             ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED
         )
         p, m, v = load_state(ptrs, num_tensors, numels, t, p_ptr, m_ptr, v_ptr, offs, mask, full, book_ptr, QSTATE,
                              BLOCK, ALIGNED)
+        p = load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS, ALIGNED)
         g = load_grad(g_ptr, offs, mask, full) * inv_scale
         if L2_MODE:
             g = g + wd * p
@@ -130,7 +141,8 @@ def _adam_kernel(
         p = p + neg_step_size * tl.div_rn(m, denom)
         store_state(ptrs, num_tensors, numels, t, m_ptr, v_ptr, offs, mask, full, m, v, book_ptr, QSTATE, BLOCK,
                     ALIGNED)
-        store_param(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED)
+        store_weights(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED,
+                      WEIGHTS, seed, stream, rng, row_idx_ptr, ROW_IDX)
     if not skip:
         advance_step(step_ptr, ticket_ptr, ADVANCE)
 
@@ -146,13 +158,17 @@ def launch_adam(
     *,
     l2_mode: bool,
     decoupled: bool,
+    weights: Bf16Weights | None = None,
+    row_idx: torch.Tensor | None = None,
     state8: bool = False,
 ) -> None:
     """One Adam launch for contiguous, non-empty tensors of one dtype combination (fp32 m, v; with ``state8``,
     8-bit moments where ``state8.uses_state8``).
 
     ``hp``: the float32 vector of the module docstring, or a :class:`DeviceStep` (the hyper-parameters derived
-    in the kernel from the device step counter, which the launch advances when ``hp.advance``)."""
+    in the kernel from the device step counter, which the launch advances when ``hp.advance``). ``weights``: the
+    bf16 write epilogue (``_bf16_weights.py``; split mode: ``models`` holds the low halves); ``row_idx``: each
+    tensor's position in the update call (int32, device), for stochastic rounding's counters, when not ``0..n-1``."""
     device = params[0].device
     exp_avgs, exp_avg_sqs, book = state_rows(exp_avgs, exp_avg_sqs, state8, device)
     table = chunk_table(
@@ -162,16 +178,19 @@ def launch_adam(
     )
     p_dtype = triton_dtype(params[0].dtype)
     hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, ("lr", "beta1", "beta2", "eps", "weight_decay"))
+    epilogue, modes, has_model = launch_arguments(weights, params, models is not None, found_inf, row_idx)
     _adam_kernel[(num_programs(device, table.num_chunks, STEP_PROGRAMS_PER_SM),)](
         *table.leading_args(),
         hp_ptr,
         found_inf,
         *scalars,
+        *epilogue,
         book,
         P_DTYPE=p_dtype,
         G_DTYPE=triton_dtype(grads[0].dtype),
-        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
-        HAS_MODEL=models is not None,
+        MODEL_DTYPE=p_dtype if not has_model else triton_dtype(models[0].dtype),
+        HAS_MODEL=has_model,
+        **modes,
         L2_MODE=l2_mode,
         DECOUPLED=decoupled,
         BLOCK=table.block,

@@ -2,7 +2,9 @@
 
 One address table per dtype combination with five rows: ``0`` params (the fp32 master in master-weights
 mode), ``1`` grads, ``2`` exp_avg (fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (the low-precision
-model param in master-weights mode; row 0 again otherwise, and never written then).
+model param in master-weights mode; row 0 again otherwise, and never written then; in split mode the int16
+low halves of the bf16 params' masters, read by both stages and written by stage 2: ``_bf16_weights.py``, the
+constexpr ``WEIGHTS``).
 
 Hyper-parameters are read from ``hp``, a float32 device tensor (built by ``fp16kit.optim.functional``)::
 
@@ -41,9 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ._bf16_weights import Bf16Weights, epilogue_mode, launch_arguments, load_master, rng_step, store_weights
 from ._state8 import book, load_state, state_rows, store_state
 from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
-from ._step_skeleton import chunk_rows, load_grad, skip_and_stop, store_param
+from ._step_skeleton import chunk_rows, load_grad, skip_and_stop
 from ._table import (
     STEP_PROGRAMS_PER_SM,
     STEP_WARPS_GPU,
@@ -153,6 +156,7 @@ def _lamb_stage1_kernel(
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     L2_MODE: tl.constexpr,
+    WEIGHTS: tl.constexpr,
     DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -179,6 +183,7 @@ def _lamb_stage1_kernel(
         )
         p, m, v = load_state(ptrs, num_tensors, numels, t, p_ptr, m_ptr, v_ptr, offs, mask, full, book_ptr, QSTATE,
                              BLOCK, ALIGNED)
+        p = load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS, ALIGNED)
         g = tl.div_rn(load_grad(g_ptr, offs, mask, full) * inv_scale, clip)
         if L2_MODE:
             g = g + wd * p
@@ -220,6 +225,10 @@ def _lamb_stage2_kernel(
     gnorm_ptr,
     u_sumsq,
     p_sumsq,
+    seed,
+    stream,
+    rng_step_ptr,
+    row_idx_ptr,
     book_ptr,
     P_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
@@ -233,6 +242,8 @@ def _lamb_stage2_kernel(
     HAS_SCALE: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
     ADVANCE: tl.constexpr,
+    WEIGHTS: tl.constexpr,
+    ROW_IDX: tl.constexpr,
     QSTATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -243,12 +254,14 @@ def _lamb_stage2_kernel(
         HP_DEVICE, LR_TENSOR, HAS_SCALE, BIAS_CORRECTION,
     )
     skip, stop = skip_and_stop(found_inf_ptr, num_chunks)
+    rng = rng_step(rng_step_ptr, HP_DEVICE, WEIGHTS)
     for c in range(pid, stop, tl.num_programs(0)):
         t, offs, mask, full, p_ptr, _grads, m_ptr, v_ptr = chunk_rows(
             ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, P_DTYPE, BLOCK, ALIGNED
         )
         p, m, v = load_state(ptrs, num_tensors, numels, t, p_ptr, m_ptr, v_ptr, offs, mask, full, book_ptr, QSTATE,
                              BLOCK, ALIGNED)
+        p = load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS, ALIGNED)
         u = _lamb_update(m, v, p, mask, eps, wd, bc1, bc2, DECOUPLED)
         ratio = lr
         if TRUST:
@@ -256,7 +269,8 @@ def _lamb_stage2_kernel(
             un = tl.sqrt_rn(tl.load(u_sumsq + t))
             ratio = tl.where((pn != 0.0) & (un != 0.0), lr * tl.div_rn(pn, un), lr)
         p = p - ratio * u
-        store_param(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED)
+        store_weights(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED,
+                      WEIGHTS, seed, stream, rng, row_idx_ptr, ROW_IDX)
     if not skip:
         advance_step(step_ptr, ticket_ptr, ADVANCE)
 
@@ -276,19 +290,22 @@ def launch_lamb(
     l2_mode: bool,
     decoupled: bool,
     trust: bool,
+    weights: Bf16Weights | None = None,
+    row_idx: torch.Tensor | None = None,
     state8: bool = False,
 ) -> None:
     """Both LAMB stages for contiguous, non-empty tensors of one dtype combination (fp32 m, v; with ``state8``,
     8-bit moments where ``state8.uses_state8``).
 
-    ``models`` (master-weights mode) receives the rounded copy of the updated ``params``.
+    ``models`` (master-weights mode) receives the rounded copy of the updated ``params``; ``weights``, ``row_idx``:
+    the bf16 write epilogue, as in ``adam_kernel.launch_adam`` (split mode: ``models`` holds the low halves).
     """
     table, p_sumsq, u_sumsq = launch_lamb_stage1(
         params, grads, exp_avgs, exp_avg_sqs, models, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled,
-        state8=state8,
+        weights=weights, state8=state8,
     )
     launch_lamb_stage2(table, params, models, hp, found_inf, u_sumsq, p_sumsq, decoupled=decoupled, trust=trust,
-                       state8=state8)
+                       weights=weights, row_idx=row_idx, state8=state8)
 
 
 def launch_lamb_stage1(
@@ -302,6 +319,7 @@ def launch_lamb_stage1(
     *,
     l2_mode: bool,
     decoupled: bool,
+    weights: Bf16Weights | None = None,
     state8: bool = False,
 ) -> tuple[ChunkTable, torch.Tensor, torch.Tensor]:
     """Stage 1 (m, v written; ``u`` not stored) and the per-tensor sums of ``p^2`` and ``u^2``.
@@ -347,6 +365,7 @@ def launch_lamb_stage1(
         P_DTYPE=triton_dtype(params[0].dtype),
         G_DTYPE=triton_dtype(grads[0].dtype),
         L2_MODE=l2_mode,
+        WEIGHTS=epilogue_mode(weights, params, models is not None),
         DECOUPLED=decoupled,
         BLOCK=table.block,
         ALIGNED=table.aligned,
@@ -371,6 +390,8 @@ def launch_lamb_stage2(
     *,
     decoupled: bool,
     trust: bool,
+    weights: Bf16Weights | None = None,
+    row_idx: torch.Tensor | None = None,
     state8: bool = False,
 ) -> None:
     """Stage 2 over ``table`` (from :func:`launch_lamb_stage1`): ``p -= ratio * u`` with the per-tensor trust
@@ -379,6 +400,7 @@ def launch_lamb_stage2(
     p_dtype = triton_dtype(params[0].dtype)
     hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, _LAMB_HOST)
     gnorm = hp.gnorm if isinstance(hp, DeviceStep) and hp.gnorm is not None else hp_ptr
+    epilogue, modes, has_model = launch_arguments(weights, params, models is not None, found_inf, row_idx)
     _lamb_stage2_kernel[(num_programs(device, table.num_chunks, STEP_PROGRAMS_PER_SM),)](
         *table.leading_args(),
         hp_ptr,
@@ -387,10 +409,12 @@ def launch_lamb_stage2(
         gnorm,
         u_sumsq,
         p_sumsq,
+        *epilogue,
         book(device) if state8 else p_sumsq,
         P_DTYPE=p_dtype,
-        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
-        HAS_MODEL=models is not None,
+        MODEL_DTYPE=p_dtype if not has_model else triton_dtype(models[0].dtype),
+        HAS_MODEL=has_model,
+        **modes,
         DECOUPLED=decoupled,
         TRUST=trust,
         BLOCK=table.block,

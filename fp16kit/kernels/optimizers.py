@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from . import _plan, cpu_native, optim_fallback, optim_fallback_apex
+from . import _bf16_weights, _plan, cpu_native, optim_fallback, optim_fallback_apex
+from ._bf16_weights import Bf16Weights, join_halves, split_halves, stochastic_round
 from ._results import StepVerify
 from ._step_scalars import DeviceStep
 from ._table import playing
@@ -40,18 +41,22 @@ from .backend import Backend, select_backend
 from .ops import _L2NORM, l2norm
 
 __all__ = [
+    "Bf16Weights",
     "DeviceStep",
     "LambStaged",
     "StepVerify",
     "adagrad_update",
     "adam_update",
     "check_and_norm",
+    "join_halves",
     "lamb_stage1",
     "lamb_stage2",
     "lamb_update",
     "novograd_update",
     "sgd_update",
+    "split_halves",
     "step_check",
+    "stochastic_round",
 ]
 
 F64 = torch.float64
@@ -180,13 +185,15 @@ def _lamb_or_adam(
     modes: dict[str, bool],
     step: torch.Tensor | None,
     state8: bool = False,
+    weights: Bf16Weights | None = None,
 ) -> None:
     """Run ``kind`` ("lamb" or "adam") on the kernel groups (one launch set per dtype combination) and the
     fallback groups (per math dtype). ``step`` (the counter ``hp64`` was derived from) lets the CPU fallback
     hand the Adam math to torch's fused CPU Adam kernel (``optim_fallback.py``). ``state8``: moments may be 8-bit
     (``state8.py``): the kernels' ``QSTATE``, ``optim_fallback_state8.py``. The 8-bit layout is checked every call
     (``check_state8``: dtypes and storage sizes, no tensor op), not once per plan: room for the absmax is a property
-    of the storage, which a plan hit (same addresses and metadata) does not prove."""
+    of the storage, which a plan hit (same addresses and metadata) does not prove. ``weights``: how bf16 params are
+    written (``_bf16_weights.py``: the kernels' epilogue, the fallback's wrapper)."""
     if not params:
         return
     fn = f"{kind}_update"
@@ -215,8 +222,9 @@ def _lamb_or_adam(
                 hp = dataclasses.replace(device_step, advance=i == last) if last else device_step
             lists = (g.pick(params), g.pick(grads), g.pick(exp_avgs), g.pick(exp_avg_sqs))
             chosen = _kernel_models(_models_of(g, models, with_models, len(g.idx)))
+            epilogue = {} if weights is None else {"weights": weights, "row_idx": _row_idx(g, weights)}
             with playing(g.tape):
-                launch(*lists, chosen, hp, flag, **modes, state8=state8)
+                launch(*lists, chosen, hp, flag, **modes, state8=state8, **epilogue)
             # Done whether or not ``found_inf`` skipped the write on the device: a spurious bump is harmless.
             optim_fallback.bump_versions(lists[0], lists[2], lists[3], chosen or [])
     step_fn = optim_fallback.lamb_ if kind == "lamb" else optim_fallback.adam_
@@ -228,14 +236,32 @@ def _lamb_or_adam(
         if state8:  # the kernels' rounding sequence for every row, 8-bit or not: one result per backend
             from . import optim_fallback_state8 as fb8
 
-            (fb8.lamb8_ if kind == "lamb" else fb8.adam8_)(*lists, chosen, hp, flag, **modes)
+            fn8 = fb8.lamb8_ if kind == "lamb" else fb8.adam8_
+            if weights is not None:
+                _bf16_weights.fallback_step(fn8, lists, chosen, hp, flag, modes, None, weights, g.idx)
+            else:
+                fn8(*lists, chosen, hp, flag, **modes)
             continue
-        if kind == "lamb" and cpu_native.takes(*lists, chosen):
+        if weights is None and kind == "lamb" and cpu_native.takes(*lists, chosen):
             cpu_native.lamb_(*lists, hp, flag, **modes)
             optim_fallback.bump_versions(lists[0], lists[2], lists[3], [])
             continue
         fused = None if step is None else optim_fallback.FusedAdamArgs(step, hp64)
+        if weights is not None:
+            _bf16_weights.fallback_step(step_fn, lists, chosen, hp, flag, modes, fused, weights, g.idx)
+            continue
         step_fn(*lists, chosen, hp, flag, **modes, fused=fused)
+
+
+def _row_idx(g: _plan.Group, weights: Bf16Weights) -> torch.Tensor | None:
+    """Stochastic rounding's row counters of a kernel group that is not the call's whole list: the rows' positions
+    in the call (int32, on the device), made once per plan group (``memo``)."""
+    if weights.mode != "stochastic" or g.whole:
+        return None
+    idx = g.memo.get("row_idx")
+    if idx is None:
+        idx = g.memo["row_idx"] = torch.tensor(g.idx, dtype=torch.int32, device=weights.step.device)
+    return idx
 
 
 def lamb_update(
@@ -251,20 +277,23 @@ def lamb_update(
     adam_w_mode: bool,
     use_nvlamb: bool,
     step: torch.Tensor | None = None,
+    weights: Bf16Weights | None = None,
     state_bits: int = 32,
 ) -> None:
     """LAMB stages 1 and 2 for one group (validated lists, one device); a no-op on the device when found_inf is
     set. ``hp64``: ``[lr, b1, b2, beta3, 1 - b2, eps, wd, bc1, bc2, inv_scale, clip]`` (``lamb_kernel.py``);
     ``models``: model copies written with the rounded params (``None`` entries allowed). ``step``: the counter
     ``hp64`` was built from (optional; it enables the fast CPU path). ``state_bits=8``: the moments of params of
-    at least ``state8.SMALL_NUMEL`` elements are 8-bit (``to_state8``; else ``ValueError``), the rest fp32."""
+    at least ``state8.SMALL_NUMEL`` elements are 8-bit (``to_state8``; else ``ValueError``), the rest fp32.
+    ``weights``: bf16 params without fp32 masters (:class:`Bf16Weights`: ``"split"``, with ``models`` holding the
+    int16 low halves as bf16 views, or ``"stochastic"``); docs/optim.md, "bf16 weights without fp32 masters"."""
     modes = {
         "l2_mode": not adam_w_mode and weight_decay != 0,
         "decoupled": adam_w_mode and weight_decay != 0,
         "trust": use_nvlamb or weight_decay != 0,
     }
     _lamb_or_adam("lamb", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step,
-                  _state8_flag(state_bits))
+                  _state8_flag(state_bits), weights)
 
 
 def adam_update(
@@ -279,15 +308,17 @@ def adam_update(
     weight_decay: float,
     adam_w_mode: bool,
     step: torch.Tensor | None = None,
+    weights: Bf16Weights | None = None,
     state_bits: int = 32,
 ) -> None:
     """The Adam pass for one group (validated lists, one device); a no-op on the device when found_inf is set.
     ``hp64``: ``[lr, b1, b2, 1 - b1, 1 - b2, eps, wd, -lr/bc1, sqrt(bc2), inv_scale, 1 - lr*wd]``
     (``adam_kernel.py``). ``step``: the counter ``hp64`` was built from (optional; it enables the fast CPU path).
-    ``state_bits=8``: as :func:`lamb_update`."""
+    ``state_bits=8``: as :func:`lamb_update`. ``weights``: bf16 params without fp32 masters, as in
+    :func:`lamb_update`."""
     modes = {"l2_mode": not adam_w_mode and weight_decay != 0, "decoupled": adam_w_mode and weight_decay != 0}
     _lamb_or_adam("adam", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step,
-                  _state8_flag(state_bits))
+                  _state8_flag(state_bits), weights)
 
 
 def _state8_flag(state_bits: int) -> bool:

@@ -41,12 +41,14 @@ import torch
 from fp16kit.distributed import is_dtensor
 from fp16kit.kernels import (
     Backend,
+    Bf16Weights,
     DeviceStep,
     check_found_inf,
     common_device,
     flag_is_final,
     flag_nonfinite,
     forget_autocast_casts,
+    join_halves,
     library,
     metadata_guard,
     new_found_inf,
@@ -67,6 +69,11 @@ __all__ = ["FusedOptimizer"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _POLICIES = ("skip", "warn", "raise")
+#: ``master_weights`` values for bf16 params without an fp32 master (docs/optim.md, "bf16 weights without fp32
+#: masters"): ``"split"`` keeps the master's low 16 bits in ``state["master_low"]``, ``"stochastic"`` keeps nothing.
+BF16_MODES = ("split", "stochastic")
+#: The state key of the split master's low halves (int16, the param's shape).
+LOW_KEY = "master_low"
 
 
 def _capturing() -> bool:
@@ -103,6 +110,15 @@ class _Verdict:
     dtensors: bool
 
 
+def _check_seed(fn: str, index: int, seed: Any) -> None:
+    """A stochastic-rounding seed: an int in [0, 2**63) (the 64-bit Philox key)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(
+            f"{fn}: param_groups[{index}]['rounding_seed'] must be an int in [0, 2**63) (the stochastic-rounding "
+            f"key), got {seed!r}."
+        )
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Base class: subclasses define ``_name``, ``_check_group`` and ``_update_group``."""
 
@@ -111,6 +127,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     # fp16kit's GradScaler then passes a zeroed found_inf and lets our norm pass detect inf/NaN.
     _fp16kit_checks_inf = True
     _name = "FusedOptimizer"
+    #: Subclasses whose kernels have the bf16 write epilogues (``master_weights="split"``/``"stochastic"``).
+    _bf16_modes = False
     # The per-param state tensors shaped like the param (besides the optional fp32 "master").
     _moment_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     #: After a step that a GradScaler handed its scale to, write the unscaled gradients back into ``p.grad``
@@ -127,9 +145,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         defaults: dict[str, Any],
         *,
         set_grad_none: bool,
-        master_weights: bool,
+        master_weights: bool | str,
         on_nonfinite: str,
         process_group: Any = None,
+        rounding_seed: int | None = None,
         state_bits: int = 32,
     ) -> None:
         if state_bits not in (8, 32):
@@ -144,7 +163,25 @@ class FusedOptimizer(torch.optim.Optimizer):
                 f"silently), 'warn' (skip and warn) or 'raise' (skip and raise RuntimeError)."
             )
         self.set_grad_none = bool(set_grad_none)
+        #: ``"split"``/``"stochastic"`` (bf16 params without an fp32 master), else None; ``master_weights`` is then
+        #: False (no fp32 master exists).
+        self.bf16_weights: str | None = None
+        if isinstance(master_weights, str):
+            if master_weights not in BF16_MODES or not self._bf16_modes:
+                supported = "True, False, 'split' or 'stochastic'" if self._bf16_modes else "True or False"
+                raise ValueError(
+                    f"{self._name}: master_weights={master_weights!r} is not understood; choose {supported} "
+                    f"(docs/optim.md, \"bf16 weights without fp32 masters\")."
+                )
+            self.bf16_weights = master_weights
+            master_weights = False
         self.master_weights = bool(master_weights)
+        if self.bf16_weights == "stochastic":
+            # drawn from torch's default generator unless given: torch.manual_seed makes runs reproducible
+            seed = int(torch.randint(0, 2**62, ())) if rounding_seed is None else rounding_seed
+            defaults = {**defaults, "rounding_seed": seed}
+        elif rounding_seed is not None:
+            raise ValueError(f"{self._name}: rounding_seed is for master_weights='stochastic' only.")
         self.on_nonfinite = on_nonfinite
         self._pending: list[tuple[Any, torch.Tensor, str]] = []
         # step counters made or checked here, by group position (not id(step): Dynamo cannot key a dict by the id of
@@ -217,8 +254,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         index = len(self.param_groups)
         for i, p in enumerate(params or []):
             check_param_tensor(self._name, i, p, group=index)
+            if self.__dict__.get("bf16_weights") and p.dtype not in (torch.bfloat16, torch.float32):
+                raise TypeError(
+                    f"{self._name}: param_groups[{index}]['params'][{i}] has dtype {p.dtype}, but "
+                    f"master_weights={self.bf16_weights!r} keeps bf16 params without an fp32 master (fp32 params "
+                    f"are updated directly). Cast the model to torch.bfloat16, or use master_weights=True for "
+                    f"{p.dtype} params."
+                )
         with naming_group(index):
             self._check_group({**self.defaults, **param_group})
+        if self.__dict__.get("bf16_weights") == "stochastic":
+            _check_seed(self._name, index, {**self.defaults, **param_group}.get("rounding_seed"))
         super().add_param_group(param_group)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -275,6 +321,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             math = torch.float64 if p.dtype == torch.float64 else torch.float32
             if self.master_weights and p.dtype in _LOW_PRECISION:
                 state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            elif self.bf16_weights == "split" and p.dtype == torch.bfloat16:
+                # the bf16 value is its own fp32 master exactly: high half p, low half 0
+                state[LOW_KEY] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.contiguous_format)
             if self._state8(p):
                 self._set_moments8(state, p.new_zeros(p.shape, dtype=torch.float32), p.new_zeros(p.shape,
                                    dtype=torch.float32))
@@ -365,9 +414,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                 continue
             state = self._state_for(p)
             check_row(self._name, gi, i, p, p.grad, state, moment_keys, state8=self._state8(p))
-            master = state.get("master")
-            rows.params.append(p if master is None else master)
-            rows.models.append(None if master is None else p)
+            master = state.get(self._paired_key)
+            if self._paired_key == LOW_KEY:
+                rows.params.append(p)
+                rows.models.append(None if master is None else master.view(torch.bfloat16))
+            else:
+                rows.params.append(p if master is None else master)
+                rows.models.append(None if master is None else p)
             rows.grads.append(p.grad)
             rows.exp_avgs.append(state["exp_avg"])
             rows.exp_avg_sqs.append(state["exp_avg_sq"])
@@ -376,7 +429,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         params = group["params"]
         present = [p for p in params if p.grad is not None]
         states = [self.state[p] for p in present]
-        masters = [s.get("master") for s in states]
+        masters = [s.get(self._paired_key) for s in states]
         flat = self._row_tensors(present, states, [m for m in masters if m is not None])
         device = common_device(self._name, rows.params, rows.grads)
         verdict = _Verdict(
@@ -414,7 +467,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         try:
             states = list(map(self.state.__getitem__, present))
             moments = [list(map(itemgetter(key), states)) for key in self._moment_keys]
-            masters = list(map(dict.get, states, repeat("master")))
+            masters = list(map(dict.get, states, repeat(self._paired_key)))
         except (KeyError, TypeError):  # a state entry deleted or replaced by hand: the full check says what
             return None
         has_master = tuple(map(is_not, masters, repeat(None)))
@@ -431,6 +484,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             return None
         if not own:
             params_row, models = present, [None] * len(present)
+        elif self._paired_key == LOW_KEY:
+            params_row, models = present, [None if m is None else m.view(torch.bfloat16) for m in masters]
         elif len(own) == len(present):
             params_row, models = own, present
         else:
@@ -438,6 +493,23 @@ class FusedOptimizer(torch.optim.Optimizer):
             models = [None if m is None else p for p, m in zip(present, masters)]
         by_key = dict(zip(self._moment_keys, moments))
         return _Rows(list(params_row), grads, by_key["exp_avg"], by_key["exp_avg_sq"], list(models))
+
+    @property
+    def _paired_key(self) -> str:
+        """The state key of the tensor paired with each low-precision param: its fp32 ``"master"`` or, in split
+        mode, its int16 low half (``LOW_KEY``)."""
+        return LOW_KEY if self.__dict__.get("bf16_weights") == "split" else "master"
+
+    def _weights(self, group: dict[str, Any]) -> Bf16Weights | None:
+        """The update's bf16 write epilogue for ``group`` (None outside the bf16 modes): stochastic rounding keys
+        its random bits by the group's seed, its position and its device step counter (docs/optim.md)."""
+        mode = self.__dict__.get("bf16_weights")
+        if mode is None:
+            return None
+        if mode == "split":
+            return Bf16Weights("split")
+        stream = next(i for i, g in enumerate(self.param_groups) if g is group)
+        return Bf16Weights("stochastic", int(group["rounding_seed"]), stream, group["step"])
 
     @staticmethod
     def _group_step(group: dict[str, Any], device: torch.device) -> torch.Tensor:
@@ -461,12 +533,24 @@ class FusedOptimizer(torch.optim.Optimizer):
         return step
 
     def master_params(self) -> list[torch.Tensor]:
-        """The tensors the optimizer updates: fp32 masters where they exist, else the params themselves."""
+        """The tensors the optimizer updates: fp32 masters where they exist, else the params themselves (in the
+        bf16 modes the params: see :meth:`split_masters` for split mode's fp32 values)."""
         out = []
         for group in self.param_groups:
             for p in group["params"]:
                 master = self.state[p].get("master") if p in self.state else None
                 out.append(p if master is None else master)
+        return out
+
+    def split_masters(self) -> list[torch.Tensor]:
+        """Split mode: the fp32 master of every param, reassembled (new tensors, ``(hi << 16) + lo``): bit for bit
+        what ``master_weights=True`` would hold. Params without a low half (fp32, or no step yet) are returned as
+        fp32 copies."""
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                low = self.state[p].get(LOW_KEY) if p in self.state else None
+                out.append(p.detach().float() if low is None else join_halves(p.detach(), low))
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -500,6 +584,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 state_dict["state"],
                 moment_keys=self._moment_keys,
                 master_weights=self.master_weights,
+                bf16_weights=self.__dict__.get("bf16_weights"),
             )
             _checkpoint.check_state(fn, self.param_groups, state, self._moment_keys)
             _checkpoint.apply_state8(self, self.param_groups, saved_groups, state, state8)
@@ -511,6 +596,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise
         self.state.clear()
         self.state.update(state)
+        _checkpoint.finish_split(self.param_groups, self.state, self.__dict__.get("bf16_weights"))
         self.__dict__.get("_verdicts", {}).clear()
         for gi, group in enumerate(self.param_groups):
             if group["params"] and "step" in group:
@@ -566,6 +652,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self.process_group is None and not cache.get("rows_dtensors", True):
             shards = cache["shard_plan"] = None  # no DTensor param and no process group: what localize would say
         else:
+            if self.__dict__.get("bf16_weights") and any(
+                is_dtensor(p) for group in self.param_groups for p in group["params"]
+            ):
+                raise NotImplementedError(
+                    f"{self._name}: master_weights={self.bf16_weights!r} does not step FSDP2 (DTensor) params yet; "
+                    f"use master_weights=True there, or ZeRO-1 (process_group=) (docs/optim.md)."
+                )
             shards = _sharding.localize(self, all_rows)  # FSDP2/ZeRO: local shards and the group to sum over
         device = cache.get("rows_device")
         if device is None or shards is not None:

@@ -9,6 +9,10 @@
 2. :func:`restore_state` — per-param state with the saved values: moments become contiguous float32
    (float64 for float64 params) on the param's device, masters contiguous float32; torch's per-param
    ``step`` becomes the group's counter; a missing master (``master_weights=True``) is rebuilt from the param.
+   Split mode (``master_weights="split"``) converts both ways, losslessly: a checkpoint's fp32 ``master`` becomes
+   the param's high half and ``master_low`` (:func:`finish_split`, after the commit); a ``master_low`` loaded by a
+   ``master_weights=True`` optimizer becomes the fp32 master ``(p << 16) + low``, which needs the params of the
+   same checkpoint (load the model's state first).
 3. :func:`check_state` — structure (shapes, dtypes, devices against the params: the raw-address kernels
    trust them) and values (finite moments, ``exp_avg_sq >= 0``, finite masters, a finite step >= 0),
    with one host read for all the values (loading is not on the hot path).
@@ -29,19 +33,22 @@ from typing import Any
 import torch
 
 from fp16kit.distributed import is_dtensor
-from fp16kit.kernels import dequantize_state8, state8_absmax, to_state8
+from fp16kit.kernels import dequantize_state8, join_halves, split_halves, state8_absmax, to_state8
 
 from ._validate import check_state_tensor, check_step_value, state_dtype
 
 __all__ = [
     "apply_state8",
     "check_state",
+    "finish_split",
     "import_groups",
     "refuse_foreign",
     "restore_state",
     "split_state8",
     "writer_of",
 ]
+
+LOW_KEY = "master_low"  # split mode's int16 low halves (fp16kit/optim/_base.py)
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # torch.optim flags without a counterpart in fp16kit's groups: harmless at these values, dropped on import.
@@ -137,6 +144,7 @@ def restore_state(
     *,
     moment_keys: Sequence[str],
     master_weights: bool,
+    bf16_weights: str | None = None,
 ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
     """The new ``optimizer.state`` (see the module docstring, step 2); sets each group's ``step``. The state of
     another family (SGD, Adagrad, NovoGrad) is refused naming both classes (:func:`refuse_foreign`)."""
@@ -155,14 +163,18 @@ def restore_state(
                 if key == "step":  # torch.optim keeps the counter per param
                     steps.append(float(value))
                     continue
-                if key not in (*moment_keys, "master"):
+                if key not in (*moment_keys, "master", LOW_KEY):
                     raise ValueError(
-                        f"{where} has a key {key!r} that {fn} does not use (its keys are {[*moment_keys, 'master']}); "
-                        f"the checkpoint comes from another optimizer."
+                        f"{where} has a key {key!r} that {fn} does not use (its keys are "
+                        f"{[*moment_keys, 'master', LOW_KEY]}); the checkpoint comes from another optimizer."
                     )
+                if key == LOW_KEY:
+                    dropped += _restore_low(where, entry, p, value, master_weights, bf16_weights)
+                    continue
                 if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                     raise ValueError(f"{where}: {key!r} must be a floating tensor, got {type(value).__name__}.")
-                if key == "master" and not (master_weights and p.dtype in _LOW_PRECISION):
+                split = bf16_weights == "split" and p.dtype == torch.bfloat16  # converted after the commit
+                if key == "master" and not (master_weights and p.dtype in _LOW_PRECISION) and not split:
                     dropped += 1
                     continue
                 dtype = torch.float32 if key == "master" else state_dtype(p)
@@ -173,6 +185,9 @@ def restore_state(
             if master_weights and p.dtype in _LOW_PRECISION and "master" not in entry:
                 entry["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
                 rebuilt += 1
+            if bf16_weights == "split" and p.dtype == torch.bfloat16 and "master" not in entry and LOW_KEY not in entry:
+                # a bf16 run without masters: the param is its own fp32 master exactly (nothing lost)
+                entry[LOW_KEY] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.contiguous_format)
             state[p] = entry
         _set_group_step(fn, gi, group, steps)
     if rebuilt:
@@ -185,13 +200,56 @@ def restore_state(
         )
     if dropped:
         warnings.warn(
-            f"{fn}.load_state_dict: ignored the fp32 master weights of {dropped} param(s): this optimizer keeps "
-            f"none for them (master_weights=False, or not an fp16/bf16 param). Construct it with "
-            f"master_weights=True to resume from the masters.",
+            f"{fn}.load_state_dict: ignored the fp32 master weights (or split mode's low halves, 'master_low') of "
+            f"{dropped} param(s): this optimizer keeps none for them (master_weights=False or 'stochastic', or not "
+            f"an fp16/bf16 param). Construct it with master_weights=True (or 'split') to resume from the masters.",
             RuntimeWarning,
             stacklevel=3,
         )
     return state
+
+
+def _restore_low(
+    where: str, entry: dict[str, torch.Tensor], p: torch.Tensor, value: Any, master_weights: bool,
+    bf16_weights: str | None,
+) -> int:
+    """A checkpoint's split-mode low half: kept (split mode), turned into the fp32 master ``(p << 16) + low``
+    (``master_weights=True``: ``p`` must be the checkpoint's param), or dropped (returns 1)."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.int16:
+        raise ValueError(f"{where}: {LOW_KEY!r} must be an int16 tensor (split mode's low halves), got "
+                         f"{getattr(value, 'dtype', type(value).__name__)}.")
+    if p.dtype != torch.bfloat16:
+        raise ValueError(f"{where}: {LOW_KEY!r} belongs to a bf16 param, but the param has dtype {p.dtype}.")
+    if value.shape != p.shape:
+        raise ValueError(f"{where}: {LOW_KEY!r} has shape {tuple(value.shape)} but the param has shape "
+                         f"{tuple(p.shape)}.")
+    low = value.detach().to(p.device, memory_format=torch.contiguous_format, copy=True)
+    if bf16_weights == "split":
+        entry[LOW_KEY] = low
+    elif master_weights:
+        entry["master"] = join_halves(p.detach(), low)
+    else:
+        return 1
+    return 0
+
+
+def finish_split(
+    groups: Sequence[dict[str, Any]], state: dict[torch.Tensor, dict[str, torch.Tensor]], bf16_weights: str | None
+) -> None:
+    """After a committed load in split mode: every fp32 ``master`` (from a ``master_weights=True`` checkpoint)
+    becomes the param's high half and its ``master_low``, losslessly (the params are written)."""
+    if bf16_weights != "split":
+        return
+    for group in groups:
+        for p in group["params"]:
+            entry = state.get(p)
+            master = entry.pop("master", None) if entry else None
+            if master is None:
+                continue
+            hi, lo = split_halves(master)
+            with torch.no_grad():
+                p.copy_(hi)
+            entry[LOW_KEY] = lo
 
 
 def _set_group_step(fn: str, gi: int, group: dict[str, Any], steps: list[float]) -> None:
@@ -236,7 +294,8 @@ def check_state(
             if not entry:
                 continue
             for key, t in entry.items():
-                check_state_tensor(fn, gi, i, key, t, p, torch.float32 if key == "master" else state_dtype(p))
+                dtype = torch.int16 if key == LOW_KEY else torch.float32 if key == "master" else state_dtype(p)
+                check_state_tensor(fn, gi, i, key, t, p, dtype)
                 entries.append((gi, i, key, t))
     check_state_values(fn, entries)
 

@@ -235,6 +235,21 @@ def check_row(
         and master.is_contiguous()
     ):
         check_state_tensor(fn, group, index, "master", master, p, _F32)
+    low = state.get("master_low")
+    if low is not None and not (
+        isinstance(low, torch.Tensor)
+        and low.dtype is torch.int16
+        and p.dtype is torch.bfloat16
+        and low.numel() == n
+        and low.device == device
+        and low.is_contiguous()
+    ):
+        if p.dtype is not torch.bfloat16:
+            raise ValueError(
+                f"{fn}: state['master_low'] of param_groups[{group}]['params'][{index}] belongs to a bf16 param, but "
+                f"the param has dtype {p.dtype}. Cast the model back to torch.bfloat16, or delete the state entry."
+            )
+        check_state_tensor(fn, group, index, "master_low", low, p, torch.int16)
 
 
 def _grad_error(fn: str, group: int, index: int, p: torch.Tensor, g: torch.Tensor) -> None:

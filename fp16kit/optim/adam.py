@@ -29,7 +29,8 @@ class FusedAdam(FusedOptimizer):
     One fused pass reads g, p, m, v and writes p, m, v (and the rounded model copy in master-weights
     mode), after a read-only check pass over the grads that detects inf/NaN. Constructor as apex's
     FusedAdam (``capturable`` is accepted and ignored: every step is already device-side and sync-free);
-    ``master_weights``, ``on_nonfinite`` and ``process_group`` as in :class:`fp16kit.optim.FusedLAMB`
+    ``master_weights`` (``True``, or bf16 params without fp32 masters: ``"split"``, exact, and ``"stochastic"``),
+    ``rounding_seed``, ``on_nonfinite`` and ``process_group`` as in :class:`fp16kit.optim.FusedLAMB`
     (DTensor params step on their local shards; the inf flag is combined over the shard group, so every
     rank skips together). ``amsgrad=True`` raises RuntimeError. ``load_state_dict`` accepts
     ``torch.optim.Adam``/``AdamW`` checkpoints (``docs/optim.md``). ``torch.compile(opt.step)`` captures the
@@ -39,6 +40,7 @@ class FusedAdam(FusedOptimizer):
     not with FSDP2 (DTensor) params or ``torch.compile`` (``NotImplementedError``).
     """
 
+    _bf16_modes = True
     _name = "FusedAdam"
 
     def __init__(
@@ -53,10 +55,11 @@ class FusedAdam(FusedOptimizer):
         amsgrad: bool = False,
         set_grad_none: bool = True,
         capturable: bool = False,
-        master_weights: bool = False,
+        master_weights: bool | str = False,
         *,
         on_nonfinite: str = "warn",
         process_group: Any = None,
+        rounding_seed: int | None = None,
         state_bits: int = 32,
     ) -> None:
         if amsgrad:
@@ -72,7 +75,7 @@ class FusedAdam(FusedOptimizer):
         self.adam_w_mode = bool(adam_w_mode)
         self.capturable = bool(capturable)
         options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group,
-                   "state_bits": state_bits}
+                   "rounding_seed": rounding_seed, "state_bits": state_bits}
         super().__init__(params, defaults, set_grad_none=set_grad_none, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -107,7 +110,8 @@ class FusedAdam(FusedOptimizer):
             inv_scale64=inv_scale64,
             device=rows.params[0].device,
         )
-        self._updates().adam_update(
+        weights = self._weights(group)
+        (F if weights is not None else self._updates()).adam_update(
             rows.params,
             rows.grads,
             rows.exp_avgs,
@@ -118,6 +122,7 @@ class FusedAdam(FusedOptimizer):
             weight_decay=float(group["weight_decay"]),
             adam_w_mode=self.adam_w_mode,
             step=step,
+            **({} if weights is None else {"weights": weights}),
             **self._state_kw(),
         )
 
@@ -136,5 +141,6 @@ class FusedAdam(FusedOptimizer):
     def _run_device_update(self, group: dict[str, Any], rows: _Rows, ds: DeviceStep, skip: torch.Tensor) -> None:
         F.adam_update(
             rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models, ds, skip,
-            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, **self._state_kw(),
+            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, weights=self._weights(group),
+            **self._state_kw(),
         )

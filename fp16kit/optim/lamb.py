@@ -46,8 +46,16 @@ class FusedLAMB(FusedOptimizer):
             use_nvlamb: apex's hyper-parameters and defaults. ``lr`` may be a one-element device tensor.
         amsgrad: must be False (RuntimeError otherwise, as in apex).
         set_grad_none: ``zero_grad()`` sets grads to None (default) instead of zeroing them.
-        master_weights: keep an fp32 master copy (and fp32 moments) of every fp16/bf16 param; each step
-            updates the master and writes its round-to-nearest-even copy into the param, in the same pass.
+        master_weights: ``True``: keep an fp32 master copy (and fp32 moments) of every fp16/bf16 param; each step
+            updates the master and writes its round-to-nearest-even copy into the param, in the same pass
+            (14 B/param with the moments). For bf16 params without an fp32 master (docs/optim.md, "bf16 weights
+            without fp32 masters"): ``"split"`` keeps the master's low 16 bits in ``state["master_low"]`` (int16)
+            and the high half, rounded to nearest with ties away from zero, in the param: the reassembled master
+            is bit for bit that of ``True`` (12 B/param); ``"stochastic"`` rounds each updated param to bf16
+            stochastically (unbiased; Philox keyed by ``rounding_seed``, the group and the device step counter;
+            10 B/param). fp32 params are updated directly; fp16/fp64 params raise TypeError in these modes.
+        rounding_seed: ``"stochastic"`` only: the 63-bit key of the random bits, kept in each group as
+            ``"rounding_seed"`` (checkpointed); None draws one from torch's default generator.
         on_nonfinite: without a loss scaler, what to do after skipping a step whose grads hold inf/NaN:
             ``"warn"`` (default; on CUDA the warning comes one step later, without a host sync),
             ``"raise"`` (RuntimeError; reads the flag on the host: one sync per step) or ``"skip"``.
@@ -71,6 +79,7 @@ class FusedLAMB(FusedOptimizer):
     ``torch.compile`` (``NotImplementedError``).
     """
 
+    _bf16_modes = True
     _name = "FusedLAMB"
 
     def __init__(
@@ -88,10 +97,11 @@ class FusedLAMB(FusedOptimizer):
         max_grad_norm: float = 1.0,
         use_nvlamb: bool = False,
         *,
-        master_weights: bool = False,
+        master_weights: bool | str = False,
         on_nonfinite: str = "warn",
         process_group: Any = None,
         capturable: bool = False,
+        rounding_seed: int | None = None,
         state_bits: int = 32,
     ) -> None:
         if amsgrad:
@@ -114,7 +124,7 @@ class FusedLAMB(FusedOptimizer):
         # (docs/optim.md, "The step on the device")
         self.capturable = bool(capturable)
         options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group,
-                   "state_bits": state_bits}
+                   "rounding_seed": rounding_seed, "state_bits": state_bits}
         super().__init__(params, defaults, set_grad_none=set_grad_none, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -159,9 +169,12 @@ class FusedLAMB(FusedOptimizer):
             device=device,
         )
         modes = {"weight_decay": float(group["weight_decay"]), "adam_w_mode": self.adam_w_mode}
-        if _sharding.defer_lamb(self, rows, hp64, **modes, use_nvlamb=self.use_nvlamb):
+        weights = self._weights(group)
+        # ZeRO-1 (process_group=, whole params on their owner): the trust-ratio norms are local, so the bf16 modes run
+        # the one-process update after the step's all-reduce of the grad norm and flag (FSDP2 is refused in step())
+        if weights is None and _sharding.defer_lamb(self, rows, hp64, **modes, use_nvlamb=self.use_nvlamb):
             return  # sharded params: stages 1 and 2 run after all groups, around one norm all-reduce
-        self._updates().lamb_update(
+        (F if weights is not None else self._updates()).lamb_update(
             rows.params,
             rows.grads,
             rows.exp_avgs,
@@ -173,6 +186,7 @@ class FusedLAMB(FusedOptimizer):
             adam_w_mode=self.adam_w_mode,
             use_nvlamb=self.use_nvlamb,
             step=step,
+            **({} if weights is None else {"weights": weights}),
             **self._state_kw(),
         )
 
@@ -195,5 +209,6 @@ class FusedLAMB(FusedOptimizer):
         F.lamb_update(
             rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models, ds, skip,
             weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, use_nvlamb=self.use_nvlamb,
+            weights=self._weights(group),
             **self._state_kw(),
         )

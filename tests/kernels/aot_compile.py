@@ -42,17 +42,21 @@ from fp16kit.kernels import (
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "doctor"))
 import aot_histogram  # (the histogram kernel's signature and constexprs, shared with its own test)
 
-INT_ARGS = {"num_tensors", "num_chunks"}
+INT_ARGS = {"num_tensors", "num_chunks", "stream"}
+#: the bf16 write epilogues (fp16kit/kernels/_bf16_weights.py): the 63-bit stochastic-rounding key, the row table
+I64_ARGS = {"seed"}
 #: Kernels outside the multi-tensor convention (all pointers fp32 unless named): their own signatures.
 HISTOGRAM_SIG = {**aot_histogram.SIGNATURE}
 I64_PTRS = {"ptrs", "numels", "chunk_start", "counts_ptr", "first_ptr"}
-I32_PTRS = {"chunk_tensor"}
+I32_PTRS = {"chunk_tensor", "row_idx_ptr"}
 #: the device-resident step's counters (fp16kit/kernels/_step_scalars.py)
 I32_STEP = {"ticket_ptr", "done_ptr", "bad_ptr"}
 I64_STEP = {"chunk_counts", "first_chunk", "count_ptr", "nonfinite_count_ptr", "result_count_ptr", "v_ptrs"}
 #: the legacy layout (a float32 hp vector) and the device-derived one
 HP_LEGACY = dict(HP_DEVICE=False, LR_TENSOR=False, HAS_SCALE=False, BIAS_CORRECTION=False, ADVANCE=False)
 HP_ON_DEVICE = dict(HP_DEVICE=True, LR_TENSOR=False, HAS_SCALE=True, BIAS_CORRECTION=True, ADVANCE=True)
+#: the plain write epilogue (no bf16 mode), for the Adam kernel and LAMB stage 2 (stage 1 has WEIGHTS only)
+PLAIN = dict(WEIGHTS=0, ROW_IDX=False)
 #: the SGD/Adagrad/NovoGrad kernels' device-step switches (fp16kit/kernels/_results.py), off
 APEX_LEGACY = dict(**HP_LEGACY, OWN_FLAG=False, FIRST=False, COUNT=False)
 SUMSQ_PLAIN = dict(FINISH=False, NORM=True, OWN_FLAG=False, COUNT=False, SCALE_IS_GRAD_SCALE=False)
@@ -67,6 +71,8 @@ def signature(fn, constexprs, overrides=None):
             sig[p.name] = "constexpr"
         elif p.name in INT_ARGS:
             sig[p.name] = "i32"
+        elif p.name in I64_ARGS:
+            sig[p.name] = "i64"
         elif p.name.endswith(("_hi", "_mid", "_lo")) or p.name == "check_factor":  # float32 launch arguments
             sig[p.name] = "fp32"
         elif p.name in I32_STEP:
@@ -114,35 +120,56 @@ CASES = {
     "lamb stage 1 (fp16 params, L2)": (
         lamb_kernel._lamb_stage1_kernel,
         dict(P_DTYPE=F16, G_DTYPE=F16, L2_MODE=True, DECOUPLED=False, BLOCK=SB, ALIGNED=True, FINISH_SUMS=False,
-             **HP_LEGACY)),
+             WEIGHTS=0, **HP_LEGACY)),
     "lamb stage 1 on the device (fp32, decoupled)": (
         lamb_kernel._lamb_stage1_kernel,
         dict(P_DTYPE=F32, G_DTYPE=F32, L2_MODE=False, DECOUPLED=True, BLOCK=SB, ALIGNED=True, FINISH_SUMS=True,
-             **HP_ON_DEVICE)),
+             WEIGHTS=0, **HP_ON_DEVICE)),
     "lamb stage 2 on the device (fp32 masters -> fp16 model)": (
         lamb_kernel._lamb_stage2_kernel,
         dict(P_DTYPE=F32, MODEL_DTYPE=F16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
-             **HP_ON_DEVICE)),
+             **PLAIN, **HP_ON_DEVICE)),
     "adam on the device (fp32)": (
         adam_kernel._adam_kernel,
         dict(P_DTYPE=F32, G_DTYPE=F32, MODEL_DTYPE=F32, HAS_MODEL=False, L2_MODE=False, DECOUPLED=True, BLOCK=SB,
-             ALIGNED=True, **HP_ON_DEVICE)),
+             ALIGNED=True, **PLAIN, **HP_ON_DEVICE)),
     "lamb stage 2 (fp32 masters -> bf16 model)": (
         lamb_kernel._lamb_stage2_kernel,
         dict(P_DTYPE=F32, MODEL_DTYPE=BF16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
-             **HP_LEGACY)),
+             **PLAIN, **HP_LEGACY)),
     "adam (fp32 masters -> fp16 model)": (
         adam_kernel._adam_kernel,
         dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, L2_MODE=False, DECOUPLED=True, BLOCK=SB,
-             ALIGNED=True, **HP_LEGACY)),
+             ALIGNED=True, **PLAIN, **HP_LEGACY)),
     "adam (fp16 params, L2)": (
         adam_kernel._adam_kernel,
         dict(P_DTYPE=F16, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=False, L2_MODE=True, DECOUPLED=False, BLOCK=SB,
-             ALIGNED=True, **HP_LEGACY)),
+             ALIGNED=True, **PLAIN, **HP_LEGACY)),
     "lamb stage 1 (fp32 masters, fp16 grads, decoupled)": (
         lamb_kernel._lamb_stage1_kernel,
         dict(P_DTYPE=F32, G_DTYPE=F16, L2_MODE=False, DECOUPLED=True, BLOCK=SB, ALIGNED=True, FINISH_SUMS=False,
-             **HP_LEGACY)),
+             WEIGHTS=0, **HP_LEGACY)),
+    # the bf16 write epilogues: split (row 4 the int16 low halves) and stochastic rounding (Philox in registers)
+    "adam on the device, bf16 split": (
+        adam_kernel._adam_kernel,
+        dict(P_DTYPE=BF16, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=False, L2_MODE=False, DECOUPLED=True, BLOCK=SB,
+             ALIGNED=True, WEIGHTS=1, ROW_IDX=False, **HP_ON_DEVICE)),
+    "adam on the device, bf16 stochastic": (
+        adam_kernel._adam_kernel,
+        dict(P_DTYPE=BF16, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=False, L2_MODE=False, DECOUPLED=True, BLOCK=SB,
+             ALIGNED=True, WEIGHTS=2, ROW_IDX=True, **HP_ON_DEVICE)),
+    "lamb stage 1 on the device, bf16 split": (
+        lamb_kernel._lamb_stage1_kernel,
+        dict(P_DTYPE=BF16, G_DTYPE=BF16, L2_MODE=False, DECOUPLED=True, BLOCK=SB, ALIGNED=True, FINISH_SUMS=True,
+             WEIGHTS=1, **HP_ON_DEVICE)),
+    "lamb stage 2 on the device, bf16 split": (
+        lamb_kernel._lamb_stage2_kernel,
+        dict(P_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=False, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
+             WEIGHTS=1, ROW_IDX=False, **HP_ON_DEVICE)),
+    "lamb stage 2 on the device, bf16 stochastic": (
+        lamb_kernel._lamb_stage2_kernel,
+        dict(P_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=False, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
+             WEIGHTS=2, ROW_IDX=False, **HP_ON_DEVICE)),
     # 8-bit moments (state_bits=8): the QSTATE epilogue of the same kernels (fp16kit/kernels/_state8.py)
     "adam 8-bit moments on the device (fp32)": (
         adam_kernel._adam_kernel,
@@ -151,7 +178,7 @@ CASES = {
     "adam 8-bit moments (fp32 masters -> bf16 model)": (
         adam_kernel._adam_kernel,
         dict(QSTATE=True, P_DTYPE=F32, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=True, L2_MODE=False,
-             DECOUPLED=True, BLOCK=SB, ALIGNED=True, **HP_LEGACY)),
+             DECOUPLED=True, BLOCK=SB, ALIGNED=True, **PLAIN, **HP_LEGACY)),
     "lamb stage 1 8-bit moments on the device (fp32, decoupled)": (
         lamb_kernel._lamb_stage1_kernel,
         dict(QSTATE=True, P_DTYPE=F32, G_DTYPE=F32, L2_MODE=False, DECOUPLED=True, BLOCK=SB, ALIGNED=True,
@@ -240,6 +267,8 @@ def main() -> None:
     for name, (fn, constexprs, *overrides) in CASES.items():
         if any(p.name == "QSTATE" for p in fn.params):  # the Adam/LAMB kernels: fp32 moments unless a case says
             constexprs = {"QSTATE": False, **constexprs}
+        # ... and the plain write epilogue unless a case names a bf16 mode (fp16kit/kernels/_bf16_weights.py)
+        constexprs = {**{k: v for k, v in PLAIN.items() if any(p.name == k for p in fn.params)}, **constexprs}
         try:
             options = launch_options(fn, constexprs)
             src = ASTSource(fn=fn, signature=signature(fn, constexprs, *overrides), constexprs=constexprs)

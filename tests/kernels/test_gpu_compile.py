@@ -79,6 +79,12 @@ FMA = {
     "adagrad update on the device (fp32)": 0,
     "novograd update on the device (fp32 masters -> bf16 model)": 0,
     "novograd norms, moments, denominators on the device": 0,
+    # the bf16 write epilogues (fp16kit/kernels/_bf16_weights.py): integer bit arithmetic and Philox, no FMA
+    "adam on the device, bf16 split": 0,
+    "adam on the device, bf16 stochastic": 0,
+    "lamb stage 1 on the device, bf16 split": 0,
+    "lamb stage 2 on the device, bf16 split": 0,
+    "lamb stage 2 on the device, bf16 stochastic": 0,
     # 8-bit moments (state_bits=8): the QSTATE epilogue
     "adam 8-bit moments on the device (fp32)": 0,
     "adam 8-bit moments (fp32 masters -> bf16 model)": 0,

@@ -627,6 +627,13 @@ def make_stash(optimizer: torch.optim.Optimizer, session: Any, master_weights: b
     is processed, and ``optimizer.add_param_group`` is wrapped so that groups added later are too.
     """
     fused = master_weights and keeps_own_masters(optimizer)
+    if master_weights and getattr(optimizer, "bf16_weights", None):
+        raise ValueError(
+            f"amp.initialize: the optimizer keeps bf16 weights without fp32 masters "
+            f"(master_weights={optimizer.bf16_weights!r}), but this opt level asks for fp32 master weights. Construct "
+            f"the optimizer with master_weights=False (amp then gives it fp32 masters), or train the bf16 model "
+            f"without amp's master weights (docs/optim.md, \"bf16 weights without fp32 masters\")."
+        )
     stash = FusedMasterStash(optimizer, session) if fused else OptimizerStash(optimizer, session, master_weights)
     if fused:
         optimizer.master_weights = True  # type: ignore[attr-defined]  # its load_state_dict keeps the masters
