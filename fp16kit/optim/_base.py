@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from fp16kit.distributed import is_dtensor
+from fp16kit.distributed import is_dtensor, local
 from fp16kit.kernels import (
     Backend,
     Bf16Weights,
@@ -545,12 +545,13 @@ class FusedOptimizer(torch.optim.Optimizer):
     def split_masters(self) -> list[torch.Tensor]:
         """Split mode: the fp32 master of every param, reassembled (new tensors, ``(hi << 16) + lo``): bit for bit
         what ``master_weights=True`` would hold. Params without a low half (fp32, or no step yet) are returned as
-        fp32 copies."""
+        fp32 copies. An FSDP2 (DTensor) param gives this rank's shard (a plain tensor)."""
         out = []
         for group in self.param_groups:
             for p in group["params"]:
                 low = self.state[p].get(LOW_KEY) if p in self.state else None
-                out.append(p.detach().float() if low is None else join_halves(p.detach(), low))
+                hi = local(p.detach())
+                out.append(hi.float() if low is None else join_halves(hi, local(low)))
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -626,6 +627,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     ) -> None:
         raise NotImplementedError
 
+    #: The bf16 weight modes that step FSDP2 shards: "split" is elementwise in Adam (tested against
+    #: ``master_weights=True`` shard by shard); "stochastic" draws from the element's position in its group's update,
+    #: which a shard does not know; LAMB's sharded stages (``_sharding.defer_lamb``) have no bf16 epilogue yet.
+    _fsdp2_bf16_modes: tuple[str, ...] = ("split",)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimization step over every group (see the class docstring for the math).
@@ -652,12 +658,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self.process_group is None and not cache.get("rows_dtensors", True):
             shards = cache["shard_plan"] = None  # no DTensor param and no process group: what localize would say
         else:
-            if self.__dict__.get("bf16_weights") and any(
+            mode = self.__dict__.get("bf16_weights")
+            if mode is not None and mode not in self._fsdp2_bf16_modes and any(
                 is_dtensor(p) for group in self.param_groups for p in group["params"]
             ):
+                fits = " or ".join(repr(m) for m in (*self._fsdp2_bf16_modes, True))
                 raise NotImplementedError(
-                    f"{self._name}: master_weights={self.bf16_weights!r} does not step FSDP2 (DTensor) params yet; "
-                    f"use master_weights=True there, or ZeRO-1 (process_group=) (docs/optim.md)."
+                    f"{self._name}: master_weights={mode!r} does not step FSDP2 (DTensor) params yet; use "
+                    f"master_weights={fits} there, or ZeRO-1 (process_group=) (docs/optim.md)."
                 )
             shards = _sharding.localize(self, all_rows)  # FSDP2/ZeRO: local shards and the group to sum over
         device = cache.get("rows_device")

@@ -79,6 +79,8 @@ class FusedLAMB(FusedOptimizer):
     ``torch.compile`` (``NotImplementedError``).
     """
 
+    _fsdp2_bf16_modes: tuple[str, ...] = ()  # FusedOptimizer._fsdp2_bf16_modes: the sharded stages have no epilogue
+
     _bf16_modes = True
     _name = "FusedLAMB"
 

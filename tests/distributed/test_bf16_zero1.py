@@ -1,9 +1,9 @@
 """ZeRO-1 (``ZeroRedundancyOptimizer`` with ``process_group=``) with ``master_weights="split"``: each rank steps its
 own whole bf16 params; the reassembled masters equal those of the same ZeRO-1 run with ``master_weights=True`` bit
 for bit (the global grad norm and the inf flag are all-reduced, so LAMB clips by the norm over all ranks and an inf
-seen by one rank skips every rank; that run matches one process within tests/distributed's LAMB budget).
-2 gloo processes with a hard timeout (``_spawn.py``). FSDP2 (DTensor) params are refused in the bf16 modes
-(docs/optim.md)."""
+seen by one rank skips every rank; that run matches one process within tests/distributed's LAMB budget). FSDP2
+(DTensor) shards in split mode: the same, shard by shard. 2 gloo processes with a hard timeout (``_spawn.py``).
+FSDP2 params are refused in stochastic mode (docs/optim.md)."""
 
 from __future__ import annotations
 
@@ -89,11 +89,79 @@ def test_zero1_split_equals_fp32_masters(tmp_path):
                 assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
 
 
-def test_fsdp2_params_are_refused_in_the_bf16_modes():
+def _fsdp_job(rank: int, world: int, out_dir: str) -> None:
+    """FSDP2 (a bf16 MLP, fully_shard per layer and at the root): the same sharded gradients stepped with
+    ``master_weights="split"`` and with ``master_weights=True``; every step's local masters, and the local bf16
+    params against the master's split high halves."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fp16kit.kernels import split_halves
     from fp16kit.optim import FusedAdam
 
+    mesh = init_device_mesh("cpu", (world,))
+
+    def fsdp_model():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).bfloat16()
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    out = {}
+    for name, cls, cfg in (("adam", FusedAdam, {"lr": 1e-2, "weight_decay": 0.01}),):
+        split_model, ref_model = fsdp_model(), fsdp_model()
+        split_opt = cls(split_model.parameters(), master_weights="split", on_nonfinite="skip", **cfg)
+        ref_opt = cls(ref_model.parameters(), master_weights=True, on_nonfinite="skip", **cfg)
+        same = []
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(100 + step)
+            x = torch.randn(8, 8, generator=g).bfloat16()[rank * 4:(rank + 1) * 4]
+            split_model(x).float().pow(2).sum().backward()
+            for p, q in zip(split_model.parameters(), ref_model.parameters()):
+                q.grad = p.grad.clone()  # the same sharded gradients for both
+            if step == INF_STEP and rank == 1:
+                next(iter(split_model.parameters())).grad.to_local()[0, 0] = float("inf")
+                next(iter(ref_model.parameters())).grad.to_local()[0, 0] = float("inf")
+            split_opt.step()
+            ref_opt.step()
+            split_opt.zero_grad()
+            ref_opt.zero_grad()
+            masters = split_opt.split_masters()
+            refs = [ref_opt.state[q]["master"].to_local() for q in ref_model.parameters()]
+            same.append(all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(masters, refs)))
+        out[name] = {
+            "same_masters_every_step": same,
+            "hi_is_split": all(torch.equal(p.to_local().view(torch.int16),
+                                           split_halves(ref_opt.state[q]["master"].to_local())[0].view(torch.int16))
+                               for p, q in zip(split_model.parameters(), ref_model.parameters())),
+            "step": [float(grp["step"]) for grp in split_opt.param_groups],
+        }
+    torch.save(out, f"{out_dir}/rank{rank}.pt")
+
+
+def test_fsdp2_split_equals_fp32_masters(tmp_path):
+    """FSDP2 shards in split mode (FusedAdam): the masters are bit for bit those of ``master_weights=True`` on the
+    same shards every step (an inf on one rank skips both ranks). FusedLAMB refuses (next test)."""
+    import _spawn
+
+    _spawn.run(_fsdp_job, 2, tmp_path, timeout=150)
+    for r in range(2):
+        res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        for name in ("adam",):
+            assert res[name]["same_masters_every_step"] == [True] * STEPS, (r, name)
+            assert res[name]["hi_is_split"], (r, name)
+            assert res[name]["step"] == [STEPS - 1.0], (r, name)
+
+
+@pytest.mark.parametrize("cls_name, mode", [("FusedAdam", "stochastic"), ("FusedLAMB", "stochastic"),
+                                            ("FusedLAMB", "split")])
+def test_fsdp2_params_are_refused_where_a_shard_cannot_step(cls_name, mode):
+    import fp16kit.optim
+
     p = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
-    opt = FusedAdam([p], master_weights="split")
+    opt = getattr(fp16kit.optim, cls_name)([p], master_weights=mode)
     p.grad = torch.ones(3, dtype=torch.bfloat16)
     import fp16kit.optim._base as base
 
