@@ -179,6 +179,18 @@ def dynamo_traces_any_id(version: str | None = None) -> bool:
     return got is not None and got >= (2, 13)
 
 
+def inductor_cache_keys_autocast_dtype(version: str | None = None) -> bool:
+    """Do Inductor's persistent caches (the FX graph cache and the AOT-autograd cache) key a graph by the autocast
+    dtype it was traced under? torch 2.13 does; torch 2.11 does not: a model compiled under
+    ``torch.autocast("cpu", torch.float16)`` and then, unchanged, under ``torch.bfloat16`` (in the same process after
+    ``torch._dynamo.reset()``, or in a later process) gets the fp16 graph back. This is torch's (plain
+    ``torch.autocast`` shows it) and fp16kit's default autocast engine inherits it, since its Dynamo graphs, like
+    torch.autocast's, carry no casts. Workaround there: ``TORCHINDUCTOR_FX_GRAPH_CACHE=0`` or
+    ``TORCHINDUCTOR_AUTOGRAD_CACHE=0`` (docs/compat.md). 2.12 is untested and takes the safe answer."""
+    got = parse(installed_version("torch") if version is None else version)
+    return got is not None and got >= (2, 13)
+
+
 def dtensor_class() -> type | None:
     """``torch.distributed.tensor.DTensor``, or None on a build without torch.distributed."""
     try:

@@ -272,3 +272,29 @@ def test_dtensor_class_is_torchs():
     from torch.distributed.tensor import DTensor
 
     assert _versions.dtensor_class() is DTensor
+
+
+@pytest.mark.parametrize("version,keyed", [("2.11.0+cu130", False), ("2.12.1", False), ("2.13.0+cpu", True)])
+def test_inductor_cache_keys_autocast_dtype_by_version(version, keyed):
+    assert _versions.inductor_cache_keys_autocast_dtype(version) is keyed
+
+
+@pytest.mark.slow
+def test_inductor_cache_keys_autocast_dtype_on_this_torch(monkeypatch, tmp_path):
+    """The branch against the installed torch: plain ``torch.autocast``, one model compiled under fp16 and then,
+    after ``torch._dynamo.reset()``, under bf16, with Inductor's caches on (a fresh cache folder): the bf16 run gets
+    a bf16 graph exactly where the branch says the caches key the dtype (slow: two Inductor builds)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 16), nn.Softplus(), nn.Linear(16, 8)), torch.randn(4, 16)
+    dtypes = []
+    for low in (torch.float16, torch.bfloat16):
+        torch._dynamo.reset()
+        with torch.no_grad(), torch.autocast("cpu", dtype=low):
+            dtypes.append(torch.compile(model)(x).dtype)
+    torch._dynamo.reset()
+    assert dtypes[0] == torch.float16
+    assert (dtypes[1] == torch.bfloat16) is _versions.inductor_cache_keys_autocast_dtype()
