@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU suite in one command (docs/benchmarks.md, "GPU"): pytest -m gpu, the optimizer-step checks and
-# benchmarks (launches, copies, host time, CUDA graphs, torch.compile, bandwidth), the kernel benchmarks, and
-# a launch-configuration sweep and the whole test suite, each under its own time limit so that the whole run fits
-# 8 minutes on one H100.
+# benchmarks (launches, copies, host time, CUDA graphs, torch.compile, bandwidth), the default autocast engine on
+# BERT-base (issue 23), the kernel benchmarks, the bf16 weight modes (issue 26), a launch-configuration sweep and the
+# whole test suite, each under its own time limit. All steps together take up to ~13 minutes, more than one 10-minute
+# device call: run them as two subsets, e.g. STEPS="gpu_tests gpu_step autocast bench_bf16" and then
+# STEPS="bench_kernels gpu_tune suite_cpu".
 # Results go under $OUT (default: a new temporary folder). Uses the python that has torch (PYTHON=...),
 # with this checkout on PYTHONPATH: nothing is installed.
 #   bash benchmarks/gpu_suite.sh            # on a machine with a CUDA GPU
