@@ -95,6 +95,11 @@ MAX_REGISTERS = 128
 #: Kernels over the register budget on an older (still supported) Triton, with the reason. Triton 3.6 (the GPU
 #: images' pair, docs/compat.md) allocates about twice the registers of 3.9 throughout; this one goes past 128.
 OVER_BUDGET_BEFORE_TRITON_3_7 = {"lamb stage 2 (fp32 masters -> bf16 model)": "232 registers, no spills, on Triton 3.6"}
+#: Kernels that spill on an older Triton, with the reason (a slower kernel there, not a wrong one; none on 3.9).
+SPILLS_BEFORE_TRITON_3_7 = {
+    "lamb stage 2 on the device, bf16 stochastic": "4 spill stores / 4 spill loads at 8 warps on Triton 3.6 (the "
+                                                   "Philox rounds' registers); 0 on Triton 3.9",
+}
 
 
 def _old_triton() -> bool:
@@ -115,6 +120,8 @@ def test_ptx_is_ieee_with_a_fixed_fma_count(compiled, case):
 def test_ptxas_no_spills_and_at_most_128_registers(compiled, case):
     result = compiled[case]
     assert result["registers"] > 0, f"ptxas -v output not understood: {result}"
+    if case in SPILLS_BEFORE_TRITON_3_7 and _old_triton() and (result["spill_stores"], result["spill_loads"]) != (0, 0):
+        pytest.xfail(SPILLS_BEFORE_TRITON_3_7[case])
     assert (result["spill_stores"], result["spill_loads"]) == (0, 0), result
     if case in OVER_BUDGET_BEFORE_TRITON_3_7 and _old_triton() and result["registers"] > MAX_REGISTERS:
         pytest.xfail(OVER_BUDGET_BEFORE_TRITON_3_7[case])
