@@ -95,7 +95,8 @@ def test_hf_loss_and_grads_compiled_aot_eager_equal_eager(kind, low):
 @pytest.mark.parametrize("kind", ["mlm", "cls"])
 @pytest.mark.parametrize("low", LOW, ids=IDS)
 def test_hf_loss_and_grads_compiled_inductor(kind, low):
-    """dtypes always; bits wherever plain torch.autocast keeps them under Inductor too (slow: C++ builds)."""
+    """dtypes always; bits wherever plain torch.autocast keeps them under Inductor too; elsewhere no more than twice
+    torch.autocast's own Inductor drift (slow: C++ builds)."""
     model, batch = _model(kind), _batch(kind)
     eager_loss, eager_grads = _loss_and_grads(model, batch, _fp16kit(low))
     loss, grads = _loss_and_grads(model, batch, _fp16kit(low), "inductor")
@@ -114,5 +115,9 @@ def test_hf_loss_and_grads_compiled_inductor(kind, low):
         if same(ref_grads[name], ref_eager_grads[name]):
             assert_bitwise_equal(g, eager_grads[name], what=name)
         else:
-            tol = 16 * torch.finfo(low).eps * (eager_grads[name].abs().max() + 1e-6)
+            # torch.autocast's own Inductor build moves this gradient too: ours may move at most twice as far, plus
+            # 16 eps of the low format relative to the gradient (a key bias's gradient is 0 up to rounding noise,
+            # so a purely relative bound would compare noise)
+            drift = (ref_grads[name] - ref_eager_grads[name]).abs().max()
+            tol = 2 * drift + 16 * torch.finfo(low).eps * eager_grads[name].abs().max()
             assert (g - eager_grads[name]).abs().max() <= tol, name
