@@ -278,12 +278,8 @@ _CAST_ARGS: list[Callable[..., Any]] = []
 _FALLBACK: list[torch.library.Library] = []
 #: excluded while an overridden op runs under fp16kit's rule: this engine's key and torch's autocast keys, so its
 #: internals run as called (as under the mode engine)
-_ALL_KEYS = (
-    torch._C.DispatchKeySet(_DK.AutocastIPU)
-    | torch._C.DispatchKeySet(_DK.AutocastCPU)
-    | torch._C.DispatchKeySet(_DK.AutocastCUDA)
-)
-_OWN_KEY = torch._C.DispatchKeySet(getattr(_DK, KEY))
+_OWN_KEY = torch._C.DispatchKeySet(_OWN_DK)
+_ALL_KEYS = _OWN_KEY | torch._C.DispatchKeySet(_DK.AutocastCPU) | torch._C.DispatchKeySet(_DK.AutocastCUDA)
 _excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 
 
@@ -454,17 +450,18 @@ def wrapped_functions() -> list[str]:
 _OWNER_NAMES = {torch.nn.functional: "torch.nn.functional", torch.Tensor: "torch.Tensor"}
 
 
-def cuda_overrides() -> dict[str, tuple[_Entry, Any]]:
+def cuda_overrides(cuda_plan: dict[str, tuple[_Entry, Any]] | None = None) -> dict[str, tuple[_Entry, Any]]:
     """The ops whose torch CUDA kernel (which runs before this engine's key on CUDA tensors) would pre-empt a row
     the user changed (``register_*_function``, ``policy_override``) to differ from it: they get a kernel on
     ``AutocastCUDA`` itself, which plain ``torch.autocast`` CUDA code then pays for (a Python call per op).
     With the default table this is empty: where the default rows differ from torch's CUDA kernels (PROMOTE ops,
     ``binary_cross_entropy``, the fp32 ops torch runs with ``dtype=``, upsampling) torch's kernel goes the same way
-    (docs/autocast.md, "Where the default table differs from torch")."""
+    (docs/autocast.md, "Where the default table differs from torch"). ``cuda_plan``: ``plan("AutocastCUDA")``,
+    when the caller has it already."""
     torch_ops = set(_torch_kernel_ops("AutocastCUDA"))
     sources = {name: info["source"] for name, info in policy.policy_table().items()}
     return {
-        name: hit for name, hit in plan("AutocastCUDA").items()
+        name: hit for name, hit in (plan("AutocastCUDA") if cuda_plan is None else cuda_plan).items()
         if name in torch_ops and hit[0] is not AS_CALLED
         and sources.get(policy.display_name(hit[1], ""), "default") in ("registered", "override")
     }
@@ -490,15 +487,27 @@ def _make_cuda_kernel(name: str) -> Callable[..., Any]:
     return kernel
 
 
-def live_plan() -> dict[str, tuple[_Entry, Any]]:
+def live_plan(plans: dict[str, dict[str, tuple[_Entry, Any]]] | None = None) -> dict[str, tuple[_Entry, Any]]:
     """The ops this engine overrides: those whose fp16kit rule differs from torch's kernel on CPU or on CUDA
-    (:func:`plan` of each key), with fp16kit's entry. One kernel on :data:`KEY` serves both devices: on a CPU
-    tensor it runs before torch's CPU kernel and instead of it; on a CUDA tensor it runs after torch's CUDA kernel,
-    where one exists (that kernel is higher in the dispatcher's order), and then agrees with it or refines it."""
+    (:func:`plan` of each key; ``plans`` when the caller has them already), with fp16kit's entry. One kernel on
+    :data:`KEY` serves both devices: on a CPU tensor it runs before torch's CPU kernel and instead of it; on a CUDA
+    tensor it runs after torch's CUDA kernel, where one exists (that kernel is higher in the dispatcher's order),
+    and then agrees with it or refines it."""
     out: dict[str, tuple[_Entry, Any]] = {}
     for key in KEYS:
-        out.update(plan(key))  # an op's entry is the same in both plans: fp16kit's, or AS_CALLED where it has none
+        # an op's entry is the same in both plans: fp16kit's, or AS_CALLED where it has none
+        out.update(plan(key) if plans is None else plans[key])
     return out
+
+
+def _register(names: set[str], make: Callable[[str], Callable[..., Any]], key: str, registered: set[str],
+              with_keyset: bool) -> None:
+    """Register ``make(name)`` on ``key`` for each name not yet in ``registered`` (and record it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
+        for name in names - registered:
+            _LIBS[0].impl(name, make(name), key, with_keyset=with_keyset)
+            registered.add(name)
 
 
 def _refresh() -> None:
@@ -506,22 +515,15 @@ def _refresh() -> None:
     need it."""
     if not _CAST_ARGS:
         return
-    new = live_plan()
+    plans = {key: plan(key) for key in KEYS}  # each once: the live plan and the CUDA overrides both read them
+    new = live_plan(plans)
+    cuda = cuda_overrides(plans["AutocastCUDA"])
     if not _LIBS:
         _LIBS.append(torch.library.Library("aten", "IMPL"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
-        for name in new.keys() - _REGISTERED:
-            _LIBS[0].impl(name, _make_kernel(name), KEY)
-            _REGISTERED.add(name)
+    _register(set(new), _make_kernel, KEY, _REGISTERED, with_keyset=False)
     _LIVE.clear()
     _LIVE.update(new)
-    cuda = cuda_overrides()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name in cuda.keys() - _REGISTERED_CUDA:
-            _LIBS[0].impl(name, _make_cuda_kernel(name), "AutocastCUDA", with_keyset=True)
-            _REGISTERED_CUDA.add(name)
+    _register(set(cuda), _make_cuda_kernel, "AutocastCUDA", _REGISTERED_CUDA, with_keyset=True)
     _LIVE_CUDA.clear()
     _LIVE_CUDA.update(cuda)
     _wrap_functional()
