@@ -186,6 +186,8 @@ def _flag_from_largest(grads: list[torch.Tensor], inv: torch.Tensor, flag: torch
 _SUM_ALONE = 1 << 14
 #: the dtypes whose fp32 sum :func:`_cpu_unproven` may read (their conversion to fp32 is exact)
 _SUMMED = (torch.float16, torch.bfloat16, torch.float32)
+_SUMMED_SET = frozenset(_SUMMED)
+_dtype = attrgetter("dtype")
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -210,6 +212,11 @@ def _cpu_unproven(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     Verdicts on host numbers (a CPU tensor has no queue to drain). Other dtypes (float64: ``fp32(g)`` may
     overflow) are handed back unread.
     """
+    sizes = list(map(torch.Tensor.numel, grads))
+    if sizes and max(sizes) < _SUM_ALONE and sum(sizes) <= _CAT_MAX and _SUMMED_SET.issuperset(map(_dtype, grads)):
+        # only small grads of summed dtypes (the many-small-tensors case): the one pooled sum, no per-grad Python
+        total = torch.cat(list(map(torch.flatten, grads))).sum(dtype=torch.float32)
+        return [] if math.isfinite(total.item()) else [g for g, n in zip(grads, sizes) if n]
     by_size: dict[int, list[torch.Tensor]] = {}
     alone: list[torch.Tensor] = []
     pooled: list[torch.Tensor] = []
