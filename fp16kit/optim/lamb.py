@@ -79,8 +79,6 @@ class FusedLAMB(FusedOptimizer):
     ``torch.compile`` (``NotImplementedError``).
     """
 
-    _fsdp2_bf16_modes: tuple[str, ...] = ()  # FusedOptimizer._fsdp2_bf16_modes: the sharded stages have no epilogue
-
     _bf16_modes = True
     _name = "FusedLAMB"
 
@@ -173,8 +171,8 @@ class FusedLAMB(FusedOptimizer):
         modes = {"weight_decay": float(group["weight_decay"]), "adam_w_mode": self.adam_w_mode}
         weights = self._weights(group)
         # ZeRO-1 (process_group=, whole params on their owner): the trust-ratio norms are local, so the bf16 modes run
-        # the one-process update after the step's all-reduce of the grad norm and flag (FSDP2 is refused in step())
-        if weights is None and _sharding.defer_lamb(self, rows, hp64, **modes, use_nvlamb=self.use_nvlamb):
+        # the one-process update after the step's all-reduce of the grad norm and flag (defer_lamb says False)
+        if _sharding.defer_lamb(self, rows, hp64, **modes, use_nvlamb=self.use_nvlamb, weights=weights):
             return  # sharded params: stages 1 and 2 run after all groups, around one norm all-reduce
         (F if weights is not None else self._updates()).lamb_update(
             rows.params,

@@ -47,8 +47,8 @@ INT_ARGS = {"num_tensors", "num_chunks", "stream"}
 I64_ARGS = {"seed"}
 #: Kernels outside the multi-tensor convention (all pointers fp32 unless named): their own signatures.
 HISTOGRAM_SIG = {**aot_histogram.SIGNATURE}
-I64_PTRS = {"ptrs", "numels", "chunk_start", "counts_ptr", "first_ptr"}
-I32_PTRS = {"chunk_tensor", "row_idx_ptr"}
+I64_PTRS = {"ptrs", "numels", "chunk_start", "counts_ptr", "first_ptr", "row_idx_ptr"}
+I32_PTRS = {"chunk_tensor"}
 #: the device-resident step's counters (fp16kit/kernels/_step_scalars.py)
 I32_STEP = {"ticket_ptr", "done_ptr", "bad_ptr"}
 I64_STEP = {"chunk_counts", "first_chunk", "count_ptr", "nonfinite_count_ptr", "result_count_ptr", "v_ptrs"}

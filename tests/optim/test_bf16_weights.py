@@ -20,7 +20,13 @@ from test_device_step import BUDGET, counting
 
 from fp16kit.amp import GradScaler
 from fp16kit.kernels import join_halves, split_halves, stochastic_round, use_backend
-from fp16kit.kernels._bf16_weights import _split_bits, _stochastic_bits, philox_uint32, round_with_bits
+from fp16kit.kernels._bf16_weights import (
+    _split_bits,
+    _stochastic_bits,
+    philox_uint32,
+    round_with_bits,
+    stochastic_round_list,
+)
 from fp16kit.kernels.optim_fallback import masked_commits
 from fp16kit.numerics.reference.bf16_weights import split_master, stochastic_round_bf16
 from fp16kit.optim import FusedAdam, FusedLAMB, FusedSGD
@@ -523,3 +529,58 @@ def test_split_with_8bit_moments_equals_fp32_masters_with_8bit_moments(backend, 
         ps, opt = _train(kind, "stochastic", steps=3, state_bits=8, rounding_seed=2)
         assert opt.state[ps[0]]["exp_avg"].dtype == torch.uint8
         assert all(bool(torch.isfinite(p).all()) for p in ps)
+
+
+def test_stochastic_round_list_offsets_draw_the_whole_tensors_bits():
+    """A range of a tensor rounded with its first element's index as offset gets the whole tensor's bits (any
+    offset, not only multiples of the 8 elements of a Philox counter)."""
+    x = torch.randn(1037, generator=torch.Generator().manual_seed(5))
+    y = torch.randn(300, generator=torch.Generator().manual_seed(6))
+    step = torch.tensor([3.0])
+    whole = stochastic_round_list([x, y], 11, [0, 1], 2, step)
+    for cut in (0, 5, 8, 517, 1037):
+        parts = stochastic_round_list([x[:cut], y, x[cut:]], 11, [0, 1, 0], 2, step, [0, 0, cut])
+        assert torch.equal(torch.cat([parts[0], parts[2]]).view(torch.int16), whole[0].view(torch.int16)), cut
+        assert torch.equal(parts[1].view(torch.int16), whole[1].view(torch.int16))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_stochastic_update_of_shards_with_offsets_equals_the_whole_update(backend, kind):
+    """``Bf16Weights.offsets`` (an FSDP2 shard's first element in its param): updating the two halves of each tensor
+    in two calls, each with its rows' offsets, writes bit for bit the bf16 params of one call over the whole
+    tensors (elementwise math: LAMB without a trust ratio or clipping). The cut is not a multiple of 8."""
+    from fp16kit.kernels import Bf16Weights, adam_update, lamb_update
+    from fp16kit.optim import functional as F
+
+    gen = torch.Generator().manual_seed(8)
+    sizes, cuts = (1037, 300), (517, 151)
+    p0 = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    g0 = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    step = torch.tensor([2.0])
+    common = {"betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.0, "bias_correction": True, "step": step,
+              "inv_scale64": torch.ones((), dtype=torch.float64), "device": torch.device("cpu")}
+    if kind == "adam":
+        hp = F.adam_hparams(lr=1e-2, **common)
+        kw = {"weight_decay": 0.0, "adam_w_mode": True}
+        update = adam_update
+    else:
+        hp = F.lamb_hparams(lr=1e-2, grad_averaging=True, clip64=torch.ones((), dtype=torch.float64), **common)
+        kw = {"weight_decay": 0.0, "adam_w_mode": True, "use_nvlamb": False}
+        update = lamb_update
+
+    def run(params, grads, offsets):
+        ms = [torch.full(p.shape, 0.1) for p in params]
+        vs = [torch.full(p.shape, 0.2) for p in params]
+        w = Bf16Weights("stochastic", 77, 1, step, offsets)
+        update(params, grads, ms, vs, [None] * len(params), hp, torch.zeros(1), weights=w, **kw)
+
+    with use_backend("torch" if backend == "torch" else "auto"):
+        whole = [p.clone() for p in p0]
+        run(whole, g0, None)
+        lo = [p[:c].clone() for p, c in zip(p0, cuts)]
+        hi = [p[c:].clone() for p, c in zip(p0, cuts)]
+        run(lo, [g[:c] for g, c in zip(g0, cuts)], None)
+        run(hi, [g[c:].clone() for g, c in zip(g0, cuts)], tuple(cuts))
+    for w, a, b in zip(whole, lo, hi):
+        assert torch.equal(torch.cat([a, b]).view(torch.int16), w.view(torch.int16))
