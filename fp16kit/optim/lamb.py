@@ -53,7 +53,11 @@ class FusedLAMB(FusedOptimizer):
             and the high half, rounded to nearest with ties away from zero, in the param: the reassembled master
             is bit for bit that of ``True`` (12 B/param); ``"stochastic"`` rounds each updated param to bf16
             stochastically (unbiased; Philox keyed by ``rounding_seed``, the group and the device step counter;
-            10 B/param). fp32 params are updated directly; fp16/fp64 params raise TypeError in these modes.
+            10 B/param). fp32 params are updated directly; fp16/fp64 params raise TypeError in these modes. Both
+            modes step FSDP2 (DTensor) shards: split's masters bit for bit those of ``True`` on the same shards (the
+            sharded stages reassemble, update and split), stochastic rounding with the bits one process draws for
+            the same elements (a shard that is not a contiguous range of its param, unlike FSDP2's ``Shard(0)``,
+            raises NotImplementedError).
         rounding_seed: ``"stochastic"`` only: the 63-bit key of the random bits, kept in each group as
             ``"rounding_seed"`` (checkpointed); None draws one from torch's default generator.
         on_nonfinite: without a loss scaler, what to do after skipping a step whose grads hold inf/NaN:
