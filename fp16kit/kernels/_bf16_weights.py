@@ -34,6 +34,10 @@ update call's lists, ``stream`` the param group's index (plus the counter's high
 the number of the step being taken (the group's device step counter: it advances only when the step is not
 skipped, so a skipped step draws nothing new, and a checkpoint's counter resumes the stream). Philox4x32-10
 (Salmon et al., SC'11) is Triton's ``tl.philox``; :func:`philox_uint32` computes the same words in int64 torch ops.
+
+``e`` is the element's index in the *whole* tensor: an FSDP2 shard (a contiguous range of its flattened tensor,
+``Bf16Weights.offsets``) adds its first element's index to its local indices, so every rank draws exactly the bits
+one process stepping the whole tensor draws (with the same rows: every rank updates the same param list).
 """
 
 from __future__ import annotations
@@ -91,6 +95,13 @@ class Bf16Weights:
     seed: int = 0
     stream: int = 0
     step: torch.Tensor | None = None
+    #: Per row of the update call: the index, in its whole flattened tensor, of the row's first element (an FSDP2
+    #: shard's place in its param; stochastic rounding's ``e``); None: every row is a whole tensor (all 0).
+    offsets: tuple[int, ...] | None = None
+
+    def offset(self, row: int) -> int:
+        """Row ``row``'s first element's index in its whole tensor."""
+        return 0 if self.offsets is None else self.offsets[row]
 
     def epilogue(self, param_dtype: torch.dtype, has_rows: bool) -> int:
         """The kernel's ``WEIGHTS`` constexpr for a group of params of ``param_dtype`` (``has_rows``: low halves
@@ -111,7 +122,9 @@ def launch_arguments(
 ) -> tuple[tuple, dict[str, int | bool], bool]:
     """``(args, constexprs, writes_model)`` of the epilogue for one kernel launch: the launch arguments ``seed,
     stream, rng_step_ptr, row_idx_ptr``, the constexprs ``WEIGHTS, ROW_IDX``, and whether row 4 is a model copy
-    (``has_rows`` and not split). ``placeholder``: any device tensor, for pointers the epilogue does not read."""
+    (``has_rows`` and not split). ``row_idx``: the launch's row table (:func:`row_table`), or None (launch tensor
+    ``t`` is row ``t`` of the call, a whole tensor). ``placeholder``: any device tensor, for pointers the epilogue
+    does not read."""
     mode = epilogue_mode(weights, params, has_rows)
     stochastic = mode == STOCHASTIC.value
     step = weights.step if stochastic and weights.step is not None else placeholder
@@ -119,6 +132,13 @@ def launch_arguments(
     args = (weights.seed if stochastic else 0, weights.stream if stochastic else 0, step,
             row_idx if use_idx else placeholder)
     return args, {"WEIGHTS": mode, "ROW_IDX": use_idx}, has_rows and mode != SPLIT.value
+
+
+def row_table(rows: Sequence[int], offsets: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The stochastic epilogue's row table of a launch: int64 ``[2 N]``, for launch tensor ``t`` its row in the update
+    call (``[2 t]``) and its first element's index in its whole tensor (``[2 t + 1]``, :attr:`Bf16Weights.offsets`)."""
+    pairs = [v for pair in zip(rows, offsets) for v in pair]
+    return torch.tensor(pairs, dtype=torch.int64).to(device)
 
 
 def low_rows(lows: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -182,18 +202,21 @@ def store_weights(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE: tl.
                   HAS_MODEL: tl.constexpr, ALIGNED: tl.constexpr, WEIGHTS: tl.constexpr, seed, stream, step,
                   row_idx_ptr, ROW_IDX: tl.constexpr):
     """Write the updated fp32 ``p``: plainly (``store_param``: round to nearest even, model copy), split into the
-    bf16 param and its low half (row 4), or stochastically rounded to bf16 (``row_idx_ptr[t]`` is the tensor's
-    position in the update call when ``ROW_IDX``, else ``t`` is)."""
+    bf16 param and its low half (row 4), or stochastically rounded to bf16: with ``ROW_IDX``, ``row_idx_ptr[2 t]`` is
+    the tensor's position in the update call and ``row_idx_ptr[2 t + 1]`` its first element's index in its whole
+    tensor (an FSDP2 shard's offset; ``row_table``), else ``t`` and 0 are."""
     if WEIGHTS == SPLIT:
         hi, lo = _split_bits(p)
         store_chunk(p_ptr, offs, hi, mask, full)
         store_chunk(row_pointer(ptrs, LOW_ROW, num_tensors, t, tl.int16, ALIGNED), offs, lo, mask, full)
     elif WEIGHTS == STOCHASTIC:
-        if ROW_IDX:  # noqa: SIM108  (a real branch: no load without the table)
-            row = tl.load(row_idx_ptr + t).to(tl.uint32)
+        if ROW_IDX:  # a real branch: no load without the table
+            row = tl.load(row_idx_ptr + 2 * t).to(tl.uint32)
+            e = offs.to(tl.int64) + tl.load(row_idx_ptr + 2 * t + 1)
         else:
             row = t.to(tl.uint32)
-        store_chunk(p_ptr, offs, _stochastic_bits(p, seed, offs, row, stream, step), mask, full)
+            e = offs
+        store_chunk(p_ptr, offs, _stochastic_bits(p, seed, e, row, stream, step), mask, full)
     else:
         store_param(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED)
 
@@ -271,22 +294,28 @@ def stochastic_round(x: torch.Tensor, seed: int, row: int, stream: int, step: to
 
 
 def stochastic_round_list(xs: Sequence[torch.Tensor], seed: int, rows: Sequence[int], stream: int,
-                          step: torch.Tensor) -> list[torch.Tensor]:
+                          step: torch.Tensor, offsets: Sequence[int] | None = None) -> list[torch.Tensor]:
     """:func:`stochastic_round` of every ``xs[i]`` (fp32, one device) with row counter ``rows[i]``: one Philox
     evaluation per 8 elements over the concatenated tensors (a fixed number of torch ops per call, not per
-    tensor); element ``e`` takes 16-bit half ``e % 2`` of word ``(e // 2) % 4`` of counter ``e // 8``."""
+    tensor); element ``e`` takes 16-bit half ``e % 2`` of word ``(e // 2) % 4`` of counter ``e // 8``, where ``e``
+    is the element's index in ``xs[i]`` plus ``offsets[i]`` (default 0: an FSDP2 shard's first element's index in
+    its whole tensor, ``Bf16Weights.offsets``)."""
     numels = [x.numel() for x in xs]
-    counters = [(n + 7) // 8 for n in numels]
+    offsets = [0] * len(xs) if offsets is None else list(offsets)
+    firsts = [o // 8 for o in offsets]  # the first counter of each range
+    counters = [(o + n + 7) // 8 - f for o, n, f in zip(offsets, numels, firsts)]
     device = xs[0].device
     flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
+    each = torch.tensor(counters, dtype=torch.int64, device=device)
     k = _local_index(counters, device)
-    row = torch.tensor(list(rows), dtype=torch.int64).to(device).repeat_interleave(
-        torch.tensor(counters, dtype=torch.int64, device=device))
+    if any(firsts):
+        k = k + torch.tensor(firsts, dtype=torch.int64).to(device).repeat_interleave(each)
+    row = torch.tensor(list(rows), dtype=torch.int64).to(device).repeat_interleave(each)
     words = philox_uint32(seed, k, row, stream + (k >> 32) * 65536, step.reshape(()).to(torch.int64))
     # counter c, word w, half h is element 8 c + 2 w + h: row-major [counters, 4, 2] is the elements' order
     halves = torch.stack(((words & 0xFFFF).to(torch.int32), (words >> 16).to(torch.int32)), dim=2).view(-1)
-    if len(xs) > 1:
-        starts = [8 * c for c in itertools.accumulate([0, *counters[:-1]])]
+    if len(xs) > 1 or any(offsets):
+        starts = [8 * c + o % 8 for c, o in zip(itertools.accumulate([0, *counters[:-1]]), offsets)]
         halves = torch.cat([halves[a : a + n] for a, n in zip(starts, numels)])
     out = round_with_bits(flat, halves[: flat.numel()])
     return [o.view(x.shape) for o, x in zip(out.split(numels), xs)]
@@ -330,17 +359,44 @@ def fallback_step(
     if skip is True:
         return
     params, rest = lists[0], lists[1:]
+    mine, work = widen(weights, params, models)
+    others = [None if weights.mode == "split" else m for m in models]
+    step_fn(work, *rest, others, hp, found_inf, **modes, **({} if fused is None else {"fused": fused}))
+    write_back(weights, params, models, work, mine, rows, skip)
+
+
+def widen(weights: Bf16Weights, params: Sequence[torch.Tensor],
+          models: Sequence[torch.Tensor | None]) -> tuple[list[int], list[torch.Tensor]]:
+    """``(mine, work)``: the rows the epilogue writes (:func:`epilogue_rows`) and each row's value to update: for
+    those rows their fp32 value (the reassembled master, the widened param; new tensors), for the others the param
+    itself."""
     split = weights.mode == "split"
-    mine = [i for i, (p, m) in enumerate(zip(params, models))
-            if (m is not None if split else p.dtype == torch.bfloat16)]
+    mine = epilogue_rows(weights, params, models)
     work = list(params)
     for i in mine:
         work[i] = join_halves(params[i], models[i].view(torch.int16)) if split else params[i].float()
-    others = [None if split else m for m in models]
-    step_fn(work, *rest, others, hp, found_inf, **modes, **({} if fused is None else {"fused": fused}))
+    return mine, work
+
+
+def epilogue_rows(weights: Bf16Weights, params: Sequence[torch.Tensor],
+                  models: Sequence[torch.Tensor | None]) -> list[int]:
+    """The rows the epilogue writes: split, the bf16 params with a low half in ``models``; stochastic, the bf16
+    params (the others, fp32 params, are updated directly)."""
+    if weights.mode == "split":
+        return [i for i, m in enumerate(models) if m is not None]
+    return [i for i, p in enumerate(params) if p.dtype == torch.bfloat16]
+
+
+def write_back(weights: Bf16Weights, params: Sequence[torch.Tensor], models: Sequence[torch.Tensor | None],
+               work: Sequence[torch.Tensor], mine: Sequence[int], rows: Sequence[int],
+               skip: bool | torch.Tensor) -> None:
+    """Rows ``mine`` of ``work`` (updated fp32 values, :func:`widen`) written into their bf16 params (and split mode's
+    low halves) by :func:`split_halves` or :func:`stochastic_round_list` (``rows[i]``: row ``i``'s position in the
+    update call, which with :attr:`Bf16Weights.offsets` keys the random bits). ``skip``: False, or a device flag
+    (0-dim bool) under which every destination keeps its value."""
     if not mine:
         return
-    if split:
+    if weights.mode == "split":
         dsts, news = [], []
         for i in mine:
             hi, lo = split_halves(work[i])
@@ -350,6 +406,6 @@ def fallback_step(
         step = weights.step if weights.step is not None else torch.zeros(1, device=params[0].device)
         dsts = [params[i] for i in mine]
         news = stochastic_round_list([work[i] for i in mine], weights.seed, [rows[i] for i in mine], weights.stream,
-                                     step)
+                                     step, [weights.offset(rows[i]) for i in mine])
     for dst, new in zip(dsts, news):
         dst.copy_(new if skip is False else torch.where(skip, dst, new))

@@ -167,8 +167,9 @@ def launch_adam(
 
     ``hp``: the float32 vector of the module docstring, or a :class:`DeviceStep` (the hyper-parameters derived
     in the kernel from the device step counter, which the launch advances when ``hp.advance``). ``weights``: the
-    bf16 write epilogue (``_bf16_weights.py``; split mode: ``models`` holds the low halves); ``row_idx``: each
-    tensor's position in the update call (int32, device), for stochastic rounding's counters, when not ``0..n-1``."""
+    bf16 write epilogue (``_bf16_weights.py``; split mode: ``models`` holds the low halves); ``row_idx``: the row
+    table of stochastic rounding's counters (``_bf16_weights.row_table``: each tensor's position in the update call
+    and its first element's index in its whole tensor, int64, device), when not ``0..n-1`` and all 0."""
     device = params[0].device
     exp_avgs, exp_avg_sqs, book = state_rows(exp_avgs, exp_avg_sqs, state8, device)
     table = chunk_table(

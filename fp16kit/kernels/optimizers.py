@@ -253,14 +253,20 @@ def _lamb_or_adam(
         step_fn(*lists, chosen, hp, flag, **modes, fused=fused)
 
 
-def _row_idx(g: _plan.Group, weights: Bf16Weights) -> torch.Tensor | None:
-    """Stochastic rounding's row counters of a kernel group that is not the call's whole list: the rows' positions
-    in the call (int32, on the device), made once per plan group (``memo``)."""
-    if weights.mode != "stochastic" or g.whole:
+def _row_idx(g: _plan.Group, weights: Bf16Weights | None) -> torch.Tensor | None:
+    """Stochastic rounding's row table (``_bf16_weights.row_table``) of a kernel group that is not the call's whole
+    list or whose rows are FSDP2 shards starting inside their tensors: the rows' positions in the call and their
+    first elements' indices in their whole tensors (int64, on the device), made once per plan group and offsets
+    (``memo``). None (the kernel takes launch tensor ``t`` as row ``t``, offset 0) otherwise."""
+    if weights is None or weights.mode != "stochastic":
         return None
-    idx = g.memo.get("row_idx")
+    offsets = None if weights.offsets is None else tuple(weights.offsets[i] for i in g.idx)
+    if g.whole and not any(offsets or ()):
+        return None
+    key = ("row_idx", offsets)
+    idx = g.memo.get(key)
     if idx is None:
-        idx = g.memo["row_idx"] = torch.tensor(g.idx, dtype=torch.int32, device=weights.step.device)
+        idx = g.memo[key] = _bf16_weights.row_table(g.idx, offsets or [0] * len(g.idx), weights.step.device)
     return idx
 
 
@@ -361,6 +367,7 @@ class LambStaged:
     rows: tuple[list, list, list, list, list]
     parts: list[tuple[str, _plan.Group, Any]]
     state8: bool = False  # state_bits=8: moments may be 8-bit (``state8.py``)
+    weights: Bf16Weights | None = None  # the bf16 write epilogue (``_bf16_weights.py``), as in :func:`lamb_update`
 
 
 def lamb_stage1(
@@ -375,11 +382,14 @@ def lamb_stage1(
     l2_mode: bool,
     decoupled: bool,
     state_bits: int = 32,
+    weights: Bf16Weights | None = None,
 ) -> LambStaged:
     """LAMB's stage 1 over one group (m, v updated; the update direction ``u`` kept) and the per-tensor sums
     of ``p^2`` and ``u^2`` that stage 2's trust ratio needs. Kernel groups run ``lamb_kernel.py``'s stage-1
     kernel; the others the torch stage below. No-op on the device when ``found_inf`` is set. ``state_bits=8``:
-    as :func:`lamb_update` (``u`` and its sums from the moments as stored)."""
+    as :func:`lamb_update` (``u`` and its sums from the moments as stored). ``weights``: bf16 params without fp32
+    masters, as in :func:`lamb_update` (split: ``p`` is the reassembled master, in the sums too; stage 2 writes
+    the epilogue; ``weights.offsets``: where FSDP2 shards start in their tensors, for stochastic rounding)."""
     device = params[0].device
     sums = torch.zeros(2, len(params), dtype=torch.float32, device=device)
     state8 = _state8_flag(state_bits)
@@ -388,7 +398,7 @@ def lamb_stage1(
     if state8:
         check_state8("lamb_stage1", params, exp_avgs, exp_avg_sqs)
     rows = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(models))
-    staged = LambStaged(sums, hp64, rows, [], state8)
+    staged = LambStaged(sums, hp64, rows, [], state8, weights)
     modes = {"l2_mode": l2_mode, "decoupled": decoupled}
     for g in plan.kernel:
         state = _kernel_stage1(staged, g, found_inf, modes)
@@ -427,6 +437,7 @@ def _kernel_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes
         return launch_lamb_stage1(
             params, grads, exp_avgs, exp_avg_sqs, None if models[0] is None else models, staged.hp64.float(),
             flag.reshape(1), l2_mode=modes["l2_mode"], decoupled=modes["decoupled"], state8=staged.state8,
+            weights=staged.weights,
         )
 
 
@@ -441,7 +452,7 @@ def _kernel_stage2(
     params, _, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
     models = None if models[0] is None else models
     launch_lamb_stage2(table, params, models, staged.hp64.float(), flag, u_sumsq, p_sumsq, decoupled=decoupled,
-                       trust=trust, state8=staged.state8)
+                       trust=trust, state8=staged.state8, weights=staged.weights, row_idx=_row_idx(g, staged.weights))
     optim_fallback.bump_versions(params, exp_avgs, exp_avg_sqs, [] if models is None else models)
 
 
@@ -452,7 +463,7 @@ def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes:
     place with host-number hyper-parameters, as the kernel's stage 1 writes them. Elsewhere: m, v computed
     into copies, committed in stage 2 under ``torch.where(found_inf, old, new)``.
     """
-    params, grads, exp_avgs, exp_avg_sqs, _ = _lists(staged, g)
+    params, grads, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
     hp = staged.hp64 if params[0].dtype == F64 else staged.hp64.float()
     sums = torch.zeros(2, len(params), dtype=F64, device=hp.device)
     if staged.state8:
@@ -467,6 +478,8 @@ def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes:
     if skip is True:
         return hp, skip, None, None, None, None, sums
     scalars = hp.tolist()[1:] if skip is False else hp.unbind()[1:]
+    if staged.weights is not None:  # the fp32 values of bf16 rows (split: the reassembled masters)
+        params = _bf16_weights.widen(staged.weights, params, models)[1]
     p = [t.to(hp.dtype) for t in params]  # may alias the params: only out-of-place ops on it here
     m, v, u = optim_fallback.lamb_direction(
         p, grads, exp_avgs, exp_avg_sqs, scalars, modes["l2_mode"], modes["decoupled"], in_place=skip is False
@@ -490,11 +503,34 @@ def _torch_stage2(
         torch._foreach_mul_(u, list(torch.where((pn != 0) & (un != 0), lr * (pn / un), lr).unbind()))
     else:
         torch._foreach_mul_(u, lr)
-    if skip is False:
+    if staged.weights is not None:
+        _torch_stage2_bf16(staged.weights, g, params, exp_avgs, exp_avg_sqs, models, p, m, v, u, skip)
+    elif skip is False:
         torch._foreach_sub_(p, u)
         optim_fallback._write_params(params, models, p, False)
     else:
         optim_fallback._finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, u, skip)
+
+
+def _torch_stage2_bf16(
+    weights: Bf16Weights, g: _plan.Group, params: list, exp_avgs: list, exp_avg_sqs: list, models: list, p: list,
+    m: list, v: list, u: list, skip: bool | torch.Tensor,
+) -> None:
+    """Stage 2's writes with the bf16 epilogue: ``p - u`` (fp32) written into the bf16 params by
+    ``_bf16_weights.write_back`` (split halves, or stochastic rounding keyed by each row's position ``g.idx`` in the
+    call), fp32 params directly; masked with the moments when ``skip`` is a device flag."""
+    mine = _bf16_weights.epilogue_rows(weights, params, models)
+    if skip is False:
+        torch._foreach_sub_(p, u)
+        new = p
+    else:
+        new = torch._foreach_sub(p, u)
+        optim_fallback._commit(exp_avgs, m, skip)
+        optim_fallback._commit(exp_avg_sqs, v, skip)
+    written = set(mine)
+    plain = [i for i in range(len(params)) if i not in written and params[i] is not new[i]]
+    optim_fallback._commit([params[i] for i in plain], [new[i] for i in plain], skip)
+    _bf16_weights.write_back(weights, params, models, new, mine, g.idx, skip)
 
 
 # ---------------------------------------------------------------------------------------------------------------

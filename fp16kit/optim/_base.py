@@ -502,14 +502,24 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _weights(self, group: dict[str, Any]) -> Bf16Weights | None:
         """The update's bf16 write epilogue for ``group`` (None outside the bf16 modes): stochastic rounding keys
-        its random bits by the group's seed, its position and its device step counter (docs/optim.md)."""
+        its random bits by the group's seed, its position, its device step counter (docs/optim.md) and, for FSDP2
+        shards, each row's first element's index in its whole param (``_sharding.element_offsets``: every rank
+        draws the one-process bits; kept per param list in the step cache)."""
         mode = self.__dict__.get("bf16_weights")
         if mode is None:
             return None
         if mode == "split":
             return Bf16Weights("split")
         stream = next(i for i, g in enumerate(self.param_groups) if g is group)
-        return Bf16Weights("stochastic", int(group["rounding_seed"]), stream, group["step"])
+        offsets = None
+        if self._shard_plan is not None:  # the rows are group["params"] with a grad, in order (_collect_group)
+            present = [p for p in group["params"] if p.grad is not None]
+            known = self._step_cache.setdefault("bf16_offsets", {})
+            key = tuple(map(id, present))
+            if key not in known:
+                known[key] = _sharding.element_offsets(self._name, present)
+            offsets = known[key]
+        return Bf16Weights("stochastic", int(group["rounding_seed"]), stream, group["step"], offsets)
 
     @staticmethod
     def _group_step(group: dict[str, Any], device: torch.device) -> torch.Tensor:
@@ -627,10 +637,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     ) -> None:
         raise NotImplementedError
 
-    #: The bf16 weight modes that step FSDP2 shards: "split" is elementwise in Adam (tested against
-    #: ``master_weights=True`` shard by shard); "stochastic" draws from the element's position in its group's update,
-    #: which a shard does not know; LAMB's sharded stages (``_sharding.defer_lamb``) have no bf16 epilogue yet.
-    _fsdp2_bf16_modes: tuple[str, ...] = ("split",)
+    #: The bf16 weight modes that step FSDP2 shards: both. "split" steps each shard's reassembled masters bit for bit
+    #: as ``master_weights=True`` does (LAMB's sharded stages, ``_sharding.defer_lamb``, with the split epilogue);
+    #: "stochastic" draws each element's bits from its index in its whole param (``_sharding.element_offsets``), the
+    #: bits one process draws. A subclass without the epilogues in its sharded step lists fewer.
+    _fsdp2_bf16_modes: tuple[str, ...] = ("split", "stochastic")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

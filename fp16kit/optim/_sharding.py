@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fp16kit.distributed import is_dtensor, is_sharded, local, same_group, shard_group
-from fp16kit.kernels import LambStaged, lamb_stage1, lamb_stage2
+from fp16kit.kernels import Bf16Weights, LambStaged, lamb_stage1, lamb_stage2
 
 if TYPE_CHECKING:
     from ._base import FusedOptimizer, _Rows
 
-__all__ = ["ShardPlan", "defer_lamb", "localize", "refuse_dtensors"]
+__all__ = ["ShardPlan", "defer_lamb", "element_offsets", "localize", "refuse_dtensors"]
 
 F64 = torch.float64
 
@@ -54,6 +54,7 @@ class _Pending:
     modes: dict[str, bool]
     split: list[bool]
     state_bits: int = 32
+    weights: Bf16Weights | None = None  # bf16 params without fp32 masters (split or stochastic rounding)
 
 
 @dataclass
@@ -177,18 +178,21 @@ def defer_lamb(
     weight_decay: float,
     adam_w_mode: bool,
     use_nvlamb: bool,
+    weights: Bf16Weights | None = None,
 ) -> bool:
     """In a sharded step, queue one group's LAMB update for :meth:`ShardPlan.finish` and return True;
-    return False (the caller updates at once) in a single-process step."""
+    return False (the caller updates at once) in a single-process step. ``weights`` (the bf16 modes): queued only
+    when some row is split over ranks (FSDP2); whole params (ZeRO-1) run the one-process update at once, their
+    trust-ratio norms being local."""
     plan: ShardPlan | None = optimizer._shard_plan
-    if plan is None:
+    if plan is None or (weights is not None and not any(plan.split[id(rows)])):
         return False
     modes = {
         "l2_mode": not adam_w_mode and weight_decay != 0,
         "decoupled": adam_w_mode and weight_decay != 0,
         "trust": use_nvlamb or weight_decay != 0,
     }
-    plan.pending.append(_Pending(rows, hp64, modes, plan.split[id(rows)], optimizer.state_bits))
+    plan.pending.append(_Pending(rows, hp64, modes, plan.split[id(rows)], optimizer.state_bits, weights))
     return True
 
 
@@ -198,4 +202,46 @@ def _stage1(job: _Pending, found_inf: torch.Tensor) -> LambStaged:
     return lamb_stage1(
         r.params, r.grads, r.exp_avgs, r.exp_avg_sqs, r.models, job.hp64, found_inf,
         l2_mode=job.modes["l2_mode"], decoupled=job.modes["decoupled"], state_bits=job.state_bits,
+        weights=job.weights,
     )
+
+
+def element_offsets(name: str, params: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
+    """Each param's local shard's first element's index in its whole flattened tensor (0 for a plain tensor or an
+    empty shard), or None when every one is 0: where stochastic rounding's element counter starts on this rank
+    (``fp16kit/kernels/_bf16_weights.py``). A shard must be a contiguous range of its tensor: DTensor's ``Shard(d)``
+    (torch.chunk's split) on one mesh dimension, whole in every dimension after ``d`` and one element thick in
+    every dimension before it (FSDP2's dim-0 sharding, HSDP); else ``NotImplementedError``."""
+    from torch.distributed.tensor import Shard
+
+    out = []
+    for i, p in enumerate(params):
+        if not is_sharded(p) or not local(p).numel():
+            out.append(0)
+            continue
+        shape, loc = list(p.shape), list(local(p).shape)
+        start = [0] * len(shape)
+        coords = p.device_mesh.get_coordinate()
+        for mesh_dim, pl in enumerate(p.placements):
+            if pl.is_shard():
+                if type(pl) is not Shard:
+                    start = None
+                    break
+                d = pl.dim % len(shape)
+                size = -(-shape[d] // p.device_mesh.size(mesh_dim))  # torch.chunk's piece
+                start[d] += coords[mesh_dim] * size
+        first = next((d for d, n in enumerate(loc) if n != 1), len(loc))
+        if start is None or loc[first + 1:] != shape[first + 1:] or any(
+            s + n > full for s, n, full in zip(start, loc, shape)
+        ):
+            raise NotImplementedError(
+                f"{name}: master_weights='stochastic' needs each local shard to be a contiguous range of its param "
+                f"(FSDP2's Shard(0)); param {i} of shape {tuple(shape)} is placed {p.placements} (local shape "
+                f"{tuple(loc)}). Use master_weights='split' there."
+            )
+        stride, flat = 1, 0
+        for s, full in zip(reversed(start), reversed(shape)):
+            flat += s * stride
+            stride *= full
+        out.append(flat)
+    return tuple(out) if any(out) else None

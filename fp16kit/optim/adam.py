@@ -32,8 +32,11 @@ class FusedAdam(FusedOptimizer):
     ``master_weights`` (``True``, or bf16 params without fp32 masters: ``"split"``, exact, and ``"stochastic"``),
     ``rounding_seed``, ``on_nonfinite`` and ``process_group`` as in :class:`fp16kit.optim.FusedLAMB`
     (DTensor params step on their local shards; the inf flag is combined over the shard group, so every
-    rank skips together). ``amsgrad=True`` raises RuntimeError. ``load_state_dict`` accepts
-    ``torch.optim.Adam``/``AdamW`` checkpoints (``docs/optim.md``). ``torch.compile(opt.step)`` captures the
+    rank skips together; in both bf16 modes too: split steps each shard's masters bit for bit as ``True`` does,
+    stochastic rounding draws the one-process bits of each shard's elements, so a sharded run is the one-process
+    run bit for bit; a shard that is not a contiguous range of its param raises NotImplementedError).
+    ``amsgrad=True`` raises RuntimeError. ``load_state_dict`` accepts ``torch.optim.Adam``/``AdamW`` checkpoints
+    (``docs/optim.md``). ``torch.compile(opt.step)`` captures the
     step in one graph, bit-identical to eager (docs/optim.md, "torch.compile").
     ``state_bits=8``: 8-bit moments (block-wise dynamic quantization, 256-element blocks, fp32 absmax) for params
     of at least 4096 elements, dequantized and requantized in the same pass (docs/optim.md, "8-bit moments");

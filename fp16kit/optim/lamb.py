@@ -53,7 +53,11 @@ class FusedLAMB(FusedOptimizer):
             and the high half, rounded to nearest with ties away from zero, in the param: the reassembled master
             is bit for bit that of ``True`` (12 B/param); ``"stochastic"`` rounds each updated param to bf16
             stochastically (unbiased; Philox keyed by ``rounding_seed``, the group and the device step counter;
-            10 B/param). fp32 params are updated directly; fp16/fp64 params raise TypeError in these modes.
+            10 B/param). fp32 params are updated directly; fp16/fp64 params raise TypeError in these modes. Both
+            modes step FSDP2 (DTensor) shards: split's masters bit for bit those of ``True`` on the same shards (the
+            sharded stages reassemble, update and split), stochastic rounding with the bits one process draws for
+            the same elements (a shard that is not a contiguous range of its param, unlike FSDP2's ``Shard(0)``,
+            raises NotImplementedError).
         rounding_seed: ``"stochastic"`` only: the 63-bit key of the random bits, kept in each group as
             ``"rounding_seed"`` (checkpointed); None draws one from torch's default generator.
         on_nonfinite: without a loss scaler, what to do after skipping a step whose grads hold inf/NaN:
@@ -78,8 +82,6 @@ class FusedLAMB(FusedOptimizer):
     computed from the moments as stored (docs/optim.md, "8-bit moments"); not with FSDP2 (DTensor) params or
     ``torch.compile`` (``NotImplementedError``).
     """
-
-    _fsdp2_bf16_modes: tuple[str, ...] = ()  # FusedOptimizer._fsdp2_bf16_modes: the sharded stages have no epilogue
 
     _bf16_modes = True
     _name = "FusedLAMB"
@@ -173,8 +175,8 @@ class FusedLAMB(FusedOptimizer):
         modes = {"weight_decay": float(group["weight_decay"]), "adam_w_mode": self.adam_w_mode}
         weights = self._weights(group)
         # ZeRO-1 (process_group=, whole params on their owner): the trust-ratio norms are local, so the bf16 modes run
-        # the one-process update after the step's all-reduce of the grad norm and flag (FSDP2 is refused in step())
-        if weights is None and _sharding.defer_lamb(self, rows, hp64, **modes, use_nvlamb=self.use_nvlamb):
+        # the one-process update after the step's all-reduce of the grad norm and flag (defer_lamb says False)
+        if _sharding.defer_lamb(self, rows, hp64, **modes, use_nvlamb=self.use_nvlamb, weights=weights):
             return  # sharded params: stages 1 and 2 run after all groups, around one norm all-reduce
         (F if weights is not None else self._updates()).lamb_update(
             rows.params,

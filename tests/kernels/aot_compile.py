@@ -47,8 +47,8 @@ INT_ARGS = {"num_tensors", "num_chunks", "stream"}
 I64_ARGS = {"seed"}
 #: Kernels outside the multi-tensor convention (all pointers fp32 unless named): their own signatures.
 HISTOGRAM_SIG = {**aot_histogram.SIGNATURE}
-I64_PTRS = {"ptrs", "numels", "chunk_start", "counts_ptr", "first_ptr"}
-I32_PTRS = {"chunk_tensor", "row_idx_ptr"}
+I64_PTRS = {"ptrs", "numels", "chunk_start", "counts_ptr", "first_ptr", "row_idx_ptr"}
+I32_PTRS = {"chunk_tensor"}
 #: the device-resident step's counters (fp16kit/kernels/_step_scalars.py)
 I32_STEP = {"ticket_ptr", "done_ptr", "bad_ptr"}
 I64_STEP = {"chunk_counts", "first_chunk", "count_ptr", "nonfinite_count_ptr", "result_count_ptr", "v_ptrs"}
@@ -170,6 +170,11 @@ CASES = {
         lamb_kernel._lamb_stage2_kernel,
         dict(P_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=False, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
              WEIGHTS=2, ROW_IDX=False, **HP_ON_DEVICE)),
+    # FSDP2 shards (the sharded step's host-vector stage 2): the row table (row, first element's index) per tensor
+    "lamb stage 2, bf16 stochastic with the row table": (
+        lamb_kernel._lamb_stage2_kernel,
+        dict(P_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=False, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
+             WEIGHTS=2, ROW_IDX=True, **HP_LEGACY)),
     # 8-bit moments (state_bits=8): the QSTATE epilogue of the same kernels (fp16kit/kernels/_state8.py)
     "adam 8-bit moments on the device (fp32)": (
         adam_kernel._adam_kernel,

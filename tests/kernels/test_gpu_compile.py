@@ -85,6 +85,7 @@ FMA = {
     "lamb stage 1 on the device, bf16 split": 0,
     "lamb stage 2 on the device, bf16 split": 0,
     "lamb stage 2 on the device, bf16 stochastic": 0,
+    "lamb stage 2, bf16 stochastic with the row table": 0,
     # 8-bit moments (state_bits=8): the QSTATE epilogue
     "adam 8-bit moments on the device (fp32)": 0,
     "adam 8-bit moments (fp32 masters -> bf16 model)": 0,
@@ -99,6 +100,8 @@ OVER_BUDGET_BEFORE_TRITON_3_7 = {"lamb stage 2 (fp32 masters -> bf16 model)": "2
 SPILLS_BEFORE_TRITON_3_7 = {
     "lamb stage 2 on the device, bf16 stochastic": "4 spill stores / 4 spill loads at 8 warps on Triton 3.6 (the "
                                                    "Philox rounds' registers); 0 on Triton 3.9",
+    "lamb stage 2, bf16 stochastic with the row table": "the same Philox epilogue as the device-step case above "
+                                                        "(not measured on Triton 3.6); 0 on Triton 3.9",
 }
 
 

@@ -20,7 +20,13 @@ from test_device_step import BUDGET, counting
 
 from fp16kit.amp import GradScaler
 from fp16kit.kernels import join_halves, split_halves, stochastic_round, use_backend
-from fp16kit.kernels._bf16_weights import _split_bits, _stochastic_bits, philox_uint32, round_with_bits
+from fp16kit.kernels._bf16_weights import (
+    _split_bits,
+    _stochastic_bits,
+    philox_uint32,
+    round_with_bits,
+    stochastic_round_list,
+)
 from fp16kit.kernels.optim_fallback import masked_commits
 from fp16kit.numerics.reference.bf16_weights import split_master, stochastic_round_bf16
 from fp16kit.optim import FusedAdam, FusedLAMB, FusedSGD
@@ -523,3 +529,127 @@ def test_split_with_8bit_moments_equals_fp32_masters_with_8bit_moments(backend, 
         ps, opt = _train(kind, "stochastic", steps=3, state_bits=8, rounding_seed=2)
         assert opt.state[ps[0]]["exp_avg"].dtype == torch.uint8
         assert all(bool(torch.isfinite(p).all()) for p in ps)
+
+
+def test_stochastic_round_list_offsets_draw_the_whole_tensors_bits():
+    """A range of a tensor rounded with its first element's index as offset gets the whole tensor's bits (any
+    offset, not only multiples of the 8 elements of a Philox counter)."""
+    x = torch.randn(1037, generator=torch.Generator().manual_seed(5))
+    y = torch.randn(300, generator=torch.Generator().manual_seed(6))
+    step = torch.tensor([3.0])
+    whole = stochastic_round_list([x, y], 11, [0, 1], 2, step)
+    for cut in (0, 5, 8, 517, 1037):
+        parts = stochastic_round_list([x[:cut], y, x[cut:]], 11, [0, 1, 0], 2, step, [0, 0, cut])
+        assert torch.equal(torch.cat([parts[0], parts[2]]).view(torch.int16), whole[0].view(torch.int16)), cut
+        assert torch.equal(parts[1].view(torch.int16), whole[1].view(torch.int16))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_stochastic_update_of_shards_with_offsets_equals_the_whole_update(backend, kind):
+    """``Bf16Weights.offsets`` (an FSDP2 shard's first element in its param): updating the two halves of each tensor
+    in two calls, each with its rows' offsets, writes bit for bit the bf16 params of one call over the whole
+    tensors (elementwise math: LAMB without a trust ratio or clipping). The cut is not a multiple of 8."""
+    from fp16kit.kernels import Bf16Weights, adam_update, lamb_update
+    from fp16kit.optim import functional as F
+
+    gen = torch.Generator().manual_seed(8)
+    sizes, cuts = (1037, 300), (517, 151)
+    p0 = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    g0 = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    step = torch.tensor([2.0])
+    common = {"betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.0, "bias_correction": True, "step": step,
+              "inv_scale64": torch.ones((), dtype=torch.float64), "device": torch.device("cpu")}
+    if kind == "adam":
+        hp = F.adam_hparams(lr=1e-2, **common)
+        kw = {"weight_decay": 0.0, "adam_w_mode": True}
+        update = adam_update
+    else:
+        hp = F.lamb_hparams(lr=1e-2, grad_averaging=True, clip64=torch.ones((), dtype=torch.float64), **common)
+        kw = {"weight_decay": 0.0, "adam_w_mode": True, "use_nvlamb": False}
+        update = lamb_update
+
+    def run(params, grads, offsets):
+        ms = [torch.full(p.shape, 0.1) for p in params]
+        vs = [torch.full(p.shape, 0.2) for p in params]
+        w = Bf16Weights("stochastic", 77, 1, step, offsets)
+        update(params, grads, ms, vs, [None] * len(params), hp, torch.zeros(1), weights=w, **kw)
+
+    with use_backend("torch" if backend == "torch" else "auto"):
+        whole = [p.clone() for p in p0]
+        run(whole, g0, None)
+        lo = [p[:c].clone() for p, c in zip(p0, cuts)]
+        hi = [p[c:].clone() for p, c in zip(p0, cuts)]
+        run(lo, [g[:c] for g, c in zip(g0, cuts)], None)
+        run(hi, [g[c:].clone() for g, c in zip(g0, cuts)], tuple(cuts))
+    for w, a, b in zip(whole, lo, hi):
+        assert torch.equal(torch.cat([a, b]).view(torch.int16), w.view(torch.int16))
+
+
+@pytest.mark.parametrize("backend, masked", [("torch", False), ("torch", True),
+                                             pytest.param("triton", False, marks=pytest.mark.interpreter)],
+                         ids=["torch-host", "torch-masked", "triton"])
+@pytest.mark.parametrize("skip", [False, True], ids=["step", "skipped"])
+def test_staged_lamb_with_the_bf16_epilogues(backend, masked, skip):
+    """``lamb_stage1``/``lamb_stage2`` (the sharded LAMB's two stages; FSDP2 all-reduces the sums in between) with
+    the bf16 epilogues, trust ratio on: split reassembles the masters (stage 1's ``sum p^2`` from them), updates and
+    splits them bit for bit as the stages over fp32 masters do; stochastic rounds the fp32 values those stages compute
+    with ``stochastic_round_list``'s bits for the rows' positions and offsets. An fp32 param among the bf16 ones (the
+    kernel groups are then not the whole list). A set ``found_inf`` writes nothing."""
+    from fp16kit.kernels import Bf16Weights, lamb_stage1, lamb_stage2
+    from fp16kit.kernels._bf16_weights import low_rows
+    from fp16kit.optim import functional as F
+
+    gen = torch.Generator().manual_seed(21)
+    sizes, fp32_row = (300, 37, 5, 11), 2
+    bf16 = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    lows = [torch.randint(-32768, 32768, (n,), generator=gen, dtype=torch.int32).to(torch.int16) for n in sizes]
+    grads = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    masters = [join_halves(p, lo) for p, lo in zip(bf16, lows)]
+    masters[fp32_row] = torch.randn(sizes[fp32_row], generator=gen)
+    grads[fp32_row] = grads[fp32_row].float()
+    step = torch.tensor([3.0])
+    hp = F.lamb_hparams(lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True,
+                        grad_averaging=True, step=step, inv_scale64=torch.ones((), dtype=torch.float64),
+                        clip64=torch.full((), 1.5, dtype=torch.float64), device=torch.device("cpu"))
+
+    def staged(params, models, weights):
+        m = [torch.full(p.shape, 0.01) for p in params]
+        v = [torch.full(p.shape, 0.02) for p in params]
+        flag = torch.tensor([1.0 if skip else 0.0])
+        with use_backend(backend), masked_commits() if masked else _nothing():
+            done = lamb_stage1(params, grads, m, v, models, hp, flag, l2_mode=False, decoupled=True, weights=weights)
+            lamb_stage2(done, flag, decoupled=True, trust=True)
+        return m + v
+
+    def bits(ts):
+        return [t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32) for t in ts]
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(bits(a), bits(b)))
+
+    # split: bf16 params + low halves against fp32 masters with bf16 model copies
+    ref = [t.clone() for t in masters]
+    ref_state = staged(ref, [None if i == fp32_row else t.bfloat16() for i, t in enumerate(ref)], None)
+    ps = [masters[i].clone() if i == fp32_row else p.clone() for i, p in enumerate(bf16)]
+    lo = [t.clone() for t in lows]
+    state = staged(ps, low_rows([None if i == fp32_row else t for i, t in enumerate(lo)]), Bf16Weights("split"))
+    got = [p if i == fp32_row else join_halves(p, q) for i, (p, q) in enumerate(zip(ps, lo))]
+    assert same(got, ref) and same(state, ref_state)
+    assert same(got, masters) == skip
+
+    # stochastic: bf16 params against the fp32 stages started from their widened values, rounded with the twin
+    start = [masters[i] if i == fp32_row else p.float() for i, p in enumerate(bf16)]
+    ref = [t.clone() for t in start]
+    ref_state = staged(ref, [None] * len(ref), None)
+    ps = [masters[i].clone() if i == fp32_row else p.clone() for i, p in enumerate(bf16)]
+    offsets = (0, 13, 0, 1000)
+    weights = Bf16Weights("stochastic", 99, 1, step, offsets)
+    state = staged(ps, [None] * len(ps), weights)
+    rows = [i for i in range(len(sizes)) if i != fp32_row]
+    want = list(ref)
+    for i, r in zip(rows, stochastic_round_list([ref[i] for i in rows], 99, rows, 1, step, [offsets[i] for i in rows])):
+        want[i] = r
+    if skip:
+        want = [masters[i] if i == fp32_row else p for i, p in enumerate(bf16)]
+    assert same(ps, want) and same(state, ref_state)
