@@ -246,7 +246,7 @@ def _lamb_or_adam(
             cpu_native.lamb_(*lists, hp, flag, **modes)
             optim_fallback.bump_versions(lists[0], lists[2], lists[3], [])
             continue
-        fused = None if step is None else optim_fallback.FusedAdamArgs(step, hp64)
+        fused = None if step is None else optim_fallback.FusedAdamArgs(step, hp64, g.memo if weights is None else None)
         if weights is not None:
             _bf16_weights.fallback_step(step_fn, lists, chosen, hp, flag, modes, fused, weights, g.idx)
             continue

@@ -385,3 +385,90 @@ def test_scaled_scratch_copies_round_once(sizes, src_dtype, factor, transposed, 
     f32 = torch.tensor(factor, dtype=torch.float32).double()
     for o, s in zip(out, srcs):
         assert torch.equal(o, (s.double() * f32).float()), "not one rounding of the exact product"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 3, 64, 257]), min_size=1, max_size=12),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    scale_exp=st.integers(-70, 60),
+    edge=st.sampled_from([None, math.inf, math.nan, 3.0e38]),
+    tiled=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_sumsq32_of_many_small_tensors(sizes, dtype, scale_exp, edge, tiled, seed):
+    """Many small tensors (the gathered, segment-summed path of ``_sumsq32``): each tensor's sum equals its own
+    fp32 sum of squares within gamma(n) (an empty one: 0), inf where it overflows fp32, NaN propagated; the same
+    whether the tensors are gathered or already tile a buffer (``tiled``)."""
+    gen = torch.Generator().manual_seed(seed)
+    ts = [(torch.randn(n, generator=gen, dtype=torch.float64) * 2.0**scale_exp).to(dtype) for n in sizes]
+    if edge is not None and ts[-1].numel():
+        ts[-1][0] = edge
+    flat = None
+    if tiled and dtype is torch.float32:
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        ts = list(flat.split(sizes))
+    got = optim_fallback._sumsq32(ts, tiled=flat)
+    assert len(got) == len(ts)
+    for t, value in zip(ts, got):
+        x = t.to(torch.float64)
+        if bool(torch.isnan(x).any()):
+            assert math.isnan(value)
+            continue
+        exact = float((x.float().double() ** 2).sum())  # the squares of the fp32 values, summed exactly-ish
+        if not math.isfinite(exact) or exact > 3.4e38:
+            assert value == math.inf
+        else:
+            squares = [v * v for v in x.tolist()]
+            tol = gamma(max(t.numel(), 1), torch.float32) * math.fsum(squares) + (t.numel() + 1) * 2.0**-149
+            assert abs(value - math.fsum(squares)) <= tol + 2.0**-24 * math.fsum(squares), (value, exact)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 5, 64]), min_size=8, max_size=20),
+    seed=st.integers(0, 2**16),
+)
+def test_add_scaled_is_the_per_tensor_add_within_one_rounding(sizes, seed):
+    """``_add_scaled`` (many small tensors: one multiply by per-element factors, one ``_foreach_add_``) against a
+    per-tensor ``p + alpha * buf`` in float64: within one rounding of the product and one of the sum."""
+    gen = torch.Generator().manual_seed(seed)
+    p = [torch.randn(n, generator=gen) for n in sizes]
+    flat = torch.randn(sum(sizes), generator=gen)
+    buf = list(flat.split(sizes))
+    exponents = torch.randint(-6, 2, (len(sizes),), generator=gen).tolist()
+    alphas = [float(torch.rand((), generator=gen)) * 10.0**e for e in exponents]
+    want = [q.double() + a * b.double() for q, b, a in zip(p, buf, alphas)]
+    scale = [b.double().abs() * abs(a) for b, a in zip(buf, alphas)]
+    optim_fallback._add_scaled(p, buf, flat, alphas)
+    for q, w, s in zip(p, want, scale):
+        bound = 2.0**-24 * (w.abs() + 2 * s) + 2.0**-149
+        assert bool(((q.double() - w).abs() <= bound).all())
+
+
+def test_layout_verdicts_follow_the_plan(monkeypatch):
+    """The fused path's layout verdicts are kept per plan group: a grad swapped for a non-contiguous view of the
+    same memory (same address: only the metadata guard notices) is read as it is, not as the contiguous grad
+    before it; the step still equals a fresh optimizer's on the same inputs."""
+    params = make_params([(4, 6), (5,)], torch.float32, 7)
+    twin = [p.detach().clone().requires_grad_() for p in params]
+    opt, ref = FusedAdam(params), FusedAdam(twin)
+    for q, t in zip(params, twin):
+        q.grad = torch.full_like(q, 0.01)
+        t.grad = q.grad.clone()
+    for _ in range(2):
+        opt.step()
+        ref.step()
+    old = params[0].grad
+    old.copy_(torch.randn(4, 6))
+    params[0].grad = old.view(6, 4).t()  # the same memory and shape, other strides
+    assert params[0].grad.data_ptr() == old.data_ptr() and not params[0].grad.is_contiguous()
+    twin[0].grad = params[0].grad.contiguous()
+    calls = []
+    original = optim_fallback._reads_grads_as_they_are
+    monkeypatch.setattr(optim_fallback, "_reads_grads_as_they_are", lambda *a: calls.append(1) or original(*a))
+    opt.step()
+    ref.step()
+    assert calls, "the new grad layout was not looked at"
+    for q, t in zip(params, twin):
+        assert torch.equal(q.detach(), t.detach())
