@@ -15,6 +15,22 @@ An optimizer kernel over an address table (rows ``0`` params or fp32 masters, ``
     if not skip:
         advance_step(...)                                        # fp16kit/kernels/_step_scalars.py
 
+apex's optimizers (``sgd_kernel.py``, ``adagrad_kernel.py``, ``novograd_kernel.py``) have one state row: rows ``0``
+params, ``1`` grads, ``2`` the state (momentum buffer, sum of squares, exp_avg), ``3`` the model copy. Their
+hyper-parameters are a host-built float32 vector ``[lr, ..., inv_scale]`` or, in a device step (``HP_DEVICE``), launch
+arguments; their pass starts and ends in ``_results.py`` (the result check needs a ``VERIFY`` twin of the store)::
+
+    neg_lr, inv_scale = lr_and_scale(hp_ptr, scale_at, ...)    # hp[0] and hp[scale_at], or computed on the device
+    x = hp_value(hp_ptr, i, x_hi, x_mid, x_lo, HP_DEVICE)      # each other hyper-parameter
+    entry, skip, stop, bad, gbad = pass_start(...)             # _results.py: skip_and_stop, or the check pass's flag
+    for c in range(pid, stop, tl.num_programs(0)):
+        t, offs, mask, full, p_ptr, p, g = chunk_param_grad(..., inv_scale, ...)
+        gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
+        s_ptr, s = load_row(ptrs, 2, num_tensors, t, offs, mask, full, tl.float32, ALIGNED)
+        ... the update rule ...
+        bad = check_or_store(p, s, p_ptr, s_ptr, row_pointer(ptrs, 3, ...), ...)  # _results.py: or store
+    pass_end(...)                                              # _results.py: finish the check, or advance the step
+
 Loads widen exactly to fp32 and stores round to nearest even on every backend (``_rounding.py``); full chunks are
 unmasked and vectorize (``_chunks.py``).
 """
@@ -24,6 +40,7 @@ import triton.language as tl
 
 from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 from ._rounding import round_to, to_fp32
+from ._step_scalars import inv_scale64, join3, lr64
 
 
 @triton.jit
@@ -68,3 +85,49 @@ def store_param(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE: tl.co
     if HAS_MODEL:
         model_ptr = row_pointer(ptrs, 4, num_tensors, t, MODEL_DTYPE, ALIGNED)
         store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
+
+
+@triton.jit
+def load_row(ptrs, row, num_tensors, t, offs, mask, full, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """``(ptr, x)``: tensor ``t``'s address in table row ``row`` (a ``DTYPE`` pointer, ``row_pointer``) and the
+    chunk's elements there widened exactly to fp32 (``to_fp32``; a no-op for an fp32 state row)."""
+    ptr = row_pointer(ptrs, row, num_tensors, t, DTYPE, ALIGNED)
+    return ptr, to_fp32(load_chunk(ptr, offs, mask, full))
+
+
+@triton.jit
+def chunk_param_grad(ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, inv_scale, P_DTYPE: tl.constexpr,
+                     G_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """``(t, offs, mask, full, p_ptr, p, g)``: chunk ``c``'s span (``chunk_span``), its param row's address (row 0)
+    and values widened to fp32, and its gradient (row 1) widened and unscaled, ``g * inv_scale`` (``load_grad``)."""
+    t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
+    p_ptr, p = load_row(ptrs, 0, num_tensors, t, offs, mask, full, P_DTYPE, ALIGNED)
+    g = load_grad(row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED), offs, mask, full) * inv_scale
+    return t, offs, mask, full, p_ptr, p, g
+
+
+@triton.jit
+def hp_value(hp_ptr, i, hi, mid, lo, HP_DEVICE: tl.constexpr):
+    """Hyper-parameter ``i`` of an SGD/Adagrad/NovoGrad pass as fp32: ``hp[i]`` of the host-built vector, or in a
+    device step the float64 launch argument ``hi + mid + lo`` (``split3``/``join3``) rounded once, as the host
+    vector's entry was (so both steps are bit for bit the same)."""
+    if HP_DEVICE:  # noqa: SIM108  (a compile-time branch: the other side's arguments are placeholders)
+        x = join3(hi, mid, lo).to(tl.float32)
+    else:
+        x = tl.load(hp_ptr + i).to(tl.float32)
+    return x
+
+
+@triton.jit
+def lr_and_scale(hp_ptr, scale_at, lr_ptr, scale_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE: tl.constexpr,
+                 LR_TENSOR: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """``(neg_lr, inv_scale)`` (fp32) of an SGD/Adagrad/NovoGrad pass: ``-hp[0]`` and ``hp[scale_at]`` of the
+    host-built vector, or in a device step the float64 ``lr`` (``lr64``: the launch argument, or the tensor ``lr``
+    with ``LR_TENSOR``) and ``1 / scale`` (``inv_scale64``: 1 without ``HAS_SCALE``), each rounded once to fp32."""
+    if HP_DEVICE:
+        neg_lr = -lr64(lr_hi, lr_mid, lr_lo, lr_ptr, LR_TENSOR).to(tl.float32)
+        inv_scale = inv_scale64(scale_ptr, HAS_SCALE).to(tl.float32)
+    else:
+        neg_lr = -tl.load(hp_ptr).to(tl.float32)
+        inv_scale = tl.load(hp_ptr + scale_at).to(tl.float32)
+    return neg_lr, inv_scale
