@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import row_pointer
+from ._chunks import load_chunk, row_pointer
 from ._results import StepVerify, check_grad, check_or_store, pass_end, pass_start, step_arguments
 from ._step_scalars import DeviceStep
-from ._step_skeleton import chunk_param_grad, hp_value, load_row, lr_and_scale
+from ._step_skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
 from ._table import chunk_table, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -84,16 +84,18 @@ def _adagrad_kernel(
 ):
     pid = tl.program_id(0)
     # hp = [lr, eps, weight_decay, inv_scale], or the same values derived on the device
-    neg_lr, inv_scale = lr_and_scale(hp_ptr, 3, lr_ptr, scale_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR,
-                                     HAS_SCALE)
+    neg_lr = hp_neg_lr(hp_ptr, lr_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR)
     eps = hp_value(hp_ptr, 1, eps_hi, eps_mid, eps_lo, HP_DEVICE)
     wd = hp_value(hp_ptr, 2, wd_hi, wd_mid, wd_lo, HP_DEVICE)
+    inv_scale = hp_inv_scale(hp_ptr, 3, scale_ptr, HP_DEVICE, HAS_SCALE)
     entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, num_chunks, BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full, p_ptr, p, g = chunk_param_grad(ptrs, num_tensors, numels, chunk_tensor, chunk_start, c,
-                                                            inv_scale, P_DTYPE, G_DTYPE, BLOCK, ALIGNED)
+        t, offs, mask, full, p_ptr, g_ptr, h_ptr = chunk_rows_one_state(ptrs, num_tensors, numels, chunk_tensor,
+                                                                        chunk_start, c, P_DTYPE, G_DTYPE, BLOCK,
+                                                                        ALIGNED)
+        p, g = load_param_grad(p_ptr, g_ptr, offs, mask, full, inv_scale)
         gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
-        h_ptr, h = load_row(ptrs, 2, num_tensors, t, offs, mask, full, tl.float32, ALIGNED)
+        h = load_chunk(h_ptr, offs, mask, full)
         if L2_MODE:
             g = g + wd * p
         h = h + g * g

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import l2norm_kernel
-from ._chunks import chunk_span, row_pointer
+from ._chunks import chunk_span, load_chunk, row_pointer
 from ._results import (
     StepVerify,
     check_grad,
@@ -45,8 +45,9 @@ from ._results import (
     pass_start,
     step_arguments,
 )
+from ._rounding import to_fp32
 from ._step_scalars import DeviceStep, bias_correction64, join3, lr64, next_step, split3_cached
-from ._step_skeleton import chunk_param_grad, hp_value, load_row, lr_and_scale
+from ._step_skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
 from ._table import STEP_PROGRAMS_PER_SM, chunk_table, num_programs, step_block, triton_dtype
 from .l2norm_kernel import segment_total
 
@@ -78,8 +79,8 @@ def _absmax_kernel(
     pre_scale = tl.load(pre_scale_ptr).to(tl.float32)
     for c in range(pid, num_chunks, tl.num_programs(0)):
         t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
-        _, x = load_row(ptrs, 0, 0, t, offs, mask, full, IN_DTYPE, ALIGNED)
-        x = tl.abs(x * pre_scale)
+        src = row_pointer(ptrs, 0, 0, t, IN_DTYPE, ALIGNED)
+        x = tl.abs(to_fp32(load_chunk(src, offs, mask, full)) * pre_scale)
         # NaN-propagating max: |NaN| compares false, so pick it explicitly.
         nan = tl.max(tl.where(x != x, 1, 0), axis=0)
         part = tl.max(tl.where(mask, x, 0.0), axis=0)
@@ -153,8 +154,7 @@ def _novograd_kernel(
 ):
     pid = tl.program_id(0)
     # hp = [lr, beta1, beta3, weight_decay, bc1, inv_scale], or the same values derived on the device
-    neg_lr, inv_scale = lr_and_scale(hp_ptr, 5, lr_ptr, scale_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR,
-                                     HAS_SCALE)
+    neg_lr = hp_neg_lr(hp_ptr, lr_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR)
     beta1 = hp_value(hp_ptr, 1, b1_hi, b1_mid, b1_lo, HP_DEVICE)
     beta3 = hp_value(hp_ptr, 2, b3_hi, b3_mid, b3_lo, HP_DEVICE)
     wd = hp_value(hp_ptr, 3, wd_hi, wd_mid, wd_lo, HP_DEVICE)
@@ -162,17 +162,20 @@ def _novograd_kernel(
         bc1 = bias_correction64(join3(b1_hi, b1_mid, b1_lo), next_step(step_ptr), BIAS_CORRECTION).to(tl.float32)
     else:
         bc1 = tl.load(hp_ptr + 4).to(tl.float32)
+    inv_scale = hp_inv_scale(hp_ptr, 5, scale_ptr, HP_DEVICE, HAS_SCALE)
     entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, num_chunks, BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full, p_ptr, p, g = chunk_param_grad(ptrs, num_tensors, numels, chunk_tensor, chunk_start, c,
-                                                            inv_scale, P_DTYPE, G_DTYPE, BLOCK, ALIGNED)
+        t, offs, mask, full, p_ptr, g_ptr, m_ptr = chunk_rows_one_state(ptrs, num_tensors, numels, chunk_tensor,
+                                                                        chunk_start, c, P_DTYPE, G_DTYPE, BLOCK,
+                                                                        ALIGNED)
         denom = tl.load(denoms_ptr + t).to(tl.float32)
+        p, g = load_param_grad(p_ptr, g_ptr, offs, mask, full, inv_scale)
         gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
         if HP_DEVICE and not VERIFY:  # noqa: SIM102  (a compile-time branch around a runtime one)
             # the tensor's new second moment (from _novograd_prepare_kernel), committed by its first chunk's program
             if tl.load(chunk_start + c) == 0:
                 tl.store(tl.load(v_ptrs + t).to(tl.pointer_type(tl.float32)), tl.load(v_new_ptr + t))
-        m_ptr, m = load_row(ptrs, 2, num_tensors, t, offs, mask, full, tl.float32, ALIGNED)
+        m = load_chunk(m_ptr, offs, mask, full)
         if REG_INSIDE:
             g = tl.div_rn(g, denom) + wd * p
             m = beta1 * m + beta3 * g

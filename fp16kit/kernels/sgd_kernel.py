@@ -35,7 +35,7 @@ import triton.language as tl
 from ._chunks import load_chunk, row_pointer
 from ._results import StepVerify, check_grad, check_or_store, pass_end, pass_start, step_arguments
 from ._step_scalars import DeviceStep
-from ._step_skeleton import chunk_param_grad, hp_value, lr_and_scale
+from ._step_skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
 from ._table import chunk_table, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -90,20 +90,21 @@ def _sgd_kernel(
 ):
     pid = tl.program_id(0)
     # hp = [lr, momentum, 1 - dampening, weight_decay, inv_scale], or the same values derived on the device
-    neg_lr, inv_scale = lr_and_scale(hp_ptr, 4, lr_ptr, scale_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR,
-                                     HAS_SCALE)
+    neg_lr = hp_neg_lr(hp_ptr, lr_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR)
     momentum = hp_value(hp_ptr, 1, mom_hi, mom_mid, mom_lo, HP_DEVICE)
     one_minus_dampening = hp_value(hp_ptr, 2, omd_hi, omd_mid, omd_lo, HP_DEVICE)
     wd = hp_value(hp_ptr, 3, wd_hi, wd_mid, wd_lo, HP_DEVICE)
+    inv_scale = hp_inv_scale(hp_ptr, 4, scale_ptr, HP_DEVICE, HAS_SCALE)
     entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, num_chunks, BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full, p_ptr, p, g = chunk_param_grad(ptrs, num_tensors, numels, chunk_tensor, chunk_start, c,
-                                                            inv_scale, P_DTYPE, G_DTYPE, BLOCK, ALIGNED)
+        t, offs, mask, full, p_ptr, g_ptr, m_ptr = chunk_rows_one_state(ptrs, num_tensors, numels, chunk_tensor,
+                                                                        chunk_start, c, P_DTYPE, G_DTYPE, BLOCK,
+                                                                        ALIGNED)
+        p, g = load_param_grad(p_ptr, g_ptr, offs, mask, full, inv_scale)
         gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
         if WD and not WD_AFTER:
             g = g + wd * p
         if MOMENTUM:
-            m_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
             if FIRST_RUN:  # noqa: SIM108  (a compile-time branch: the buffer is not even loaded)
                 m = g
             else:
@@ -112,8 +113,8 @@ def _sgd_kernel(
                 g = g + momentum * m
             else:
                 g = m
-        else:  # no buffer: placeholders for check_or_store, which neither checks nor stores them (HAS_STATE off)
-            m_ptr, m = p_ptr, g
+        else:  # no buffer (row 2 is row 0 again): a placeholder for check_or_store, which ignores it (HAS_STATE off)
+            m = g
         if WD and WD_AFTER:
             g = g + wd * p
         p = p + neg_lr * g
