@@ -58,13 +58,23 @@ def skip_and_stop(found_inf_ptr, num_chunks):
 
 
 @triton.jit
-def chunk_rows(ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE: tl.constexpr,
-               G_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-    """Chunk ``c``'s span (``chunk_span``) and the addresses of its param, grad and two fp32 state rows."""
+def chunk_rows_one_state(ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE: tl.constexpr,
+                         G_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """Chunk ``c``'s span (``chunk_span``) and the addresses of its param (row 0), grad (row 1) and one fp32 state
+    (row 2) rows: the apex optimizers' table."""
     t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
     p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
     g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
-    m_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
+    s_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
+    return t, offs, mask, full, p_ptr, g_ptr, s_ptr
+
+
+@triton.jit
+def chunk_rows(ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE: tl.constexpr,
+               G_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """Chunk ``c``'s span (``chunk_span``) and the addresses of its param, grad and two fp32 state rows (2 and 3)."""
+    t, offs, mask, full, p_ptr, g_ptr, m_ptr = chunk_rows_one_state(ptrs, num_tensors, numels, chunk_tensor,
+                                                                    chunk_start, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED)
     v_ptr = row_pointer(ptrs, 3, num_tensors, t, tl.float32, ALIGNED)
     return t, offs, mask, full, p_ptr, g_ptr, m_ptr, v_ptr
 
@@ -92,18 +102,6 @@ def store_param(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE: tl.co
     if HAS_MODEL:
         model_ptr = row_pointer(ptrs, 4, num_tensors, t, MODEL_DTYPE, ALIGNED)
         store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
-
-
-@triton.jit
-def chunk_rows_one_state(ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE: tl.constexpr,
-                         G_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-    """``chunk_rows`` for a table with one fp32 state row: chunk ``c``'s span (``chunk_span``) and the addresses of
-    its param (row 0), grad (row 1) and state (row 2) rows."""
-    t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
-    p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
-    g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
-    s_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
-    return t, offs, mask, full, p_ptr, g_ptr, s_ptr
 
 
 @triton.jit
