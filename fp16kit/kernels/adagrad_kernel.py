@@ -30,11 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span, load_chunk, row_pointer
+from ._chunks import load_chunk, row_pointer
 from ._results import StepVerify, check_grad, check_or_store, pass_end, pass_start, step_arguments
-from ._rounding import to_fp32
-from ._step_scalars import DeviceStep, inv_scale64, join3, lr64
-from ._step_skeleton import load_grad
+from ._step_scalars import DeviceStep
+from ._step_skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
 from ._table import chunk_table, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -84,25 +83,17 @@ def _adagrad_kernel(
     COUNT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    if HP_DEVICE:
-        # the host-vector step's hparams64 on the device: float64 values, each rounded once to float32
-        neg_lr = -lr64(lr_hi, lr_mid, lr_lo, lr_ptr, LR_TENSOR).to(tl.float32)
-        eps = join3(eps_hi, eps_mid, eps_lo).to(tl.float32)
-        wd = join3(wd_hi, wd_mid, wd_lo).to(tl.float32)
-        inv_scale = inv_scale64(scale_ptr, HAS_SCALE).to(tl.float32)
-    else:
-        neg_lr = -tl.load(hp_ptr).to(tl.float32)
-        eps = tl.load(hp_ptr + 1).to(tl.float32)
-        wd = tl.load(hp_ptr + 2).to(tl.float32)
-        inv_scale = tl.load(hp_ptr + 3).to(tl.float32)
+    # hp = [lr, eps, weight_decay, inv_scale], or the same values derived on the device
+    neg_lr = hp_neg_lr(hp_ptr, lr_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR)
+    eps = hp_value(hp_ptr, 1, eps_hi, eps_mid, eps_lo, HP_DEVICE)
+    wd = hp_value(hp_ptr, 2, wd_hi, wd_mid, wd_lo, HP_DEVICE)
+    inv_scale = hp_inv_scale(hp_ptr, 3, scale_ptr, HP_DEVICE, HAS_SCALE)
     entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, num_chunks, BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
-        p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
-        g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
-        h_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
-        p = to_fp32(load_chunk(p_ptr, offs, mask, full))
-        g = load_grad(g_ptr, offs, mask, full) * inv_scale
+        t, offs, mask, full, p_ptr, g_ptr, h_ptr = chunk_rows_one_state(ptrs, num_tensors, numels, chunk_tensor,
+                                                                        chunk_start, c, P_DTYPE, G_DTYPE, BLOCK,
+                                                                        ALIGNED)
+        p, g = load_param_grad(p_ptr, g_ptr, offs, mask, full, inv_scale)
         gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
         h = load_chunk(h_ptr, offs, mask, full)
         if L2_MODE:

@@ -46,16 +46,8 @@ from ._results import (
     step_arguments,
 )
 from ._rounding import to_fp32
-from ._step_scalars import (
-    DeviceStep,
-    bias_correction64,
-    inv_scale64,
-    join3,
-    lr64,
-    next_step,
-    split3_cached,
-)
-from ._step_skeleton import load_grad
+from ._step_scalars import DeviceStep, bias_correction64, join3, lr64, next_step, split3_cached
+from ._step_skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
 from ._table import STEP_PROGRAMS_PER_SM, chunk_table, num_programs, step_block, triton_dtype
 from .l2norm_kernel import segment_total
 
@@ -161,31 +153,23 @@ def _novograd_kernel(
     COUNT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    if HP_DEVICE:
-        # the host-vector step's hparams64 on the device: float64 values, each rounded once to float32
-        neg_lr = -lr64(lr_hi, lr_mid, lr_lo, lr_ptr, LR_TENSOR).to(tl.float32)
-        b1_64 = join3(b1_hi, b1_mid, b1_lo)
-        beta1 = b1_64.to(tl.float32)
-        beta3 = join3(b3_hi, b3_mid, b3_lo).to(tl.float32)
-        wd = join3(wd_hi, wd_mid, wd_lo).to(tl.float32)
-        bc1 = bias_correction64(b1_64, next_step(step_ptr), BIAS_CORRECTION).to(tl.float32)
-        inv_scale = inv_scale64(scale_ptr, HAS_SCALE).to(tl.float32)
+    # hp = [lr, beta1, beta3, weight_decay, bc1, inv_scale], or the same values derived on the device
+    neg_lr = hp_neg_lr(hp_ptr, lr_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR)
+    beta1 = hp_value(hp_ptr, 1, b1_hi, b1_mid, b1_lo, HP_DEVICE)
+    beta3 = hp_value(hp_ptr, 2, b3_hi, b3_mid, b3_lo, HP_DEVICE)
+    wd = hp_value(hp_ptr, 3, wd_hi, wd_mid, wd_lo, HP_DEVICE)
+    if HP_DEVICE:  # bc1 = 1 - beta1^t from the device step counter, in float64, rounded once
+        bc1 = bias_correction64(join3(b1_hi, b1_mid, b1_lo), next_step(step_ptr), BIAS_CORRECTION).to(tl.float32)
     else:
-        neg_lr = -tl.load(hp_ptr).to(tl.float32)
-        beta1 = tl.load(hp_ptr + 1).to(tl.float32)
-        beta3 = tl.load(hp_ptr + 2).to(tl.float32)
-        wd = tl.load(hp_ptr + 3).to(tl.float32)
         bc1 = tl.load(hp_ptr + 4).to(tl.float32)
-        inv_scale = tl.load(hp_ptr + 5).to(tl.float32)
+    inv_scale = hp_inv_scale(hp_ptr, 5, scale_ptr, HP_DEVICE, HAS_SCALE)
     entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, num_chunks, BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
+        t, offs, mask, full, p_ptr, g_ptr, m_ptr = chunk_rows_one_state(ptrs, num_tensors, numels, chunk_tensor,
+                                                                        chunk_start, c, P_DTYPE, G_DTYPE, BLOCK,
+                                                                        ALIGNED)
         denom = tl.load(denoms_ptr + t).to(tl.float32)
-        p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
-        g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
-        m_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
-        p = to_fp32(load_chunk(p_ptr, offs, mask, full))
-        g = load_grad(g_ptr, offs, mask, full) * inv_scale
+        p, g = load_param_grad(p_ptr, g_ptr, offs, mask, full, inv_scale)
         gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
         if HP_DEVICE and not VERIFY:  # noqa: SIM102  (a compile-time branch around a runtime one)
             # the tensor's new second moment (from _novograd_prepare_kernel), committed by its first chunk's program

@@ -9,14 +9,20 @@ The ``found_inf`` skip follows ``optim_fallback.py``: on CPU the flag is read on
 and a clear flag runs the math *in place* on the params and state (no copies when they already have the math
 dtype); elsewhere the math runs on copies and is committed with ``torch.where(found_inf != 0, old, new)``,
 which keeps old values bit for bit even when the new ones are NaN. Each optimizer's math is written once
-(``math`` inside ``sgd_``, ...) and runs on either kind of working list; with host numbers the
+(``rule`` inside ``sgd_``, ...) and runs on either kind of working list; with host numbers the
 multiply-adds are torch's fused ``alpha=`` forms (``torch.optim.SGD``'s own sequence), with device scalars a
 multiply and an add.
+
+What the three share, as the kernels share ``_step_skeleton.py``, is :func:`_run`: the skip, the working lists,
+the grads widened and unscaled (:func:`_scaled`, ``hp = [lr, ..., inv_scale]`` in all three), the param step
+``p += (-lr) * u`` after the rule, then the result check or the commit of params, model copies and state. A
+``rule`` holds only what is its own: from ``p``, its state lists, the unscaled grads and its hyper-parameters
+between ``lr`` and ``inv_scale``, it updates the state in place and returns the direction ``u``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -32,17 +38,24 @@ def _scalars(hp: torch.Tensor, skip: bool | torch.Tensor) -> list[Scalar]:
     return hp.tolist() if skip is False else list(hp.unbind())
 
 
+#: An optimizer's own math (see the module docstring): ``rule(p, states, d, hparams) -> u``, where ``d`` (read
+#: only: it may be the grads themselves) is the unscaled grads and ``hparams`` the scalars between ``lr`` and
+#: ``inv_scale``; it may update ``states`` in place, never ``p``.
+Rule = Callable[[list[torch.Tensor], list[list[torch.Tensor]], list[torch.Tensor], list[Scalar]], list[torch.Tensor]]
+
+
 def _run(
     params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
     states: Sequence[Sequence[torch.Tensor]],
     models: Sequence[torch.Tensor | None],
     hp: torch.Tensor,
     found_inf: torch.Tensor,
     host_branch: bool | None,
-    math,
+    rule: Rule,
     verify: bool = False,
 ) -> None:
-    """Run ``math(p, states, scalars)`` on working lists and commit them (see the module docstring); with
+    """One step around ``rule`` (:data:`Rule`), on working lists, committed (see the module docstring); with
     ``verify``, on copies, committing nothing and raising ``found_inf`` instead when a value the step would
     store is inf/NaN (:func:`raise_if_nonfinite`)."""
     if not params:
@@ -52,12 +65,12 @@ def _run(
         return
     if skip is False and not verify:
         p = _math(params, hp.dtype)  # aliases the params when they already have the math dtype
-        math(p, [list(s) for s in states], _scalars(hp, skip))
+        _step(p, grads, [list(s) for s in states], hp, skip, rule)
         _write_params(params, models, p, False)
         return
     p = [t.to(hp.dtype, copy=True) for t in params]
     work = [[t.clone() for t in s] for s in states]
-    math(p, work, _scalars(hp, skip))
+    _step(p, grads, work, hp, skip, rule)
     if verify:
         stored = [(new, dst.dtype) for dst, new in zip(params, p)]
         stored += [(new, m.dtype) for m, new in zip(models, p) if m is not None]
@@ -67,6 +80,20 @@ def _run(
     for dst, new in zip(states, work):
         _commit(dst, new, skip)
     _write_params(params, models, p, skip)
+
+
+def _step(
+    p: list[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    states: list[list[torch.Tensor]],
+    hp: torch.Tensor,
+    skip: bool | torch.Tensor,
+    rule: Rule,
+) -> None:
+    """``p += (-lr) * rule(p, states, grads * inv_scale, hp[1:-1])`` in place on the working lists."""
+    lr, *hparams, inv_scale = _scalars(hp, skip)
+    u = rule(p, states, _scaled(grads, hp.dtype, inv_scale), hparams)
+    _axpy_(p, u, _neg(lr))
 
 
 def raise_if_nonfinite(
@@ -129,9 +156,9 @@ def sgd_(
     """One SGD step (see ``sgd_kernel.py`` for the math); ``momentum_buffers=None`` is SGD without momentum.
     ``verify``: the result check only (:func:`_run`)."""
 
-    def math(p: list[torch.Tensor], states: list[list[torch.Tensor]], s: list[Scalar]) -> None:
-        lr, momentum, one_minus_dampening, wd, inv_scale = s
-        d = _scaled(grads, hp.dtype, inv_scale)  # read only: may be the grads themselves
+    def rule(p: list[torch.Tensor], states: list[list[torch.Tensor]], d: list[torch.Tensor],
+             s: list[Scalar]) -> list[torch.Tensor]:
+        momentum, one_minus_dampening, wd = s
         if weight_decay and not wd_after_momentum:
             d = _axpy(d, p, wd)
         if states:
@@ -144,10 +171,10 @@ def sgd_(
             d = _axpy(d, m, momentum) if nesterov else m
         if weight_decay and wd_after_momentum:
             d = _axpy(d, p, wd)
-        _axpy_(p, d, _neg(lr))
+        return d
 
     states = [] if momentum_buffers is None else [momentum_buffers]
-    _run(params, states, models, hp, found_inf, host_branch, math, verify)
+    _run(params, grads, states, models, hp, found_inf, host_branch, rule, verify)
 
 
 def adagrad_(
@@ -165,10 +192,10 @@ def adagrad_(
 ) -> None:
     """One Adagrad step (see ``adagrad_kernel.py`` for the math); ``verify``: the result check only."""
 
-    def math(p: list[torch.Tensor], states: list[list[torch.Tensor]], s: list[Scalar]) -> None:
-        lr, eps, wd, inv_scale = s
+    def rule(p: list[torch.Tensor], states: list[list[torch.Tensor]], d: list[torch.Tensor],
+             s: list[Scalar]) -> list[torch.Tensor]:
+        eps, wd = s
         (h,) = states
-        d = _scaled(grads, hp.dtype, inv_scale)
         if l2_mode:
             d = _axpy(d, p, wd)
         torch._foreach_addcmul_(h, d, d)
@@ -177,9 +204,9 @@ def adagrad_(
         u = torch._foreach_div(d, denom)
         if decoupled:
             _axpy_(u, p, wd)
-        _axpy_(p, u, _neg(lr))
+        return u
 
-    _run(params, [sums], models, hp, found_inf, host_branch, math, verify)
+    _run(params, grads, [sums], models, hp, found_inf, host_branch, rule, verify)
 
 
 def novograd_(
@@ -198,11 +225,11 @@ def novograd_(
     """The elementwise NovoGrad step (see ``novograd_kernel.py``); ``denoms`` is the per-tensor
     ``v / bc2 + eps`` vector (math dtype), in the order of ``params``; ``verify``: the result check only."""
 
-    def math(p: list[torch.Tensor], states: list[list[torch.Tensor]], s: list[Scalar]) -> None:
-        lr, beta1, beta3, wd, bc1, inv_scale = s
+    def rule(p: list[torch.Tensor], states: list[list[torch.Tensor]], d: list[torch.Tensor],
+             s: list[Scalar]) -> list[torch.Tensor]:
+        beta1, beta3, wd, bc1 = s
         (m,) = states
-        den = denoms.tolist() if isinstance(lr, float) else list(denoms.unbind())
-        d = _scaled(grads, hp.dtype, inv_scale)
+        den = denoms.tolist() if isinstance(beta1, float) else list(denoms.unbind())  # as _scalars reads hp
         if reg_inside_moment:
             d = torch._foreach_div(d, den)
             _axpy_(d, p, wd)
@@ -212,9 +239,9 @@ def novograd_(
         if not reg_inside_moment:
             torch._foreach_div_(u, den)
             _axpy_(u, p, wd)
-        _axpy_(p, u, _neg(lr))
+        return u
 
-    _run(params, [exp_avgs], models, hp, found_inf, host_branch, math, verify)
+    _run(params, grads, [exp_avgs], models, hp, found_inf, host_branch, rule, verify)
 
 
 def per_tensor_norms(

@@ -32,11 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span, load_chunk, row_pointer
+from ._chunks import load_chunk, row_pointer
 from ._results import StepVerify, check_grad, check_or_store, pass_end, pass_start, step_arguments
-from ._rounding import to_fp32
-from ._step_scalars import DeviceStep, inv_scale64, join3, lr64
-from ._step_skeleton import load_grad
+from ._step_scalars import DeviceStep
+from ._step_skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
 from ._table import chunk_table, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -90,31 +89,22 @@ def _sgd_kernel(
     COUNT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    if HP_DEVICE:
-        # the host-vector step's hparams64 on the device: float64 values, each rounded once to float32
-        neg_lr = -lr64(lr_hi, lr_mid, lr_lo, lr_ptr, LR_TENSOR).to(tl.float32)
-        momentum = join3(mom_hi, mom_mid, mom_lo).to(tl.float32)
-        one_minus_dampening = join3(omd_hi, omd_mid, omd_lo).to(tl.float32)
-        wd = join3(wd_hi, wd_mid, wd_lo).to(tl.float32)
-        inv_scale = inv_scale64(scale_ptr, HAS_SCALE).to(tl.float32)
-    else:
-        neg_lr = -tl.load(hp_ptr).to(tl.float32)
-        momentum = tl.load(hp_ptr + 1).to(tl.float32)
-        one_minus_dampening = tl.load(hp_ptr + 2).to(tl.float32)
-        wd = tl.load(hp_ptr + 3).to(tl.float32)
-        inv_scale = tl.load(hp_ptr + 4).to(tl.float32)
+    # hp = [lr, momentum, 1 - dampening, weight_decay, inv_scale], or the same values derived on the device
+    neg_lr = hp_neg_lr(hp_ptr, lr_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR)
+    momentum = hp_value(hp_ptr, 1, mom_hi, mom_mid, mom_lo, HP_DEVICE)
+    one_minus_dampening = hp_value(hp_ptr, 2, omd_hi, omd_mid, omd_lo, HP_DEVICE)
+    wd = hp_value(hp_ptr, 3, wd_hi, wd_mid, wd_lo, HP_DEVICE)
+    inv_scale = hp_inv_scale(hp_ptr, 4, scale_ptr, HP_DEVICE, HAS_SCALE)
     entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, num_chunks, BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
-        p_ptr = row_pointer(ptrs, 0, num_tensors, t, P_DTYPE, ALIGNED)
-        g_ptr = row_pointer(ptrs, 1, num_tensors, t, G_DTYPE, ALIGNED)
-        p = to_fp32(load_chunk(p_ptr, offs, mask, full))
-        g = load_grad(g_ptr, offs, mask, full) * inv_scale
+        t, offs, mask, full, p_ptr, g_ptr, m_ptr = chunk_rows_one_state(ptrs, num_tensors, numels, chunk_tensor,
+                                                                        chunk_start, c, P_DTYPE, G_DTYPE, BLOCK,
+                                                                        ALIGNED)
+        p, g = load_param_grad(p_ptr, g_ptr, offs, mask, full, inv_scale)
         gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
         if WD and not WD_AFTER:
             g = g + wd * p
         if MOMENTUM:
-            m_ptr = row_pointer(ptrs, 2, num_tensors, t, tl.float32, ALIGNED)
             if FIRST_RUN:  # noqa: SIM108  (a compile-time branch: the buffer is not even loaded)
                 m = g
             else:
@@ -123,16 +113,14 @@ def _sgd_kernel(
                 g = g + momentum * m
             else:
                 g = m
+        else:  # no buffer (row 2 is row 0 again): a placeholder for check_or_store, which ignores it (HAS_STATE off)
+            m = g
         if WD and WD_AFTER:
             g = g + wd * p
         p = p + neg_lr * g
         model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
-        if MOMENTUM:
-            bad = check_or_store(p, m, p_ptr, m_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, True,
-                                 HAS_MODEL, VERIFY)
-        else:
-            bad = check_or_store(p, p, p_ptr, p_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, False,
-                                 HAS_MODEL, VERIFY)
+        bad = check_or_store(p, m, p_ptr, m_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, MOMENTUM,
+                             HAS_MODEL, VERIFY)
     pass_end(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr, step_ptr, gbad, bad,
              neg_lr, entry, skip, VERIFY, HP_DEVICE, ADVANCE, FIRST, COUNT)
 
