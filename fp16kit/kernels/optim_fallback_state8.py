@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from . import optim_fallback
-from .state8 import absmax_of, dequantize, quantize
+from .state8 import QBLOCK, absmax_of, dequantize, quantize, quantize_into
 
 _U8 = torch.uint8
 
@@ -66,6 +66,24 @@ def adam8_(
     """One Adam/AdamW step (``adam_kernel.py``) over moments that may be 8-bit."""
     if not params:
         return
+    host_skip = optim_fallback._skip(found_inf, None)  # a bool on the CPU (unless masked_commits())
+    if host_skip is True:
+        return  # a skipped step writes nothing
+    if host_skip is False:
+        plain, chunked = _cpu_rows(params, grads, exp_avgs, models)
+        if plain:
+            pick = _picker(plain)
+            optim_fallback.adam_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(models), hp,
+                                 found_inf, l2_mode=l2_mode, decoupled=decoupled, host_branch=False)
+        for i, start, stop, blocks in chunked:
+            views = _chunk(i, start, stop, params, grads, models)
+            m = dequantize(exp_avgs[i].view(-1)[start:stop], absmax_of(exp_avgs[i])[blocks], True)
+            v = dequantize(exp_avg_sqs[i].view(-1)[start:stop], absmax_of(exp_avg_sqs[i])[blocks], False)
+            optim_fallback.adam_([views[0]], [views[1]], [m], [v], [views[2]], hp, found_inf, l2_mode=l2_mode,
+                                 decoupled=decoupled, host_branch=False)
+            quantize_into(m, exp_avgs[i].view(-1)[start:stop], absmax_of(exp_avgs[i])[blocks], True)
+            quantize_into(v, exp_avg_sqs[i].view(-1)[start:stop], absmax_of(exp_avg_sqs[i])[blocks], False)
+        return
     m, quant = _dequantized(exp_avgs, True)
     v, _ = _dequantized(exp_avg_sqs, False)
     optim_fallback.adam_(params, grads, m, v, models, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled,
@@ -73,6 +91,41 @@ def adam8_(
     skip = found_inf.reshape(()) != 0
     _requantize(exp_avgs, m, quant, True, skip)
     _requantize(exp_avg_sqs, v, quant, False, skip)
+
+
+#: Elements per chunk of the CPU path: a chunk's fp32 temporaries (about a dozen: dequantized m and v, the Adam/LAMB
+#: terms, the quotients of the quantizer) stay in the per-core L2 cache from the dequantization to the quantization.
+_CHUNK = 1 << 16
+assert _CHUNK % QBLOCK == 0
+
+
+def _cpu_rows(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+) -> tuple[list[int], list[tuple[int, int, int, slice]]]:
+    """The CPU path's schedule: the rows stepped whole (fp32 moments, or tensors that are not contiguous), and
+    the chunks ``(row, start, stop, absmax blocks)`` of the 8-bit rows, ``_CHUNK`` elements each (block aligned:
+    a chunk's blocks are the tensor's)."""
+    plain, chunks = [], []
+    for i, (p, g, m, model) in enumerate(zip(params, grads, exp_avgs, models)):
+        if m.dtype != _U8 or not (p.is_contiguous() and g.is_contiguous()
+                                  and (model is None or model.is_contiguous())):
+            plain.append(i)
+            continue
+        n = p.numel()
+        for start in range(0, n, _CHUNK):
+            stop = min(start + _CHUNK, n)
+            chunks.append((i, start, stop, slice(start // QBLOCK, -(-stop // QBLOCK))))
+    return plain, chunks
+
+
+def _picker(rows: list[int]):
+    return lambda xs: [xs[i] for i in rows]
+
+
+def _chunk(i: int, start: int, stop: int, *lists: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Elements ``[start, stop)`` of row ``i`` of each list (flat views: writes land in the tensors)."""
+    return [None if xs[i] is None else xs[i].view(-1)[start:stop] for xs in lists]
 
 
 def lamb8_stage1(
@@ -90,8 +143,10 @@ def lamb8_stage1(
     where ``found_inf``), and ``(p, u)``: the params in fp32 and the update direction from the moments as stored."""
     skip = found_inf.reshape(()) != 0
     scalars = hp.unbind()
-    _, _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars
     p = optim_fallback._math(params, hp.dtype)
+    if optim_fallback._skip(found_inf, None) is False:  # the CPU (unless masked_commits()), not skipped
+        return p, _lamb8_direction_cpu(p, (grads, exp_avgs, exp_avg_sqs), scalars, (l2_mode, decoupled))
+    _, _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars
     m_old, quant = _dequantized(exp_avgs, True)
     v_old, _ = _dequantized(exp_avg_sqs, False)
     m, v, u = optim_fallback.lamb_direction(p, grads, m_old, v_old, scalars[1:], l2_mode, decoupled, in_place=False)
@@ -104,6 +159,45 @@ def lamb8_stage1(
     optim_fallback._commit([exp_avgs[i] for i in plain], [m[i] for i in plain], skip)
     optim_fallback._commit([exp_avg_sqs[i] for i in plain], [v[i] for i in plain], skip)
     return p, list(u)
+
+
+def _lamb8_direction_cpu(
+    p: list[torch.Tensor], rows: tuple[Sequence[torch.Tensor], ...], scalars: Sequence[torch.Tensor],
+    modes: tuple[bool, bool],
+) -> list[torch.Tensor]:
+    """:func:`lamb8_stage1` on the CPU, the step not skipped (``p``: the params in the math dtype, ``rows``:
+    ``(grads, exp_avgs, exp_avg_sqs)``, ``scalars``: ``hp.unbind()``, ``modes``: ``(l2_mode, decoupled)``): the
+    moments committed, and ``u``. The fp32-moment rows
+    whole, the 8-bit rows chunk by chunk (dequantize, the rule, quantize into the state, ``u`` from the stored
+    values into a whole-tensor ``u``: the norms are taken over whole tensors as before). The same operations on
+    the same elements: bit for bit."""
+    l2_mode, decoupled = modes
+    grads, exp_avgs, exp_avg_sqs = rows
+    _, _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars
+    u: list[torch.Tensor] = [torch.empty_like(t) for t in p]
+    plain, chunked = _cpu_rows(p, grads, exp_avgs, [None] * len(p))
+    if plain:
+        pick = _picker(plain)
+        m, v, u_plain = optim_fallback.lamb_direction(pick(p), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
+                                                      scalars[1:], l2_mode, decoupled, in_place=False)
+        optim_fallback._commit(pick(exp_avgs), m, False)
+        optim_fallback._commit(pick(exp_avg_sqs), v, False)
+        for i, t in zip(plain, u_plain):
+            u[i] = t
+    for i, start, stop, blocks in chunked:
+        pc, gc = _chunk(i, start, stop, p, grads)
+        codes_m, codes_v = exp_avgs[i].view(-1)[start:stop], exp_avg_sqs[i].view(-1)[start:stop]
+        absmax_m, absmax_v = absmax_of(exp_avgs[i])[blocks], absmax_of(exp_avg_sqs[i])[blocks]
+        m_old = dequantize(codes_m, absmax_m, True)
+        v_old = dequantize(codes_v, absmax_v, False)
+        (m,), (v,), _ = optim_fallback.lamb_direction([pc], [gc], [m_old], [v_old], scalars[1:], l2_mode, decoupled,
+                                                      in_place=True)
+        quantize_into(m, codes_m, absmax_m, True)
+        quantize_into(v, codes_v, absmax_v, False)
+        (uc,) = optim_fallback.lamb_u([pc], [dequantize(codes_m, absmax_m, True)],
+                                      [dequantize(codes_v, absmax_v, False)], eps, wd, bc1, bc2, decoupled)
+        u[i].view(-1)[start:stop].copy_(uc)
+    return u
 
 
 def lamb8_(
