@@ -157,18 +157,19 @@ def _high_halves(y: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_right_shift(y.view(-1).view(torch.int32), 16).bitwise_and_(0xFFFF)
 
 
-def _codes(y: torch.Tensor, signed: bool) -> torch.Tensor:
-    """uint8 ``#{k : T_k <= y}`` of the contiguous fp32 quotients ``y`` (``|y| <= 1``, or NaN: code 0), flat: a
-    table look-up on the high half of each fp32 pattern and one comparison (:func:`_host_lut`), equal to
-    ``torch.searchsorted`` on the thresholds."""
+def _codes(y: torch.Tensor, signed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 ``#{k : T_k <= y}`` of the contiguous fp32 quotients ``y`` (``|y| <= 1``, or NaN: code 0), flat (into
+    ``out`` when given: uint8, ``y.numel()`` elements): a table look-up on the high half of each fp32 pattern and
+    one comparison (:func:`_host_lut`), equal to ``torch.searchsorted`` on the thresholds."""
     base, thr = _lut(y.device, signed)
     idx = _high_halves(y)
-    return base.index_select(0, idx).add_(torch.ge(y.view(-1), thr.index_select(0, idx)))
+    codes = base.index_select(0, idx) if out is None else torch.index_select(base, 0, idx, out=out)
+    return codes.add_(torch.ge(y.view(-1), thr.index_select(0, idx)))
 
 
-def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, absmax)`` of the fp32 tensor ``x``: uint8 codes shaped like ``x`` and fp32 ``absmax`` of
-    :func:`num_blocks` entries (module docstring). ``signed``: the ``exp_avg`` book, else ``exp_avg_sq``'s."""
+def _quotients(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(y, absmax, n)``: the fp32 quotients ``x / absmax`` of ``x`` padded to whole blocks (``[blocks, QBLOCK]``),
+    the absmax (NaN for a block holding a NaN or an infinity: its quotients are NaN, code 0) and ``x.numel()``."""
     if x.dtype != torch.float32:
         raise TypeError(f"fp16kit: 8-bit state quantizes float32 tensors, got {x.dtype}.")
     n = x.numel()
@@ -178,18 +179,27 @@ def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]
         flat = torch.cat([flat, flat.new_zeros(nb * QBLOCK - n)])
     blocks = flat.view(nb, QBLOCK)
     absmax = blocks.abs().amax(1) if n else flat.new_zeros(0)  # NaN if the block holds one, inf if an inf
-    absmax = absmax.masked_fill(~torch.isfinite(absmax), float("nan"))
-    # an all-zero block: 0 / 1; a poisoned one: x / NaN = NaN, code 0
-    y = blocks / absmax.masked_fill(absmax == 0, 1.0)[:, None]
+    absmax.masked_fill_(~torch.isfinite(absmax), float("nan"))
+    # an all-zero block: 0 / 1; a poisoned one: x / NaN = NaN
+    return blocks / absmax.masked_fill(absmax == 0, 1.0)[:, None], absmax, n
+
+
+def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, absmax)`` of the fp32 tensor ``x``: uint8 codes shaped like ``x`` and fp32 ``absmax`` of
+    :func:`num_blocks` entries (module docstring). ``signed``: the ``exp_avg`` book, else ``exp_avg_sq``'s."""
+    y, absmax, n = _quotients(x)
     return _codes(y, signed)[:n].view(x.shape), absmax
 
 
 def quantize_into(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
-    """:func:`quantize` of the fp32 tensor ``x`` written into ``codes`` (uint8, ``x.numel()`` elements) and
-    ``absmax`` (fp32, ``num_blocks`` entries)."""
-    q, a = quantize(x, signed)
-    codes.copy_(q.view(codes.shape))
+    """:func:`quantize` of the fp32 tensor ``x`` written into ``codes`` (contiguous uint8, ``x.numel()`` elements)
+    and ``absmax`` (fp32, ``num_blocks`` entries)."""
+    y, a, n = _quotients(x)
     absmax.copy_(a)
+    if y.numel() == n:
+        _codes(y, signed, out=codes.view(-1))
+    else:
+        codes.view(-1).copy_(_codes(y, signed)[:n])
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
