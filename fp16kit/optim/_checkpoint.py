@@ -353,6 +353,8 @@ def split_state8(fn: str, saved_state: dict[Any, Any]) -> tuple[dict[Any, Any], 
                     f"entries (one per 256-element block), got {got}. Load an unmodified checkpoint."
                 )
             codes, absmax = codes.contiguous(), absmax.contiguous().to(codes.device)
+            if not is_dtensor(absmax):
+                absmax = absmax.reshape(-1)  # an FSDP2 "rows" absmax gathered whole is 2-D (_state8_dtensor.py)
             originals.setdefault(idx, {})[key] = (codes, absmax)
             if is_dtensor(codes):  # an FSDP2 param's: shard by shard (_state8_dtensor.py)
                 entry[key] = _state8_dtensor.dequantize_dtensor(codes, absmax, signed)

@@ -81,3 +81,23 @@ def test_replicate_and_other_placements():
     assert _layout((64, 256), (Shard(0), Shard(0)), (2, 2))[0] == "dim"
     assert _layout((100, 96), (Shard(0),), (2,)) == ("misaligned", (1, 4800, 4800))
     assert _layout((64, 80), (Shard(0),), (2,)) == ("fp32", 2560)
+
+
+def test_a_gathered_rows_absmax_loads_into_one_process():
+    """An FSDP2 checkpoint gathered whole (``full_tensor()``) holds the "rows" absmax 2-D, ``(dim0, row / 256)``: a
+    single-process 8-bit optimizer loads it exactly."""
+    from fp16kit.optim import FusedAdam
+
+    p = torch.nn.Parameter(torch.randn(32, 512))
+    p.grad = torch.randn(32, 512)
+    opt = FusedAdam([p], state_bits=8)
+    opt.step()
+    sd = opt.state_dict()
+    want = {k: v.clone() for k, v in sd["state"][0].items()}
+    for key in ("exp_avg_absmax", "exp_avg_sq_absmax"):
+        sd["state"][0][key] = sd["state"][0][key].reshape(32, 2).clone()
+    q = torch.nn.Parameter(p.detach().clone())
+    other = FusedAdam([q], state_bits=8)
+    other.load_state_dict(sd)
+    for key, value in want.items():
+        assert torch.equal(other.state[q][key].reshape(-1), value.reshape(-1)), key
