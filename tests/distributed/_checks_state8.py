@@ -71,6 +71,8 @@ FSDP_CASES = {
     "lamb_plain": (FusedLAMB, {"lr": 0.02, "weight_decay": 0.0, "max_grad_norm": 0.0}),
     # trust ratio from all-reduced partial norms (their last bits may differ from one process's)
     "lamb": (FusedLAMB, {"lr": 0.02, "weight_decay": 0.01, "max_grad_norm": 0.0}),
+    # bf16 params with fp32 masters (DTensors too)
+    "adam_bf16_masters": (FusedAdam, {"lr": 0.02, "weight_decay": 0.01, "master_weights": True}),
 }
 
 
@@ -97,6 +99,8 @@ def fsdp2_parity(rank: int, world: int) -> dict:
     out = {}
     for name, (cls, cfg) in FSDP_CASES.items():
         init = _grads(0, shapes)
+        if cfg.get("master_weights"):
+            init = [t.bfloat16() for t in init]
         sharded = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]
         single = [nn.Parameter(t.clone()) for t in init]
         opt, ref = cls(sharded, state_bits=8, **cfg), cls(single, state_bits=8, **cfg)
@@ -106,6 +110,7 @@ def fsdp2_parity(rank: int, world: int) -> dict:
             if step == INF_STEP:
                 grads[0][-1, -1] = float("inf")  # the last row: rank 1's shard
             for p, q, g in zip(sharded, single, grads):
+                g = g.to(p.dtype)
                 p.grad, q.grad = distribute_tensor(g.clone(), mesh, [Shard(0)]), g.clone()
             before = [p.full_tensor() for p in sharded]
             opt.step()

@@ -45,7 +45,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", pytest.param("fsdp2_triton", marks=pytest.mark.interpreter)])
-@pytest.mark.parametrize("name", ["adam", "lamb_plain", "lamb"])
+@pytest.mark.parametrize("name", ["adam", "lamb_plain", "lamb", "adam_bf16_masters"])
 def test_fsdp2_matches_one_process(ranks, name, backend):
     """FSDP2 (Shard(0)) FusedAdam/FusedLAMB(state_bits=8) on 2 ranks == one process: codes and absmax bit for bit
     (every layout: "rows" even, uneven and with an empty shard, "flat"), over 3 steps with one skipped (an inf in
@@ -60,13 +60,16 @@ def test_fsdp2_matches_one_process(ranks, name, backend):
         assert res["skips"] == [False, True, False]
         assert res["local_dtypes"] == [torch.uint8] * n8 + [torch.float32, torch.float32]
         assert res["absmax_types"][:n8] == ["DTensor"] * n8
+        if name == "adam_bf16_masters":
+            pairs = zip(res["state"][:n8 + 1], res["want"][:n8 + 1])  # the last param: fp32 moments here, 8-bit there
+            assert all(torch.equal(s["master"], w["master"]) for s, w in pairs)
         for i in range(n8 + 1):
             got, want = res["state"][i], res["want"][i]
             assert got.keys() == want.keys(), i
             for key in got:
                 assert _equal(got[key], want[key]), (name, i, key)
         # the param with 2560-element shards keeps fp32 moments under FSDP2 (8-bit in one process)
-        assert all(v.dtype == torch.float32 for v in res["state"][-1].values())
+        assert res["state"][-1]["exp_avg"].dtype == res["state"][-1]["exp_avg_sq"].dtype == torch.float32
         sharded, single = res["sharded"][:n8 + 1], res["single"][:n8 + 1]
         if name == "lamb":
             # the trust ratio's norms are all-reduced partial sums, whose last bits may differ from one process's:
