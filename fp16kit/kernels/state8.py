@@ -151,8 +151,9 @@ def _lut(device: torch.device, signed: bool) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _high_halves(y: torch.Tensor) -> torch.Tensor:
-    """int32 ``bits(y) >> 16`` (0..65535) of the contiguous fp32 ``y``, flat."""
-    if sys.byteorder == "little":
+    """int32 ``bits(y) >> 16`` (0..65535) of the contiguous fp32 ``y``, flat (on a little-endian CPU one conversion
+    of the high uint16 halves; elsewhere a shift and a mask, ops every backend has)."""
+    if sys.byteorder == "little" and y.device.type == "cpu":
         return y.view(-1).view(torch.uint16)[1::2].to(torch.int32)
     return torch.bitwise_right_shift(y.view(-1).view(torch.int32), 16).bitwise_and_(0xFFFF)
 

@@ -70,3 +70,10 @@ def test_table_lookup_is_searchsorted(signed):
     want = torch.searchsorted(thr, y, right=True, out_int32=True)
     assert torch.equal(s8._codes(y, signed).int(), want)
     assert torch.equal(s8._codes(torch.full((3,), float("nan")), signed), torch.zeros(3, dtype=torch.uint8))
+
+
+def test_high_halves_both_ways():
+    """The CPU's uint16 view and the shift-and-mask used off the CPU give the same table index."""
+    y = torch.cat([torch.rand(1 << 12) * 2 - 1, torch.tensor([0.0, -0.0, 1.0, -1.0, float("nan")])])
+    shifted = torch.bitwise_right_shift(y.view(torch.int32), 16).bitwise_and_(0xFFFF)
+    assert torch.equal(s8._high_halves(y), shifted)
