@@ -75,12 +75,12 @@ def adam8_(
             pick = _picker(plain)
             optim_fallback.adam_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(models), hp,
                                  found_inf, l2_mode=l2_mode, decoupled=decoupled, host_branch=False)
+        scalars = hp.unbind()
         for i, start, stop, blocks in chunked:
             views = _chunk(i, start, stop, params, grads, models)
             m = dequantize(exp_avgs[i].view(-1)[start:stop], absmax_of(exp_avgs[i])[blocks], True)
             v = dequantize(exp_avg_sqs[i].view(-1)[start:stop], absmax_of(exp_avg_sqs[i])[blocks], False)
-            optim_fallback.adam_([views[0]], [views[1]], [m], [v], [views[2]], hp, found_inf, l2_mode=l2_mode,
-                                 decoupled=decoupled, host_branch=False)
+            _adam_chunk(views, m, v, scalars, l2_mode, decoupled)
             quantize_into(m, exp_avgs[i].view(-1)[start:stop], absmax_of(exp_avgs[i])[blocks], True)
             quantize_into(v, exp_avg_sqs[i].view(-1)[start:stop], absmax_of(exp_avg_sqs[i])[blocks], False)
         return
@@ -91,6 +91,45 @@ def adam8_(
     skip = found_inf.reshape(()) != 0
     _requantize(exp_avgs, m, quant, True, skip)
     _requantize(exp_avg_sqs, v, quant, False, skip)
+
+
+def _adam_chunk(
+    views: list[torch.Tensor | None], m: torch.Tensor, v: torch.Tensor, scalars: Sequence[torch.Tensor],
+    l2_mode: bool, decoupled: bool,
+) -> None:
+    """The masked sequence of ``optim_fallback.adam_`` (the kernels' rounding sequence: the same operations in the
+    same order, on 0-dim tensor hyper-parameters) on one chunk ``views = [p, g, model]`` whose skip is known clear:
+    m and v (temporaries) updated in place, p and the model copy written without the masked commits' ``where``.
+    Bit for bit that sequence (``tests/optim/test_state8_cpu_path.py``)."""
+    p, g, model = views
+    _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = scalars
+    math = inv_scale.dtype
+    pm = p if p.dtype is math else p.to(math)
+    gm = (g if g.dtype is math else g.to(math)) * inv_scale
+    if l2_mode:
+        gm += pm * wd
+    diff = gm - m  # m + (1 - beta1) * (g - m)
+    diff *= one_minus_beta1
+    m += diff
+    v *= beta2  # v * beta2 + (1 - beta2) * g * g
+    gm_sq = gm * one_minus_beta2
+    gm_sq *= gm
+    v += gm_sq
+    if decoupled:
+        pm = pm * decay
+    denom = v.sqrt()
+    denom /= bc2_sqrt
+    denom += eps
+    delta = m / denom
+    delta *= -neg_step_size
+    if pm is p:
+        torch.sub(p, delta, out=p)
+        new = p
+    else:
+        new = pm - delta
+        p.copy_(new)
+    if model is not None:
+        model.copy_(new)
 
 
 #: Elements per chunk of the CPU path: a chunk's fp32 temporaries (about a dozen: dequantized m and v, the Adam/LAMB
