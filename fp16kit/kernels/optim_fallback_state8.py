@@ -200,6 +200,27 @@ def lamb8_stage1(
     return p, list(u)
 
 
+def _lamb_moments(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: Sequence[torch.Tensor],
+    l2_mode: bool,
+) -> None:
+    """The new m and v of ``optim_fallback.lamb_direction`` (the kernels' rounding sequence: the same operations in
+    the same order) on one chunk, in place on the temporaries ``m``, ``v`` (its ``u``, from the moments before
+    quantization, is not needed here). Bit for bit that sequence (``tests/optim/test_state8_cpu_path.py``)."""
+    _, beta1, beta2, beta3, one_minus_beta2, _, wd, _, _, inv_scale, clip = scalars
+    math = inv_scale.dtype
+    gm = (g if g.dtype is math else g.to(math)) * inv_scale
+    gm /= clip
+    if l2_mode:
+        gm += p * wd
+    m *= beta1
+    v *= beta2
+    m += gm * beta3
+    gm_sq = gm * one_minus_beta2
+    gm_sq *= gm
+    v += gm_sq
+
+
 def _lamb8_direction_cpu(
     p: list[torch.Tensor], rows: tuple[Sequence[torch.Tensor], ...], scalars: Sequence[torch.Tensor],
     modes: tuple[bool, bool],
@@ -227,15 +248,20 @@ def _lamb8_direction_cpu(
         pc, gc = _chunk(i, start, stop, p, grads)
         codes_m, codes_v = exp_avgs[i].view(-1)[start:stop], exp_avg_sqs[i].view(-1)[start:stop]
         absmax_m, absmax_v = absmax_of(exp_avgs[i])[blocks], absmax_of(exp_avg_sqs[i])[blocks]
-        m_old = dequantize(codes_m, absmax_m, True)
-        v_old = dequantize(codes_v, absmax_v, False)
-        (m,), (v,), _ = optim_fallback.lamb_direction([pc], [gc], [m_old], [v_old], scalars[1:], l2_mode, decoupled,
-                                                      in_place=True)
+        m = dequantize(codes_m, absmax_m, True)
+        v = dequantize(codes_v, absmax_v, False)
+        _lamb_moments(pc, gc, m, v, scalars, l2_mode)
         quantize_into(m, codes_m, absmax_m, True)
         quantize_into(v, codes_v, absmax_v, False)
-        (uc,) = optim_fallback.lamb_u([pc], [dequantize(codes_m, absmax_m, True)],
-                                      [dequantize(codes_v, absmax_v, False)], eps, wd, bc1, bc2, decoupled)
-        u[i].view(-1)[start:stop].copy_(uc)
+        # u from the moments as stored (lamb_u's sequence), straight into the whole-tensor u
+        uc = torch.div(dequantize(codes_m, absmax_m, True), bc1, out=u[i].view(-1)[start:stop])
+        denom = dequantize(codes_v, absmax_v, False)
+        denom /= bc2
+        denom.sqrt_()
+        denom += eps
+        uc /= denom
+        if decoupled:
+            uc += pc * wd
     return u
 
 
