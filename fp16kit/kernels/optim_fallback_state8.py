@@ -8,6 +8,13 @@ computes ``u`` and its norms from the moments as stored (quantized, then dequant
 masked (device-flag) sequence of ``optim_fallback`` is used throughout, so the moments, codes and absmax match the
 kernels' bit for bit (under ``state_bits=8`` every fallback row takes this path, fp32-state rows included); with
 ``found_inf`` set nothing is written (codes and absmax included).
+
+On the CPU (the skip read on the host, unless ``optim_fallback.masked_commits()``) the 8-bit rows run chunk by chunk,
+``_CHUNK`` elements at a time, so that a chunk's temporaries stay in L2: dequantize, the same operations of that
+sequence in place on the temporaries (no masked commits: the skip is known clear), quantize straight into the codes
+and absmax (``state8.quantize_into``, whose code is a table look-up, not a search); LAMB's ``u`` is written into
+whole tensors, so its norms are summed as before. ``tests/optim/test_state8_cpu_path.py`` checks the two paths
+bit for bit.
 """
 
 from __future__ import annotations
