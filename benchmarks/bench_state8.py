@@ -9,7 +9,7 @@ tiny-BERT final loss of each mode (the table in docs/optim.md, "8-bit moments").
   and written once per pass: :data:`TRAFFIC`).
 * Tiny BERT: the final loss of ``tests/optim/test_state8_bert.py``'s run, fp32 vs 8-bit moments.
 
-Usage: ``python benchmarks/bench_state8.py [--quick] [--out benchmarks/results/state8.md]``.
+Usage: ``python benchmarks/bench_state8.py [--quick] [--threads N] [--out benchmarks/results/state8.md]``.
 """
 
 from __future__ import annotations
@@ -96,7 +96,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--numel", type=int, default=1 << 18)
     ap.add_argument("--out", default="benchmarks/results/state8.md")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lines = ["# 8-bit moments (state_bits=8)", "", "## Bytes per parameter (weights + state), one 2^20-element param",
              "", "| weights | moments | B/param |", "| --- | --- | --- |"]
     for master in (False, True):
@@ -105,7 +108,8 @@ def main() -> None:
             lines.append(f"| {weights} | {'8-bit' if bits == 8 else 'fp32'} | {bytes_per_param(master, bits):.3f} |")
     numel = 1 << 14 if args.quick else args.numel
     times = cpu_times(numel, 5 if args.quick else 15)
-    lines += ["", f"## Step time, CPU (torch implementation), 8 fp32 tensors x {numel} elements",
+    lines += ["", f"## Step time, CPU (torch implementation, {torch.get_num_threads()} threads), 8 fp32 tensors x "
+              f"{numel} elements",
               "", "| optimizer | moments | p20 ms | p50 ms | p80 ms | traffic B/param/step |",
               "| --- | --- | --- | --- | --- | --- |"]
     for (name, bits), ts in times.items():

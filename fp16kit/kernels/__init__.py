@@ -46,12 +46,17 @@ from .optimizers import (
     step_check,
     stochastic_round,
 )
+from .state8 import QBLOCK as STATE8_BLOCK
+from .state8 import SMALL_NUMEL as STATE8_SMALL_NUMEL
 from .state8 import absmax_of as state8_absmax
 from .state8 import dequantize as dequantize_state8
 from .state8 import from_state8, to_state8, uses_state8
+from .state8 import num_blocks as state8_blocks
 
 __all__ = [
     "KERNEL_DTYPES",
+    "STATE8_BLOCK",
+    "STATE8_SMALL_NUMEL",
     "Backend",
     "BackendChoice",
     "Bf16Weights",
@@ -92,6 +97,7 @@ __all__ = [
     "sgd_update",
     "split_halves",
     "state8_absmax",
+    "state8_blocks",
     "step_check",
     "stochastic_round",
     "to_state8",

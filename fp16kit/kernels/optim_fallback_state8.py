@@ -8,6 +8,13 @@ computes ``u`` and its norms from the moments as stored (quantized, then dequant
 masked (device-flag) sequence of ``optim_fallback`` is used throughout, so the moments, codes and absmax match the
 kernels' bit for bit (under ``state_bits=8`` every fallback row takes this path, fp32-state rows included); with
 ``found_inf`` set nothing is written (codes and absmax included).
+
+On the CPU (the skip read on the host, unless ``optim_fallback.masked_commits()``) the 8-bit rows run chunk by chunk,
+``_CHUNK`` elements at a time, so that a chunk's temporaries stay in L2: dequantize, the same operations of that
+sequence in place on the temporaries (no masked commits: the skip is known clear), quantize straight into the codes
+and absmax (``state8.quantize_into``, whose code is a table look-up, not a search); LAMB's ``u`` is written into
+whole tensors, so its norms are summed as before. ``tests/optim/test_state8_cpu_path.py`` checks the two paths
+bit for bit.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from . import optim_fallback
-from .state8 import absmax_of, dequantize, quantize
+from .state8 import QBLOCK, absmax_of, dequantize, quantize, quantize_into
 
 _U8 = torch.uint8
 
@@ -66,6 +73,24 @@ def adam8_(
     """One Adam/AdamW step (``adam_kernel.py``) over moments that may be 8-bit."""
     if not params:
         return
+    host_skip = optim_fallback._skip(found_inf, None)  # a bool on the CPU (unless masked_commits())
+    if host_skip is True:
+        return  # a skipped step writes nothing
+    if host_skip is False:
+        plain, chunked = _cpu_rows(params, grads, exp_avgs, models)
+        if plain:
+            pick = _picker(plain)
+            optim_fallback.adam_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(models), hp,
+                                 found_inf, l2_mode=l2_mode, decoupled=decoupled, host_branch=False)
+        scalars = hp.unbind()
+        for i, start, stop, blocks in chunked:
+            views = _chunk(i, start, stop, params, grads, models)
+            m = dequantize(exp_avgs[i].view(-1)[start:stop], absmax_of(exp_avgs[i])[blocks], True)
+            v = dequantize(exp_avg_sqs[i].view(-1)[start:stop], absmax_of(exp_avg_sqs[i])[blocks], False)
+            _adam_chunk(views, m, v, scalars, l2_mode, decoupled)
+            quantize_into(m, exp_avgs[i].view(-1)[start:stop], absmax_of(exp_avgs[i])[blocks], True)
+            quantize_into(v, exp_avg_sqs[i].view(-1)[start:stop], absmax_of(exp_avg_sqs[i])[blocks], False)
+        return
     m, quant = _dequantized(exp_avgs, True)
     v, _ = _dequantized(exp_avg_sqs, False)
     optim_fallback.adam_(params, grads, m, v, models, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled,
@@ -73,6 +98,80 @@ def adam8_(
     skip = found_inf.reshape(()) != 0
     _requantize(exp_avgs, m, quant, True, skip)
     _requantize(exp_avg_sqs, v, quant, False, skip)
+
+
+def _adam_chunk(
+    views: list[torch.Tensor | None], m: torch.Tensor, v: torch.Tensor, scalars: Sequence[torch.Tensor],
+    l2_mode: bool, decoupled: bool,
+) -> None:
+    """The masked sequence of ``optim_fallback.adam_`` (the kernels' rounding sequence: the same operations in the
+    same order, on 0-dim tensor hyper-parameters) on one chunk ``views = [p, g, model]`` whose skip is known clear:
+    m and v (temporaries) updated in place, p and the model copy written without the masked commits' ``where``.
+    Bit for bit that sequence (``tests/optim/test_state8_cpu_path.py``)."""
+    p, g, model = views
+    _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = scalars
+    math = inv_scale.dtype
+    pm = p if p.dtype is math else p.to(math)
+    gm = (g if g.dtype is math else g.to(math)) * inv_scale
+    if l2_mode:
+        gm += pm * wd
+    diff = gm - m  # m + (1 - beta1) * (g - m)
+    diff *= one_minus_beta1
+    m += diff
+    v *= beta2  # v * beta2 + (1 - beta2) * g * g
+    gm_sq = gm * one_minus_beta2
+    gm_sq *= gm
+    v += gm_sq
+    if decoupled:
+        pm = pm * decay
+    denom = v.sqrt()
+    denom /= bc2_sqrt
+    denom += eps
+    delta = m / denom
+    delta *= -neg_step_size
+    if pm is p:
+        torch.sub(p, delta, out=p)
+        new = p
+    else:
+        new = pm - delta
+        p.copy_(new)
+    if model is not None:
+        model.copy_(new)
+
+
+#: Elements per chunk of the CPU path: a chunk's fp32 temporaries (about a dozen: dequantized m and v, the Adam/LAMB
+#: terms, the quotients of the quantizer) stay in the per-core L2 cache from the dequantization to the quantization.
+_CHUNK = 1 << 16
+assert _CHUNK % QBLOCK == 0
+
+
+def _cpu_rows(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+) -> tuple[list[int], list[tuple[int, int, int, slice]]]:
+    """The CPU path's schedule: the rows stepped whole (fp32 moments, or tensors that are not contiguous), and
+    the chunks ``(row, start, stop, absmax blocks)`` of the 8-bit rows, ``_CHUNK`` elements each (block aligned:
+    a chunk's blocks are the tensor's)."""
+    plain, chunks = [], []
+    for i, (p, g, m, model) in enumerate(zip(params, grads, exp_avgs, models)):
+        if m.dtype != _U8 or not (p.is_contiguous() and g.is_contiguous()
+                                  and (model is None or model.is_contiguous())):
+            plain.append(i)
+            continue
+        n = p.numel()
+        for start in range(0, n, _CHUNK):
+            stop = min(start + _CHUNK, n)
+            chunks.append((i, start, stop, slice(start // QBLOCK, -(-stop // QBLOCK))))
+    return plain, chunks
+
+
+def _picker(rows: list[int]):
+    return lambda xs: [xs[i] for i in rows]
+
+
+def _chunk(i: int, start: int, stop: int, *lists: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Elements ``[start, stop)`` of row ``i`` of each list (flat views: writes land in the tensors)."""
+    return [None if xs[i] is None else xs[i].view(-1)[start:stop] for xs in lists]
 
 
 def lamb8_stage1(
@@ -90,8 +189,10 @@ def lamb8_stage1(
     where ``found_inf``), and ``(p, u)``: the params in fp32 and the update direction from the moments as stored."""
     skip = found_inf.reshape(()) != 0
     scalars = hp.unbind()
-    _, _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars
     p = optim_fallback._math(params, hp.dtype)
+    if optim_fallback._skip(found_inf, None) is False:  # the CPU (unless masked_commits()), not skipped
+        return p, _lamb8_direction_cpu(p, (grads, exp_avgs, exp_avg_sqs), scalars, (l2_mode, decoupled))
+    _, _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars
     m_old, quant = _dequantized(exp_avgs, True)
     v_old, _ = _dequantized(exp_avg_sqs, False)
     m, v, u = optim_fallback.lamb_direction(p, grads, m_old, v_old, scalars[1:], l2_mode, decoupled, in_place=False)
@@ -104,6 +205,71 @@ def lamb8_stage1(
     optim_fallback._commit([exp_avgs[i] for i in plain], [m[i] for i in plain], skip)
     optim_fallback._commit([exp_avg_sqs[i] for i in plain], [v[i] for i in plain], skip)
     return p, list(u)
+
+
+def _lamb_moments(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: Sequence[torch.Tensor],
+    l2_mode: bool,
+) -> None:
+    """The new m and v of ``optim_fallback.lamb_direction`` (the kernels' rounding sequence: the same operations in
+    the same order) on one chunk, in place on the temporaries ``m``, ``v`` (its ``u``, from the moments before
+    quantization, is not needed here). Bit for bit that sequence (``tests/optim/test_state8_cpu_path.py``)."""
+    _, beta1, beta2, beta3, one_minus_beta2, _, wd, _, _, inv_scale, clip = scalars
+    math = inv_scale.dtype
+    gm = (g if g.dtype is math else g.to(math)) * inv_scale
+    gm /= clip
+    if l2_mode:
+        gm += p * wd
+    m *= beta1
+    v *= beta2
+    m += gm * beta3
+    gm_sq = gm * one_minus_beta2
+    gm_sq *= gm
+    v += gm_sq
+
+
+def _lamb8_direction_cpu(
+    p: list[torch.Tensor], rows: tuple[Sequence[torch.Tensor], ...], scalars: Sequence[torch.Tensor],
+    modes: tuple[bool, bool],
+) -> list[torch.Tensor]:
+    """:func:`lamb8_stage1` on the CPU, the step not skipped (``p``: the params in the math dtype, ``rows``:
+    ``(grads, exp_avgs, exp_avg_sqs)``, ``scalars``: ``hp.unbind()``, ``modes``: ``(l2_mode, decoupled)``): the
+    moments committed, and ``u``. The fp32-moment rows
+    whole, the 8-bit rows chunk by chunk (dequantize, the rule, quantize into the state, ``u`` from the stored
+    values into a whole-tensor ``u``: the norms are taken over whole tensors as before). The same operations on
+    the same elements: bit for bit."""
+    l2_mode, decoupled = modes
+    grads, exp_avgs, exp_avg_sqs = rows
+    _, _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars
+    u: list[torch.Tensor] = [torch.empty_like(t) for t in p]
+    plain, chunked = _cpu_rows(p, grads, exp_avgs, [None] * len(p))
+    if plain:
+        pick = _picker(plain)
+        m, v, u_plain = optim_fallback.lamb_direction(pick(p), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
+                                                      scalars[1:], l2_mode, decoupled, in_place=False)
+        optim_fallback._commit(pick(exp_avgs), m, False)
+        optim_fallback._commit(pick(exp_avg_sqs), v, False)
+        for i, t in zip(plain, u_plain):
+            u[i] = t
+    for i, start, stop, blocks in chunked:
+        pc, gc = _chunk(i, start, stop, p, grads)
+        codes_m, codes_v = exp_avgs[i].view(-1)[start:stop], exp_avg_sqs[i].view(-1)[start:stop]
+        absmax_m, absmax_v = absmax_of(exp_avgs[i])[blocks], absmax_of(exp_avg_sqs[i])[blocks]
+        m = dequantize(codes_m, absmax_m, True)
+        v = dequantize(codes_v, absmax_v, False)
+        _lamb_moments(pc, gc, m, v, scalars, l2_mode)
+        quantize_into(m, codes_m, absmax_m, True)
+        quantize_into(v, codes_v, absmax_v, False)
+        # u from the moments as stored (lamb_u's sequence), straight into the whole-tensor u
+        uc = torch.div(dequantize(codes_m, absmax_m, True), bc1, out=u[i].view(-1)[start:stop])
+        denom = dequantize(codes_v, absmax_v, False)
+        denom /= bc2
+        denom.sqrt_()
+        denom += eps
+        uc /= denom
+        if decoupled:
+            uc += pc * wd
+    return u
 
 
 def lamb8_(

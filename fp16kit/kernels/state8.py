@@ -14,7 +14,8 @@ The rule (its float64 spec: ``fp16kit/numerics/reference/state8.py``; docs/optim
 
 Nearest-with-ties-up is computed without any float64: ``T_k``, the smallest fp32 not below the exact midpoint of
 entries ``k`` and ``k + 1``, satisfies ``y >= T_k  <=>  y >= midpoint_k`` for every fp32 ``y``, so
-``code = #{k < 255 : y >= T_k}``: a binary search of 8 steps in the kernels, ``torch.searchsorted`` in torch.
+``code = #{k < 255 : y >= T_k}``: a binary search of 8 steps in the kernels; in torch a table look-up on the high 16
+bits of ``y`` and one comparison (``_host_lut``: equal to ``torch.searchsorted`` on the thresholds).
 
 Here: the code books (:func:`book`, one fp32 device tensor per device), the torch implementation
 (:func:`quantize`, :func:`dequantize`) and the state layout (:func:`new_state`, :func:`absmax_of`). The Triton
@@ -22,6 +23,8 @@ device functions of the same rule, which the Adam and LAMB kernels call, are in 
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import torch
@@ -41,6 +44,7 @@ __all__ = [
     "new_state",
     "num_blocks",
     "quantize",
+    "quantize_into",
     "to_state8",
     "uses_state8",
 ]
@@ -110,9 +114,63 @@ def _offset(signed: bool) -> int:
     return _SIGNED if signed else _UNSIGNED
 
 
-def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, absmax)`` of the fp32 tensor ``x``: uint8 codes shaped like ``x`` and fp32 ``absmax`` of
-    :func:`num_blocks` entries (module docstring). ``signed``: the ``exp_avg`` book, else ``exp_avg_sq``'s."""
+def _host_lut(signed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(base, thr)`` over the ``2^16`` high halves ``h`` of fp32 patterns (sign, exponent, top 7 mantissa bits):
+    every fp32 ``y`` whose high half is ``h`` has ``#{k : T_k <= y} = base[h] + (y >= thr[h])``, ``thr[h]`` being
+    the only threshold inside that interval of fp32 values (NaN: none). Each interval spans 1/128 of an octave and
+    neighbouring thresholds are at least 2^(1/8) apart (or 0 and a tiny midpoint), so one interval holds at most one
+    threshold (asserted). NaN patterns (a poisoned block's ``x / NaN``) get code 0; ``+-inf`` never occur
+    (``|y| <= 1``)."""
+    o = _offset(signed)
+    thr = _host_book()[o + 256 : o + 511].astype(np.float64)
+    h = np.arange(1 << 16, dtype=np.uint32)
+    with np.errstate(invalid="ignore"):
+        lo = (h << 16).view(np.float32).astype(np.float64)
+        hi = ((h << 16) | 0xFFFF).view(np.float32).astype(np.float64)
+    neg = h >= 1 << 15
+    low, high = np.where(neg, hi, lo), np.where(neg, lo, hi)
+    finite = np.isfinite(low) & np.isfinite(high)
+    base = np.where(finite, np.searchsorted(thr, low, side="right"), 0)
+    top = np.where(finite, np.searchsorted(thr, high, side="right"), 0)
+    assert (top - base).max() <= 1
+    nxt = np.where(top > base, thr[np.minimum(base, 254)], np.nan)
+    return base.astype(np.uint8), nxt.astype(np.float32)
+
+
+_luts: dict[tuple[torch.device, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _lut(device: torch.device, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantizer's lookup tables (:func:`_host_lut`) on ``device``, made once."""
+    key = (device, signed)
+    hit = _luts.get(key)
+    if hit is None:
+        base, thr = _host_lut(signed)
+        hit = _luts[key] = (torch.from_numpy(base).to(device), torch.from_numpy(thr).to(device))
+    return hit
+
+
+def _high_halves(y: torch.Tensor) -> torch.Tensor:
+    """int32 ``bits(y) >> 16`` (0..65535) of the contiguous fp32 ``y``, flat (on a little-endian CPU one conversion
+    of the high uint16 halves; elsewhere a shift and a mask, ops every backend has)."""
+    if sys.byteorder == "little" and y.device.type == "cpu":
+        return y.view(-1).view(torch.uint16)[1::2].to(torch.int32)
+    return torch.bitwise_right_shift(y.view(-1).view(torch.int32), 16).bitwise_and_(0xFFFF)
+
+
+def _codes(y: torch.Tensor, signed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 ``#{k : T_k <= y}`` of the contiguous fp32 quotients ``y`` (``|y| <= 1``, or NaN: code 0), flat (into
+    ``out`` when given: uint8, ``y.numel()`` elements): a table look-up on the high half of each fp32 pattern and
+    one comparison (:func:`_host_lut`), equal to ``torch.searchsorted`` on the thresholds."""
+    base, thr = _lut(y.device, signed)
+    idx = _high_halves(y)
+    codes = base.index_select(0, idx) if out is None else torch.index_select(base, 0, idx, out=out)
+    return codes.add_(torch.ge(y.view(-1), thr.index_select(0, idx)))
+
+
+def _quotients(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(y, absmax, n)``: the fp32 quotients ``x / absmax`` of ``x`` padded to whole blocks (``[blocks, QBLOCK]``),
+    the absmax (NaN for a block holding a NaN or an infinity: its quotients are NaN, code 0) and ``x.numel()``."""
     if x.dtype != torch.float32:
         raise TypeError(f"fp16kit: 8-bit state quantizes float32 tensors, got {x.dtype}.")
     n = x.numel()
@@ -122,14 +180,27 @@ def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]
         flat = torch.cat([flat, flat.new_zeros(nb * QBLOCK - n)])
     blocks = flat.view(nb, QBLOCK)
     absmax = blocks.abs().amax(1) if n else flat.new_zeros(0)  # NaN if the block holds one, inf if an inf
-    poisoned = ~torch.isfinite(absmax)
-    absmax = absmax.masked_fill(poisoned, float("nan"))
-    y = blocks / absmax.masked_fill(absmax == 0, 1.0)[:, None]  # an all-zero block: 0 / 1
-    y.masked_fill_(poisoned[:, None], float("-inf"))  # a poisoned block: code 0 (no threshold is <= -inf)
-    o = _offset(signed)
-    thr = book(x.device)[o + 256 : o + 511]
-    idx = torch.searchsorted(thr, y.view(-1), right=True, out_int32=True)  # #{k : T_k <= y}
-    return idx[:n].to(torch.uint8).view(x.shape), absmax
+    absmax.masked_fill_(~torch.isfinite(absmax), float("nan"))
+    # an all-zero block: 0 / 1; a poisoned one: x / NaN = NaN
+    return blocks / absmax.masked_fill(absmax == 0, 1.0)[:, None], absmax, n
+
+
+def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, absmax)`` of the fp32 tensor ``x``: uint8 codes shaped like ``x`` and fp32 ``absmax`` of
+    :func:`num_blocks` entries (module docstring). ``signed``: the ``exp_avg`` book, else ``exp_avg_sq``'s."""
+    y, absmax, n = _quotients(x)
+    return _codes(y, signed)[:n].view(x.shape), absmax
+
+
+def quantize_into(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
+    """:func:`quantize` of the fp32 tensor ``x`` written into ``codes`` (contiguous uint8, ``x.numel()`` elements)
+    and ``absmax`` (fp32, ``num_blocks`` entries)."""
+    y, a, n = _quotients(x)
+    absmax.copy_(a)
+    if y.numel() == n:
+        _codes(y, signed, out=codes.view(-1))
+    else:
+        codes.view(-1).copy_(_codes(y, signed)[:n])
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:

@@ -61,7 +61,7 @@ from fp16kit.kernels import (
     vouched_rows,
 )
 
-from . import _checkpoint, _sharding
+from . import _checkpoint, _sharding, _state8_dtensor
 from . import functional as F
 from ._validate import check_param_tensor, check_row, check_step_value, naming_group
 
@@ -324,7 +324,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             elif self.bf16_weights == "split" and p.dtype == torch.bfloat16:
                 # the bf16 value is its own fp32 master exactly: high half p, low half 0
                 state[LOW_KEY] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.contiguous_format)
-            if self._state8(p):
+            kind = self._state8(p)
+            if kind in ("rows", "flat"):  # an FSDP2 param: DTensor codes and absmax (_state8_dtensor.py)
+                for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+                    state[key], state[f"{key}_absmax"] = _state8_dtensor.moment(p, kind, signed)
+                return state
+            if kind:
                 self._set_moments8(state, p.new_zeros(p.shape, dtype=torch.float32), p.new_zeros(p.shape,
                                    dtype=torch.float32))
                 return state
@@ -332,16 +337,24 @@ class FusedOptimizer(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=math, memory_format=torch.contiguous_format)
         return state
 
-    def _state8(self, p: torch.Tensor) -> bool:
-        """Whether ``p``'s moments are 8-bit here (``state_bits=8`` and ``uses_state8``); raises for FSDP2 params."""
+    def _state8(self, p: torch.Tensor) -> bool | str:
+        """Whether ``p``'s moments are 8-bit here (``state_bits=8`` and ``uses_state8``). For an FSDP2 (DTensor)
+        param, the layout of its DTensor state (``"rows"``/``"flat"``, truthy) or False where its shards keep
+        fp32 moments; raises for a param whose shards do not line up with the quantization blocks
+        (``_state8_dtensor.layout``)."""
         if self.state_bits != 8 or not uses_state8(p):
             return False
         if is_dtensor(p):
-            raise NotImplementedError(
-                f"{self._name}: state_bits=8 with FSDP2 (DTensor) params is not supported yet: a shard's 8-bit blocks "
-                f"would not line up with the unsharded tensor's. Use state_bits=32 for sharded training."
-            )
+            return _state8_dtensor.layout(self._name, p, lambda: self._where(p)) or False
         return True
+
+    def _where(self, p: torch.Tensor) -> str:
+        """``param_groups[g]['params'][i]`` of ``p`` (for messages)."""
+        for gi, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return f"param_groups[{gi}]['params'][{i}]"
+        return "a param"
 
     @staticmethod
     def _set_moments8(state: dict[str, Any], exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:

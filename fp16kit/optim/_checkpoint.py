@@ -35,6 +35,7 @@ import torch
 from fp16kit.distributed import is_dtensor
 from fp16kit.kernels import dequantize_state8, join_halves, split_halves, state8_absmax, to_state8
 
+from . import _state8_dtensor
 from ._validate import check_state_tensor, check_step_value, state_dtype
 
 __all__ = [
@@ -352,8 +353,13 @@ def split_state8(fn: str, saved_state: dict[Any, Any]) -> tuple[dict[Any, Any], 
                     f"entries (one per 256-element block), got {got}. Load an unmodified checkpoint."
                 )
             codes, absmax = codes.contiguous(), absmax.contiguous().to(codes.device)
+            if not is_dtensor(absmax):
+                absmax = absmax.reshape(-1)  # an FSDP2 "rows" absmax gathered whole is 2-D (_state8_dtensor.py)
             originals.setdefault(idx, {})[key] = (codes, absmax)
-            entry[key] = dequantize_state8(codes, absmax, signed)
+            if is_dtensor(codes):  # an FSDP2 param's: shard by shard (_state8_dtensor.py)
+                entry[key] = _state8_dtensor.dequantize_dtensor(codes, absmax, signed)
+            else:
+                entry[key] = dequantize_state8(codes, absmax, signed)
         out[idx] = entry
     return out, originals
 
@@ -371,10 +377,18 @@ def apply_state8(
     for group, saved_group in zip(groups, saved_groups):
         for p, idx in zip(group["params"], saved_group["params"]):
             entry = state.get(p)
-            if not entry or not optimizer._state8(p):
+            kind = optimizer._state8(p) if entry else False
+            if not kind:
                 continue
             saved = originals.get(idx, {})
             for key, signed in _MOMENTS8:
+                if is_dtensor(p):  # FSDP2: DTensor codes and absmax (_state8_dtensor.py)
+                    got = saved.get(key)
+                    if got is not None and not (is_dtensor(got[0]) and is_dtensor(got[1])):
+                        got = None  # whole-tensor codes (a single-process checkpoint): quantize the values
+                    entry[key], entry[f"{key}_absmax"] = _state8_dtensor.moment(
+                        p, kind, signed, x=entry[key] if got is None else None, saved=got)
+                    continue
                 if key in saved:
                     codes_in, absmax_in = saved[key]
                     codes = to_state8(torch.zeros(p.shape, dtype=torch.float32, device=p.device), signed)

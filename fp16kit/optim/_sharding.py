@@ -145,12 +145,25 @@ def _localize_rows(rows: Any) -> None:
     """Every DTensor of one group's rows replaced by its local shard (the same storage: writes land in the
     DTensor). LAMB/Adam rows (``_Rows``) list their moments; apex rows (``_apex_common.ApexRows``) keep each
     param's state in a dict: the row gets its own dict of local tensors, the optimizer's state is untouched."""
-    for name in ("params", "grads", "exp_avgs", "exp_avg_sqs"):
+    for name in ("params", "grads"):
         if hasattr(rows, name):
             setattr(rows, name, [local(t) for t in getattr(rows, name)])
+    for name in ("exp_avgs", "exp_avg_sqs"):
+        if hasattr(rows, name):
+            setattr(rows, name, [_local_moment(t) for t in getattr(rows, name)])
     rows.models = [None if m is None else local(m) for m in rows.models]
     if hasattr(rows, "states"):
         rows.states = [{k: local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()} for s in rows.states]
+
+
+def _local_moment(t: torch.Tensor) -> torch.Tensor:
+    """A moment's local shard; the empty shard of an 8-bit moment (``state_bits=8``) as an empty fp32 tensor: the
+    kernels apply the small-tensor rule (fp32 below ``SMALL_NUMEL`` elements) to the shard they are given, and an
+    empty row is a no-op either way."""
+    x = local(t)
+    if x.dtype == torch.uint8 and x.numel() == 0:
+        return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    return x
 
 
 def refuse_dtensors(name: str, param_group: Any, why: str) -> None:
