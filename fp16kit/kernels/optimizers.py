@@ -466,6 +466,8 @@ def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes:
     params, grads, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
     hp = staged.hp64 if params[0].dtype == F64 else staged.hp64.float()
     sums = torch.zeros(2, len(params), dtype=F64, device=hp.device)
+    if staged.weights is not None:  # the fp32 values of bf16 rows (split: the reassembled masters), before any rule
+        params = _bf16_weights.widen(staged.weights, params, models)[1]
     if staged.state8:
         # 8-bit moments: committed here (the state tensors stand in as "new" m, v for stage 2's masked commit)
         from .optim_fallback_state8 import lamb8_stage1
@@ -478,8 +480,6 @@ def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes:
     if skip is True:
         return hp, skip, None, None, None, None, sums
     scalars = hp.tolist()[1:] if skip is False else hp.unbind()[1:]
-    if staged.weights is not None:  # the fp32 values of bf16 rows (split: the reassembled masters)
-        params = _bf16_weights.widen(staged.weights, params, models)[1]
     p = [t.to(hp.dtype) for t in params]  # may alias the params: only out-of-place ops on it here
     m, v, u = optim_fallback.lamb_direction(
         p, grads, exp_avgs, exp_avg_sqs, scalars, modes["l2_mode"], modes["decoupled"], in_place=skip is False

@@ -653,3 +653,51 @@ def test_staged_lamb_with_the_bf16_epilogues(backend, masked, skip):
     if skip:
         want = [masters[i] if i == fp32_row else p for i, p in enumerate(bf16)]
     assert same(ps, want) and same(state, ref_state)
+
+
+@pytest.mark.parametrize("backend, masked", [("torch", False), ("torch", True),
+                                             pytest.param("triton", False, marks=pytest.mark.interpreter)],
+                         ids=["torch-host", "torch-masked", "triton"])
+def test_staged_lamb_split_with_8bit_moments(backend, masked):
+    """The sharded LAMB's stages (FSDP2) in split mode with 8-bit moments: stage 1 reads the reassembled masters (its
+    ``sum p^2`` and the update) before the 8-bit rule, stage 2 splits them; bit for bit the stages over fp32 masters
+    with bf16 model copies and the same 8-bit moments (codes and absmax too). Tensors of 4096 elements and more are
+    8-bit, a smaller one keeps fp32 moments."""
+    from fp16kit.kernels import Bf16Weights, lamb_stage1, lamb_stage2
+    from fp16kit.kernels._bf16_weights import low_rows
+    from fp16kit.kernels.state8 import to_state8, uses_state8
+    from fp16kit.optim import functional as F
+
+    gen = torch.Generator().manual_seed(5)
+    sizes = (5000, 300, 4100)
+    bf16 = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    lows = [torch.randint(-32768, 32768, (n,), generator=gen, dtype=torch.int32).to(torch.int16) for n in sizes]
+    grads = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    masters = [join_halves(p, lo) for p, lo in zip(bf16, lows)]
+    m0 = [torch.randn(n, generator=gen) * 1e-2 for n in sizes]
+    v0 = [torch.rand(n, generator=gen) * 1e-3 for n in sizes]
+    step = torch.tensor([4.0])
+    hp = F.lamb_hparams(lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True,
+                        grad_averaging=True, step=step, inv_scale64=torch.ones((), dtype=torch.float64),
+                        clip64=torch.ones((), dtype=torch.float64), device=torch.device("cpu"))
+
+    def staged(params, models, weights):
+        m = [to_state8(x, True) if uses_state8(x) else x.clone() for x in m0]
+        v = [to_state8(x, False) if uses_state8(x) else x.clone() for x in v0]
+        flag = torch.zeros(1)
+        with use_backend(backend), masked_commits() if masked else _nothing():
+            done = lamb_stage1(params, grads, m, v, models, hp, flag, l2_mode=False, decoupled=True, weights=weights,
+                               state_bits=8)
+            lamb_stage2(done, flag, decoupled=True, trust=True)
+        return m + v
+
+    ref = [t.clone() for t in masters]
+    ref_state = staged(ref, [t.bfloat16() for t in ref], None)
+    ps, lo = [p.clone() for p in bf16], [t.clone() for t in lows]
+    state = staged(ps, low_rows(lo), Bf16Weights("split"))
+    got = [join_halves(p, q) for p, q in zip(ps, lo)]
+    assert not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, masters))  # a step
+    for a, b in zip(got, ref):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for a, b in zip(state, ref_state):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
