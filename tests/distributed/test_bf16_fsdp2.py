@@ -8,6 +8,8 @@
 * ``master_weights="stochastic"``, FusedAdam and elementwise FusedLAMB: every rank draws the one-process bits (each
   shard's first element's index in its param, the one-process rows), so the sharded params are the one-process
   stochastic params bit for bit, over 3 steps with a skipped one (an inf grad in rank 1's shard).
+* split with 8-bit moments (``state_bits=8``), FusedAdam and FusedLAMB: shards of the whole tensors' 8-bit blocks;
+  masters, params, codes and absmax bit for bit those of ``master_weights=True`` with 8-bit moments.
 * stochastic FusedLAMB with the trust ratio (whose sharded norms round otherwise than one process's): each step
   rounds the fp32 values of a ``master_weights=True`` run started from the same params and moments with exactly
   the bits one process draws for them (``stochastic_round_list`` over the whole tensors).
@@ -173,6 +175,59 @@ def _stochastic_lamb_draws(mesh) -> list[bool]:
     return same
 
 
+#: 8-bit moments on FSDP2 shards: (64, 256) and (40, 256) shard into 8192 and 5120 elements starting at multiples of
+#: 256 (the whole tensor's blocks, 8-bit); (11,) keeps fp32 moments.
+SHAPES8 = ((64, 256), (40, 256), (11,))
+
+
+def _split_8bit(mesh, cls, cfg: dict) -> list[bool]:
+    """split + 8-bit moments on FSDP2 shards against ``master_weights=True`` + 8-bit on the same shards: masters,
+    params and every shared state tensor (codes, absmax, fp32 moments) bit for bit, each step (one skipped)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from fp16kit.kernels import split_halves
+
+    def params() -> list:
+        gen = torch.Generator().manual_seed(3)
+        module = torch.nn.Module()
+        for i, shape in enumerate(SHAPES8):
+            module.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(shape, generator=gen).bfloat16()))
+        fully_shard(module, mesh=mesh)
+        return list(module.parameters())
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return local.detach().contiguous().reshape(-1).view(torch.uint8)
+
+    split, ref = params(), params()
+    opts = [cls(ps, master_weights=m, state_bits=8, on_nonfinite="skip", **cfg)
+            for ps, m in ((split, "split"), (ref, True))]
+    same = []
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(200 + step)
+        grads = [(torch.randn(shape, generator=gen) * 3.0).bfloat16() for shape in SHAPES8]
+        if step == INF_STEP:
+            grads[0][-1, -1] = float("inf")  # in rank 1's shard only
+        for ps in (split, ref):
+            for p, g in zip(ps, grads):
+                p.grad = distribute_tensor(g.clone(), p.device_mesh, p.placements)
+        for opt in opts:
+            opt.step()
+        masters = opts[0].split_masters()
+        refs = [opts[1].state[q]["master"].to_local() for q in ref]
+        states = all(
+            torch.equal(raw(a[key]), raw(b[key]))
+            for a, b in ((opts[0].state[p], opts[1].state[q]) for p, q in zip(split, ref))
+            for key in a.keys() & b.keys() if isinstance(a[key], torch.Tensor) and key != "step"
+        )
+        his = [split_halves(m)[0] for m in refs]  # the params: the masters' high halves (ties away from zero)
+        same.append(_same(masters, refs) and _same([p.to_local() for p in split], his) and states)
+    eight = [opts[0].state[p]["exp_avg"].dtype == torch.uint8 for p in split]
+    same.append(eight == [True, True, False])
+    return same
+
+
 def _refusal(mesh) -> str | None:
     """A shard that is not a contiguous range of its param (``Shard(1)``): stochastic rounding refuses it."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -205,6 +260,8 @@ def _job(rank: int, world: int, out_dir: str) -> None:
                 "stochastic_adam": _stochastic_vs_one_process(mesh, FusedAdam, ADAM),
                 "stochastic_lamb": _stochastic_vs_one_process(mesh, FusedLAMB, LAMB_ELEMENTWISE),
                 "stochastic_lamb_draws": _stochastic_lamb_draws(mesh),
+                "split_8bit_adam": _split_8bit(mesh, FusedAdam, ADAM),
+                "split_8bit_lamb": _split_8bit(mesh, FusedLAMB, LAMB_FULL),
             }
     out["refusal"] = _refusal(mesh)
     torch.save(out, f"{out_dir}/rank{rank}.pt")
@@ -251,3 +308,9 @@ def test_fsdp2_stochastic_lamb_with_trust_ratio_draws_the_one_process_bits(ranks
 def test_stochastic_refuses_shards_that_are_not_contiguous_ranges(ranks):
     for res in ranks:
         assert res["refusal"] is not None and "contiguous range" in res["refusal"], res["refusal"]
+
+
+@pytest.mark.parametrize("name", ["split_8bit_adam", "split_8bit_lamb"])
+def test_fsdp2_split_with_8bit_moments_equals_fp32_masters_with_8bit_moments(ranks, name):
+    for backend, res in _each(ranks):
+        assert res[name] == [True] * (STEPS + 1), (backend, name)
