@@ -40,7 +40,9 @@ class FusedAdam(FusedOptimizer):
     step in one graph, bit-identical to eager (docs/optim.md, "torch.compile").
     ``state_bits=8``: 8-bit moments (block-wise dynamic quantization, 256-element blocks, fp32 absmax) for params
     of at least 4096 elements, dequantized and requantized in the same pass (docs/optim.md, "8-bit moments");
-    not with FSDP2 (DTensor) params or ``torch.compile`` (``NotImplementedError``).
+    FSDP2 (DTensor) shards that start at a multiple of 256 elements step with the whole tensor's blocks (bit for bit
+    the one-process step; other offsets raise ValueError naming the fix); not with ``torch.compile``
+    (``NotImplementedError``).
     """
 
     _bf16_modes = True

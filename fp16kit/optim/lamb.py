@@ -79,8 +79,9 @@ class FusedLAMB(FusedOptimizer):
 
     ``torch.compile(opt.step)`` captures the step in one graph, bit-identical to eager (docs/optim.md).
     ``state_bits=8``: 8-bit moments for params of at least 4096 elements; the trust-ratio norms come from the update
-    computed from the moments as stored (docs/optim.md, "8-bit moments"); not with FSDP2 (DTensor) params or
-    ``torch.compile`` (``NotImplementedError``).
+    computed from the moments as stored (docs/optim.md, "8-bit moments"). FSDP2 (DTensor) shards that start at a
+    multiple of 256 elements step with the whole tensor's blocks (other offsets raise ValueError naming the fix); not
+    with ``torch.compile`` (``NotImplementedError``).
     """
 
     _bf16_modes = True
