@@ -326,3 +326,40 @@ def test_step_creates_no_host_value_and_reads_nothing_back(kind, with_scaler):
             "aten._local_scalar_dense", "aten.ones", "aten.zeros", "aten.empty"}
     seen = {name.rsplit(".", 1)[0] for name in ops.counts}
     assert not (seen & host), ops.counts
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_a_grad_re_strided_in_place_is_planned_again(kind):
+    """The check pass takes the group's verdict for its planner's guard (one group: the same grads list); a grad
+    replaced by a strided view starting at the same address (same addresses, other strides: only a metadata guard
+    notices) must be planned again, not read as the contiguous grad before it. The memory such a stale read would
+    take holds an inf outside the new view: read right, the step is taken and equals a fresh optimizer's."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(8, 12), (5,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    buf = torch.zeros(8, 24)
+    with use_backend("auto"):
+        opt, ref = MAKERS[kind](params, on_nonfinite="skip"), MAKERS[kind](twin, on_nonfinite="skip")
+        assert opt._on_device(torch.device("cpu"))
+        params[0].grad = buf.view(-1)[:96].view(8, 12)  # contiguous, at buf's first element
+        params[1].grad = torch.randn(5, generator=gen)
+        for _ in range(3):
+            buf.view(-1)[:96].copy_(torch.randn(96, generator=gen))
+            for p, q in zip(params, twin):
+                q.grad = p.grad.clone()
+            opt.step()
+            ref.step()
+        buf.copy_(torch.randn(8, 24, generator=gen))
+        buf[0, 1] = float("inf")  # inside the old grad's 96 elements, outside the new view
+        params[0].grad = buf[:, ::2]
+        assert params[0].grad.data_ptr() == buf.data_ptr() and torch.isfinite(params[0].grad).all()
+        twin[0].grad = params[0].grad.contiguous()
+        twin[1].grad = params[1].grad.clone()
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        ref.step()
+    assert not torch.equal(params[0].detach(), before[0]), "the step was skipped: a stale plan read the old span"
+    for p, q in zip(params, twin):
+        assert torch.equal(p.detach(), q.detach())
