@@ -329,11 +329,17 @@ def _write_params(
 def _second_moment(
     exp_avg_sqs: Sequence[torch.Tensor],
     g: list[torch.Tensor],
-    beta2: torch.Tensor,
-    one_minus_beta2: torch.Tensor,
+    beta2: torch.Tensor | float,
+    one_minus_beta2: torch.Tensor | float,
+    *,
+    in_place: bool = False,
 ) -> list[torch.Tensor]:
-    """``v * beta2 + (1 - beta2) * g * g``, out of place."""
-    v = torch._foreach_mul(list(exp_avg_sqs), beta2)
+    """``v * beta2 + (1 - beta2) * g * g``, out of place (or in place on ``exp_avg_sqs``)."""
+    if in_place:
+        v = list(exp_avg_sqs)
+        torch._foreach_mul_(v, beta2)
+    else:
+        v = torch._foreach_mul(list(exp_avg_sqs), beta2)
     gg = torch._foreach_mul(g, one_minus_beta2)
     torch._foreach_mul_(gg, g)
     torch._foreach_add_(v, gg)
@@ -399,25 +405,37 @@ def lamb_direction(
     else new tensors (committed later under the skip mask). The rounding sequence (a multiply, then an add,
     no fused ``alpha``) is the kernel's; ``_lamb_host`` keeps its own in-place sequence for the CPU fast path.
     """
-    beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = scalars
-    dtype = p[0].dtype
-    g = torch._foreach_mul(_math(grads, dtype), inv_scale)
+    m, v = lamb_moments(p, grads, exp_avgs, exp_avg_sqs, scalars, l2_mode, in_place=in_place)
+    _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars
+    return m, v, lamb_u(p, m, v, eps, wd, bc1, bc2, decoupled)
+
+
+def lamb_moments(
+    p: list[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    scalars: Sequence[torch.Tensor | float],
+    l2_mode: bool,
+    *,
+    in_place: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """LAMB's new moments ``(m, v)`` in the kernels' rounding sequence (:func:`lamb_direction`'s first half; also the
+    8-bit CPU chunks', ``optim_fallback_state8.py``): ``g = grad * inv_scale / clip (+ wd p in l2 mode)``,
+    ``m = beta1 m + beta3 g``, ``v = beta2 v + (1 - beta2) g g``; in place on ``exp_avgs``/``exp_avg_sqs`` with
+    ``in_place``, else new tensors."""
+    beta1, beta2, beta3, one_minus_beta2, _, wd, _, _, inv_scale, clip = scalars
+    g = torch._foreach_mul(_math(grads, p[0].dtype), inv_scale)
     torch._foreach_div_(g, clip)
     if l2_mode:
         torch._foreach_add_(g, torch._foreach_mul(p, wd))
     if in_place:
         m = list(exp_avgs)
         torch._foreach_mul_(m, beta1)
-        v = list(exp_avg_sqs)
-        torch._foreach_mul_(v, beta2)
     else:
         m = torch._foreach_mul(list(exp_avgs), beta1)
-        v = torch._foreach_mul(list(exp_avg_sqs), beta2)
     torch._foreach_add_(m, torch._foreach_mul(g, beta3))
-    gg = torch._foreach_mul(g, one_minus_beta2)
-    torch._foreach_mul_(gg, g)
-    torch._foreach_add_(v, gg)
-    return m, v, lamb_u(p, m, v, eps, wd, bc1, bc2, decoupled)
+    return m, _second_moment(exp_avg_sqs, g, beta2, one_minus_beta2, in_place=in_place)
 
 
 def lamb_u(
@@ -545,16 +563,40 @@ def adam_(
         modes = {"l2_mode": l2_mode, "decoupled": decoupled}
         _adam_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, **modes, fused=fused)
         return
-    _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = hp.unbind()
-    p = _math(params, hp.dtype)
-    g = torch._foreach_mul(_math(grads, hp.dtype), inv_scale)
+    p, m, v, step = adam_terms(_math(params, hp.dtype), grads, exp_avgs, exp_avg_sqs, hp.unbind(), l2_mode,
+                               decoupled, in_place=False)
+    _finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, step, skip)
+
+
+def adam_terms(
+    p: list[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    scalars: Sequence[torch.Tensor],
+    l2_mode: bool,
+    decoupled: bool,
+    *,
+    in_place: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Adam's terms in the kernels' rounding sequence (``adam_kernel.py``), the one copy the masked step of
+    :func:`adam_` and the 8-bit CPU chunks (``optim_fallback_state8.py``) share: ``(p', m, v, step)`` with the new
+    step ``p' - step`` (``p'``: ``p`` decayed when ``decoupled``, else ``p`` itself). ``p``: the params in the math
+    dtype (only read); ``scalars``: ``hp.unbind()`` (0-dim tensors); ``in_place``: m and v are updated in place
+    (then the state tensors, or temporaries, themselves), else new tensors."""
+    _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = scalars
+    g = torch._foreach_mul(_math(grads, p[0].dtype), inv_scale)
     if l2_mode:
         torch._foreach_add_(g, torch._foreach_mul(p, wd))
     # m + (1 - beta1) * (g - m): torch.optim.Adam's lerp (for 1 - beta1 < 0.5, i.e. every usual beta1)
     diff = torch._foreach_sub(g, list(exp_avgs))
     torch._foreach_mul_(diff, one_minus_beta1)
-    m = torch._foreach_add(list(exp_avgs), diff)
-    v = _second_moment(exp_avg_sqs, g, beta2, one_minus_beta2)
+    if in_place:
+        m = list(exp_avgs)
+        torch._foreach_add_(m, diff)
+    else:
+        m = torch._foreach_add(list(exp_avgs), diff)
+    v = _second_moment(exp_avg_sqs, g, beta2, one_minus_beta2, in_place=in_place)
     if decoupled:
         p = torch._foreach_mul(p, decay)
     denom = torch._foreach_sqrt(v)
@@ -563,7 +605,7 @@ def adam_(
     step = torch._foreach_div(m, denom)
     # p + (-lr/bc1) * step, written as p - (lr/bc1) * step: the same rounding (negation is exact)
     torch._foreach_mul_(step, -neg_step_size)
-    _finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, step, skip)
+    return p, m, v, step
 
 
 def _adam_host(

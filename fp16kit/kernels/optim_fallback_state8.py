@@ -104,36 +104,18 @@ def _adam_chunk(
     views: list[torch.Tensor | None], m: torch.Tensor, v: torch.Tensor, scalars: Sequence[torch.Tensor],
     l2_mode: bool, decoupled: bool,
 ) -> None:
-    """The masked sequence of ``optim_fallback.adam_`` (the kernels' rounding sequence: the same operations in the
-    same order, on 0-dim tensor hyper-parameters) on one chunk ``views = [p, g, model]`` whose skip is known clear:
-    m and v (temporaries) updated in place, p and the model copy written without the masked commits' ``where``.
-    Bit for bit that sequence (``tests/optim/test_state8_cpu_path.py``)."""
+    """``optim_fallback.adam_terms`` (the masked sequence of ``optim_fallback.adam_``) on one chunk ``views = [p, g,
+    model]`` whose skip is known clear: m and v (temporaries) updated in place, p and the model copy written without
+    the masked commits' ``where``. Bit for bit that sequence (``tests/optim/test_state8_cpu_path.py``)."""
     p, g, model = views
-    _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = scalars
-    math = inv_scale.dtype
-    pm = p if p.dtype is math else p.to(math)
-    gm = (g if g.dtype is math else g.to(math)) * inv_scale
-    if l2_mode:
-        gm += pm * wd
-    diff = gm - m  # m + (1 - beta1) * (g - m)
-    diff *= one_minus_beta1
-    m += diff
-    v *= beta2  # v * beta2 + (1 - beta2) * g * g
-    gm_sq = gm * one_minus_beta2
-    gm_sq *= gm
-    v += gm_sq
-    if decoupled:
-        pm = pm * decay
-    denom = v.sqrt()
-    denom /= bc2_sqrt
-    denom += eps
-    delta = m / denom
-    delta *= -neg_step_size
+    math = scalars[0].dtype
+    (pm,), _, _, (step,) = optim_fallback.adam_terms(
+        optim_fallback._math([p], math), [g], [m], [v], scalars, l2_mode, decoupled, in_place=True
+    )
     if pm is p:
-        torch.sub(p, delta, out=p)
-        new = p
+        new = torch.sub(p, step, out=p)
     else:
-        new = pm - delta
+        new = pm - step
         p.copy_(new)
     if model is not None:
         model.copy_(new)
@@ -207,27 +189,6 @@ def lamb8_stage1(
     return p, list(u)
 
 
-def _lamb_moments(
-    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: Sequence[torch.Tensor],
-    l2_mode: bool,
-) -> None:
-    """The new m and v of ``optim_fallback.lamb_direction`` (the kernels' rounding sequence: the same operations in
-    the same order) on one chunk, in place on the temporaries ``m``, ``v`` (its ``u``, from the moments before
-    quantization, is not needed here). Bit for bit that sequence (``tests/optim/test_state8_cpu_path.py``)."""
-    _, beta1, beta2, beta3, one_minus_beta2, _, wd, _, _, inv_scale, clip = scalars
-    math = inv_scale.dtype
-    gm = (g if g.dtype is math else g.to(math)) * inv_scale
-    gm /= clip
-    if l2_mode:
-        gm += p * wd
-    m *= beta1
-    v *= beta2
-    m += gm * beta3
-    gm_sq = gm * one_minus_beta2
-    gm_sq *= gm
-    v += gm_sq
-
-
 def _lamb8_direction_cpu(
     p: list[torch.Tensor], rows: tuple[Sequence[torch.Tensor], ...], scalars: Sequence[torch.Tensor],
     modes: tuple[bool, bool],
@@ -257,7 +218,7 @@ def _lamb8_direction_cpu(
         absmax_m, absmax_v = absmax_of(exp_avgs[i])[blocks], absmax_of(exp_avg_sqs[i])[blocks]
         m = dequantize(codes_m, absmax_m, True)
         v = dequantize(codes_v, absmax_v, False)
-        _lamb_moments(pc, gc, m, v, scalars, l2_mode)
+        optim_fallback.lamb_moments([pc], [gc], [m], [v], scalars[1:], l2_mode, in_place=True)
         quantize_into(m, codes_m, absmax_m, True)
         quantize_into(v, codes_v, absmax_v, False)
         # u from the moments as stored (lamb_u's sequence), straight into the whole-tensor u
