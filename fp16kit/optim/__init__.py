@@ -17,6 +17,9 @@ _EXPORTS = {
     "FusedNovoGrad": ".novograd",
     "FusedMixedPrecisionLamb": ".mixed_lamb",
     "LARC": ".larc",
+    "to_torch_state_dict": ".torch_state",
+    "from_torch_state_dict": ".torch_state",
+    "fp32_params": ".torch_state",
 }
 
 __all__ = sorted(_EXPORTS)
