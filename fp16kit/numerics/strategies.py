@@ -30,9 +30,10 @@ Edge classes (:data:`EDGE_CLASSES`), per dtype, named to include (``edges=``) or
 - ``overflow_after_cast``: finite values of ``dtype`` that overflow when cast to ``cast_to`` (given ``cast_to``)
 
 Shapes (:func:`shapes`) are drawn by rank and side. Measured over 300 default ``float_tensors()`` draws:
-about 4% are 0-d, 2% empty, and the rest have rank 1 to 3 (roughly evenly) with 39 elements on average. Layouts (:data:`LAYOUTS`): ``contiguous``,
-``non_contiguous`` (every other element of a larger buffer whose gaps hold NaN, so reading a gap shows),
-``transposed`` (dimensions stored in reverse order) and ``channels_last`` (4-d and 5-d tensors).
+about 4% are 0-d, 2% empty, and the rest have rank 1 to 3 (roughly evenly) with 39 elements on average.
+Layouts (:data:`LAYOUTS`): ``contiguous``, ``non_contiguous`` (every other element of a larger buffer whose
+gaps hold NaN, so reading a gap shows), ``transposed`` (dimensions stored in reverse order) and
+``channels_last`` (4-d and 5-d tensors).
 """
 
 from __future__ import annotations
