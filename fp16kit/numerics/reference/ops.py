@@ -44,6 +44,8 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     (``|x_i - m| <= 745`` there, so at most ``(n + 1505) u``: about ``2e-13`` for ``n = 1024``).
     """
     x = _f64(x)
+    if x.numel() == 0:
+        return x.clone()  # (amax refuses an empty dimension; torch returns the empty tensor)
     m = x.amax(dim=dim, keepdim=True)
     e = torch.exp(x - m)
     return e / e.sum(dim=dim, keepdim=True)
@@ -55,6 +57,8 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     Bound: absolute error at most ``(|x_i - m| + n + 770) u`` (the log of the sum lies in ``[0, log n]``).
     """
     x = _f64(x)
+    if x.numel() == 0:
+        return x.clone()  # (amax refuses an empty dimension; torch returns the empty tensor)
     m = x.amax(dim=dim, keepdim=True)
     shifted = x - m
     return shifted - torch.log(torch.exp(shifted).sum(dim=dim, keepdim=True))
