@@ -2,8 +2,10 @@
 
 Public, so users can test their own numeric code the way fp16kit tests its kernels:
 
-- :mod:`~fp16kit.numerics.formats`: ``FloatFormat`` facts for fp16/bf16/fp32/fp64, ``ulp``, ``ulp_distance``.
-- :mod:`~fp16kit.numerics.reference`: float64 reference implementations of every kernel.
+- :mod:`~fp16kit.numerics.formats`: ``FloatFormat`` facts for fp16/bf16/fp32/fp64 and the fp8 formats torch has
+  (``FP8_DTYPES``), ``ulp``, ``ulp_distance``, ``gamma``.
+- :mod:`~fp16kit.numerics.reference`: float64 references of every kernel, and of softmax, log-softmax, layer and
+  RMS norm, GELU, cross-entropy and a matmul with fp32 accumulation, each with its error bound.
 - :mod:`~fp16kit.numerics.assertions`: ``assert_ulp_close``, ``assert_rel_close``, ``assert_gamma_close`` (one
   :func:`assert_close_within` underneath), ``assert_bitwise_equal``, ``assert_nonfinite_agree``; strict about
   shape, dtype and device.
