@@ -15,7 +15,7 @@ A budget is a sum of terms, each one a source of error the caller can name::
 
 ``gamma(n) = n u / (1 - n u)`` with ``u`` the unit roundoff of the accumulation format: a sum of ``n``
 terms computed in that format, in any order, is off by at most ``gamma(n - 1) * sum |term|`` (Higham,
-*Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 4.2), so ``magnitude`` is the float64
+*Accuracy and Stability of Numerical Algorithms*, 2nd ed., chapter 4), so ``magnitude`` is the float64
 sum of the absolute values of the terms; it defaults to ``|expected|``, which is that sum when the terms
 are non-negative (norms, sums of squares, softmax denominators).
 

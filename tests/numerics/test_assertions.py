@@ -285,3 +285,10 @@ def test_pytest_hides_the_assertions_frames():
     with pytest.raises(AssertionError) as info:
         assert_bitwise_equal(torch.ones(2), torch.zeros(3))
     assert [entry.name for entry in info.traceback.filter(info)] == ["test_pytest_hides_the_assertions_frames"]
+
+
+def test_broadcast_reports_indices_in_the_broadcast_shape():
+    actual = torch.ones(2, 3, dtype=H)
+    actual[1, 2] = 1.5
+    with pytest.raises(AssertionError, match=r"worst at \(1, 2\): actual 1.5, expected 1.0"):
+        assert_ulp_close(actual, torch.ones(3, dtype=torch.float64), 1, broadcast=True)
