@@ -7,7 +7,13 @@ float16    16    10        65504        2^-14           2^-24            2^-10
 bfloat16   16    7         ~3.39e38     2^-126          2^-133           2^-7
 float32    32    23        ~3.40e38     2^-126          2^-149           2^-23
 float64    64    52        ~1.80e308    2^-1022         2^-1074          2^-52
+e4m3fn     8     3         448          2^-6            2^-9             2^-3
+e5m2       8     2         57344        2^-14           2^-16            2^-2
 =========  ====  ========  ===========  ==============  ===============  ========
+
+The two fp8 formats (``torch.float8_e4m3fn`` and ``torch.float8_e5m2``) are present when torch has them.
+``e4m3fn`` has no infinities (its one NaN pattern per sign takes the top code), so ``has_inf`` is false
+and a cast to it saturates: torch converts anything beyond 448, infinities included, to +-448.
 
 ``ulp(x, dtype)`` is the spacing of ``dtype``'s representable numbers at ``|x|``: ``2^(e - mantissa_bits)``
 for a normal ``x`` with exponent ``e``, and the smallest subnormal below the normal range.
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORMATS", "FloatFormat", "format_of", "gamma", "ulp", "ulp_distance", "unit_roundoff"]
+__all__ = ["FORMATS", "FP8_DTYPES", "FloatFormat", "format_of", "gamma", "ulp", "ulp_distance", "unit_roundoff"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class FloatFormat:
     min_normal: float
     min_subnormal: float
     eps: float  # ulp(1.0) = 2^-mantissa_bits
+    has_inf: bool = True  # False for float8_e4m3fn, whose casts saturate at +-max
 
     @property
     def min_exponent(self) -> int:
@@ -48,12 +55,25 @@ class FloatFormat:
     @property
     def int_dtype(self) -> torch.dtype:
         """Signed integer dtype of the same width, for bit-level views."""
-        return {16: torch.int16, 32: torch.int32, 64: torch.int64}[self.bits]
+        return {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[self.bits]
+
+
+_FP8 = tuple(
+    (getattr(torch, attr), name, mantissa, has_inf)
+    for attr, name, mantissa, has_inf in (
+        ("float8_e4m3fn", "float8_e4m3fn", 3, False),
+        ("float8_e5m2", "float8_e5m2", 2, True),
+    )
+    if hasattr(torch, attr)
+)
 
 
 def _make(dtype: torch.dtype, name: str) -> FloatFormat:
     info = torch.finfo(dtype)
-    mantissa = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}[dtype]
+    mantissa = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}.get(dtype)
+    fp8 = {d: (m, inf) for d, _, m, inf in _FP8}
+    if mantissa is None:
+        mantissa = fp8[dtype][0]
     return FloatFormat(
         dtype=dtype,
         name=name,
@@ -64,6 +84,7 @@ def _make(dtype: torch.dtype, name: str) -> FloatFormat:
         min_normal=float(info.smallest_normal),
         min_subnormal=float(info.smallest_normal) * 2.0**-mantissa,
         eps=float(info.eps),
+        has_inf=fp8.get(dtype, (0, True))[1],
     )
 
 
@@ -74,8 +95,11 @@ FORMATS: dict[torch.dtype, FloatFormat] = {
         (torch.bfloat16, "bfloat16"),
         (torch.float32, "float32"),
         (torch.float64, "float64"),
+        *((d, n) for d, n, _, _ in _FP8),
     )
 }
+#: The fp8 dtypes this torch has (empty on a torch without them).
+FP8_DTYPES: tuple[torch.dtype, ...] = tuple(d for d, _, _, _ in _FP8)
 
 
 def format_of(dtype: torch.dtype) -> FloatFormat:

@@ -21,7 +21,8 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 def test_matches_reference_and_tensor_copy(backend, data):
     dst_dtype = data.draw(st.sampled_from(DTYPES))
     src = data.draw(
-        fst.tensor_lists(dtypes=DTYPES, edges=fst.EDGE_CLASSES, cast_to=dst_dtype, max_size=4, exponent_range=(-30, 30))
+        fst.tensor_lists(dtypes=DTYPES, edges=fst.EDGE_CLASSES, cast_to=dst_dtype, max_size=4, exponent_range=(-30, 30),
+                         layouts=fst.LAYOUTS)  # sources in every layout; the destinations are contiguous
     )
     dst = [torch.empty(s.shape, dtype=dst_dtype) for s in src]
     copy_(dst, src)

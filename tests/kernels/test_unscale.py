@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp16kit.kernels import unscale_and_check
-from fp16kit.numerics import assert_bitwise_equal, gamma, reference
+from fp16kit.numerics import assert_bitwise_equal, assert_gamma_close, reference
 from fp16kit.numerics import strategies as fst
 
 BACKENDS = [pytest.param("interpreter", marks=pytest.mark.interpreter), "torch"]
@@ -43,8 +43,8 @@ def check_sq_norm(sq: torch.Tensor, expected: float, n_elements: int) -> None:
         assert not math.isfinite(got), f"sq_norm should overflow/propagate: got {got}, float64 sum {expected}"
         return
     eta = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
-    bound = gamma(n_elements + 2, torch.float32) * expected + n_elements * eta / 2
-    assert abs(got - expected) <= bound, f"sq_norm {got} vs {expected}: error {abs(got - expected)} > {bound}"
+    assert_gamma_close(sq, torch.tensor([expected], dtype=torch.float64), n_elements + 2, atol=n_elements * eta / 2,
+                       what="sq_norm")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

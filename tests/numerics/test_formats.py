@@ -27,6 +27,17 @@ def test_bf16_and_fp32_facts():
     assert (f.min_subnormal, f.eps, f.max) == (2.0**-149, 2.0**-23, float(np.finfo(np.float32).max))
 
 
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no fp8 dtypes")
+def test_fp8_facts():
+    e4 = format_of(torch.float8_e4m3fn)
+    assert (e4.max, e4.min_normal, e4.min_subnormal, e4.eps, e4.has_inf) == (448.0, 2.0**-6, 2.0**-9, 2.0**-3, False)
+    e5 = format_of(torch.float8_e5m2)
+    assert (e5.max, e5.min_normal, e5.min_subnormal, e5.eps, e5.has_inf) == (57344.0, 2.0**-14, 2.0**-16, 0.25, True)
+    assert e4.int_dtype == torch.int8 and float(ulp(1.0, torch.float8_e4m3fn)) == 0.125
+    one = torch.tensor([1.0, 448.0]).to(torch.float8_e4m3fn)
+    assert ulp_distance(one, torch.tensor([1.125, 416.0]).to(torch.float8_e4m3fn)).tolist() == [1, 1]
+
+
 def test_unknown_dtype():
     with pytest.raises(TypeError, match="no floating-point format facts"):
         format_of(torch.int32)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp16kit.numerics import reference
+from fp16kit.numerics import FP8_DTYPES, reference
 
 
 @settings(max_examples=300, deadline=None)
@@ -59,3 +59,15 @@ def test_l2norm_and_copy_reference():
 def test_round_is_idempotent_on_representable_values(dtype):
     x = torch.randn(1000).to(dtype)
     assert torch.equal(reference.round_to_format(x.double(), dtype).to(dtype), x)
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+def test_round_to_fp8_matches_torchs_cast(dtype):
+    # torch casts fp32 to fp8 in one rounding (saturating for e4m3fn); float64 holds every fp32 exactly
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, generator=g) * torch.pow(2.0, torch.randint(-24, 20, (20000,), generator=g).float())
+    edges = [448.0, 464.0, 465.0, 480.0, 57344.0, 61439.0, 61440.0, 1e9, math.inf, -math.inf, -0.0, 2.0**-10,
+             3 * 2.0**-11, 2.0**-17, -(2.0**-16)]
+    x = torch.cat([x, torch.tensor(edges)])
+    got = reference.round_to_format(x.double(), dtype).to(dtype)
+    assert torch.equal(got.view(torch.int8), x.to(dtype).view(torch.int8))

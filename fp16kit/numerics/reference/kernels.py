@@ -29,7 +29,9 @@ def round_to_format(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     For finite ``x`` with binary exponent ``e`` (clamped below at the format's smallest normal
     exponent, which yields subnormals), the representable neighbours are multiples of
     ``q = 2^(e - mantissa_bits)``; ``round_half_even(x / q) * q`` is exact in float64. A result above
-    the largest finite value overflows to inf with x's sign. inf and NaN pass through.
+    the largest finite value overflows to inf with x's sign. inf and NaN pass through. For a format
+    without infinities (``float8_e4m3fn``) the result saturates instead, as torch's cast does: anything
+    that rounds above the largest finite value, inf included, becomes +-max.
     """
     fmt = format_of(dtype)
     x = x.to(torch.float64)
@@ -39,9 +41,13 @@ def round_to_format(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     e = torch.clamp(k.to(torch.float64) - 1, min=fmt.min_exponent)
     q = torch.pow(2.0, e - fmt.mantissa_bits)
     rounded = torch.round(x / q) * q  # torch.round: half to even
-    rounded = torch.where(rounded.abs() > fmt.max, torch.copysign(torch.full_like(x, float("inf")), x), rounded)
+    top = float("inf") if fmt.has_inf else fmt.max
+    rounded = torch.where(rounded.abs() > fmt.max, torch.copysign(torch.full_like(x, top), x), rounded)
     rounded = torch.where(x == 0, x, rounded)  # keeps the sign of zero
-    return torch.where(finite, rounded, x)
+    rounded = torch.where(finite, rounded, x)
+    if not fmt.has_inf:
+        rounded = torch.where(torch.isinf(x), torch.copysign(torch.full_like(x, fmt.max), x), rounded)
+    return rounded
 
 
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
