@@ -247,12 +247,13 @@ def invalid(c: Cell) -> str | None:
 def refusal(c: Cell) -> Refusal | None:
     """The error a crossing must raise by design (a refused cell), or None (an accepted cell)."""
     o, w = c.opt, c.weights
-    if isinstance(w.master, str) and not o.bf16_modes:
-        return Refusal(ValueError, f"master_weights='{w.master}' is not understood")
+    # (in the order they fire: an unknown keyword before the constructor's own checks)
     if c.moments.bits == 8 and not o.state8:
         return Refusal(TypeError, "unexpected keyword argument 'state_bits'")
     if c.path.name == "zero1" and not o.zero1:
         return Refusal(TypeError, "unexpected keyword argument 'process_group'")
+    if isinstance(w.master, str) and not o.bf16_modes:
+        return Refusal(ValueError, f"master_weights='{w.master}' is not understood")
     if c.path.name == "compiled" and c.moments.bits == 8:
         return Refusal(NotImplementedError, "torch.compile of a state_bits=8 step")
     return None

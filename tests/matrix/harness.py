@@ -160,7 +160,7 @@ def _make_opt(c: Cell, params: list[torch.nn.Parameter], pg: Any) -> Any:
     kw: dict[str, Any] = {"on_nonfinite": "skip"}
     if c.weights.master is not False or name != "FusedMixedPrecisionLamb":
         kw["master_weights"] = c.weights.master
-    if c.weights.master == "stochastic":
+    if c.weights.master == "stochastic" and c.opt.bf16_modes:
         kw["rounding_seed"] = 77
     if c.moments.bits != 32:
         kw["state_bits"] = c.moments.bits
@@ -640,7 +640,11 @@ def twins(c: Cell) -> list[tuple[Cell, str]]:
             else "reference"
         out.append((c.replace(backend=next(b for b in BACKENDS if b.name == other)), kind))
     if c.path.name == "device":
-        out.append((c.replace(path=next(p for p in PATHS if p.name == "host")), "bits"))
+        # bit for bit where every row is a kernel row; rows the kernels do not take (non-contiguous) run the torch
+        # passes, whose masked (device-step) and host-branch (host-vector) sequences round differently
+        # (docs/optim.md, "Where each optimizer's math lives")
+        how = "reference" if c.layout.noncontiguous else "bits"
+        out.append((c.replace(path=next(p for p in PATHS if p.name == "host")), how))
     if c.path.name == "compiled":
         out.append((c.replace(path=next(p for p in PATHS if p.name == "host")), "bits"))
     return out
