@@ -40,7 +40,7 @@ from optim_helpers import (
 
 from fp16kit.kernels import from_state8, use_backend
 from fp16kit.numerics import gamma, ulp
-from fp16kit.numerics.reference import adam_step, larc_grads, lamb_step
+from fp16kit.numerics.reference import adam_step, lamb_step, larc_grads
 from fp16kit.numerics.reference.state8 import resolution
 
 from .axes import Cell
@@ -411,7 +411,8 @@ def _check_adam(run: Run, snap: list[dict]) -> None:
         eight = [opt.state[p]["exp_avg"].dtype == torch.uint8 for p in items["params"]]
         check_adam_lists(items["p"], items["g"], items["m"], items["v"], targets, None, None, hp=hp,
                          adam_w_mode=opt.adam_w_mode)
-        ref_p, ref_m, ref_v = adam_step(items["p"], items["g"], items["m"], items["v"], adam_w_mode=True, **hp)
+        _, ref_m, ref_v = adam_step(items["p"], items["g"], items["m"], items["v"], adam_w_mode=opt.adam_w_mode,
+                                    **hp)
         b1, b2 = hp["betas"]
         for i, p in enumerate(items["params"]):
             st = opt.state[p]
@@ -534,18 +535,7 @@ def checked_step(run: Run, grads: Sequence[torch.Tensor | None]) -> None:
     """Oracle 1: install ``grads``, take the step, check it against the float64 reference."""
     install_grads(run, grads)
     kind = run.cell.opt.kind
-    if run.amp_opt is not None:  # amp computes the grads itself (the same values: a linear loss, scale 1)
-        snap_params = run.params
-
-        def fake_grads():
-            for p, g in zip(snap_params, grads):
-                p.grad = None if g is None else g.clone()
-
-        fake_grads()
-        snap = _snapshot_adam_like(run)
-        take_step(run, grads)
-        (_check_adam if kind == "adam" else _check_lamb)(run, snap)
-        return
+    # (amp O2 recomputes the grads in take_step from a linear loss at scale 1: the same values as installed here)
     if kind in ("adam", "lamb"):
         snap = _snapshot_adam_like(run)
         take_step(run, grads)
