@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from _pytest.outcomes import Failed as pytest_fail
 
 # ---------------------------------------------------------------------------------------------- the entries
 
@@ -260,6 +261,32 @@ def refusal(c: Cell) -> Refusal | None:
 
 
 @dataclass(frozen=True)
+class ErrorInput:
+    """A constructor argument every optimizer must refuse (torch's ``ErrorOptimizerInput``)."""
+
+    name: str
+    kwargs: dict
+    refusal: Refusal
+
+    def __str__(self) -> str:
+        return self.name
+
+
+#: bounds every optimizer checks at construction (docs/optim.md, "Validation"): a float32 update needs float32
+#: hyper-parameters
+ERROR_INPUTS = [
+    ErrorInput("lr=1e39", {"lr": 1e39}, Refusal(ValueError, r"lr=1e\+39")),
+    ErrorInput("weight_decay=1e300", {"weight_decay": 1e300}, Refusal(ValueError, r"weight_decay=1e\+300")),
+]
+
+
+def error_cells() -> list[Cell]:
+    """One cell per optimizer and error input (the other axes at their first entry); ``extra`` names the input."""
+    base = Cell(OPTIMIZERS[0], WEIGHTS[0], MOMENTS[0], LAYOUTS[0], GRADS[0], SCALERS[0], BACKENDS[0], PATHS[0])
+    return [Cell(o, *[getattr(base, a) for a in list(AXES)[1:]], extra=(e,)) for o in OPTIMIZERS for e in ERROR_INPUTS]
+
+
+@dataclass(frozen=True)
 class Defect:
     """A known defect: the cells ``applies`` selects fail today, raising ``raises``."""
 
@@ -283,6 +310,11 @@ KNOWN_DEFECTS: list[Defect] = [
     Defect("issue 31 item 3: torch.save of an 8-bit state_dict raises 'Cannot save multiple tensors or storages "
            "that view the same data as different types' (the absmax is a float32 view of the codes' storage)",
            lambda c: _eight_bit_large(c) and c.path.name != "compiled", (RuntimeError,)),
+    Defect("issue 31 item 4: FusedAdam/FusedLAMB accept lr and weight_decay above float32's range (inf/NaN reach "
+           "the weights); FusedMixedPrecisionLamb bounds lr but not weight_decay",
+           lambda c: bool(c.extra) and (c.opt.name in ("FusedAdam", "FusedLAMB") or (
+               c.opt.name == "FusedMixedPrecisionLamb" and c.extra[0].name.startswith("weight_decay"))),
+           (pytest_fail,)),
     Defect("issue 31 item 5: a group built by copying another group's dict shares its step tensor: both groups "
            "advance it, the bias corrections shift",
            lambda c: c.layout.name == "copied_group" and c.opt.kind in ("adam", "lamb", "novograd")),

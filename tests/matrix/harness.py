@@ -143,7 +143,7 @@ class Functional:
         self.param_groups[0]["step"].copy_(sd["param_groups"][0]["step"])
 
 
-def _make_opt(c: Cell, params: list[torch.nn.Parameter], pg: Any) -> Any:
+def _make_opt(c: Cell, params: list[torch.nn.Parameter], pg: Any, **extra: Any) -> Any:
     from fp16kit.optim import (
         LARC,
         FusedAdagrad,
@@ -158,6 +158,7 @@ def _make_opt(c: Cell, params: list[torch.nn.Parameter], pg: Any) -> Any:
     if c.path.name == "functional":
         return Functional(params, kind)
     kw: dict[str, Any] = {"on_nonfinite": "skip"}
+    hp = {"lr": LR[kind], "weight_decay": 0.0 if name == "LARC" else 0.01, **extra}
     if c.weights.master is not False or name != "FusedMixedPrecisionLamb":
         kw["master_weights"] = c.weights.master
     if c.weights.master == "stochastic" and c.opt.bf16_modes:
@@ -169,21 +170,21 @@ def _make_opt(c: Cell, params: list[torch.nn.Parameter], pg: Any) -> Any:
     groups: list[dict] = [{"params": params[:1]}, {"params": params[1:]}] if c.layout.name == "copied_group" \
         else [{"params": params}]
     if name == "FusedAdam":
-        opt = FusedAdam(groups[:1], lr=LR[kind], weight_decay=0.01, **kw)
+        opt = FusedAdam(groups[:1], **hp, **kw)
     elif name == "FusedLAMB":
-        opt = FusedLAMB(groups[:1], lr=LR[kind], weight_decay=0.01, max_grad_norm=1.0, **kw)
+        opt = FusedLAMB(groups[:1], max_grad_norm=1.0, **hp, **kw)
     elif name == "FusedMixedPrecisionLamb":
         master = kw.pop("master_weights", False)
         kw["reduced_precision_dtype"] = c.weights.dtype if master else None
-        opt = FusedMixedPrecisionLamb(groups[:1], lr=LR[kind], weight_decay=0.01, max_grad_norm=1.0, **kw)
+        opt = FusedMixedPrecisionLamb(groups[:1], max_grad_norm=1.0, **hp, **kw)
     elif name == "FusedSGD":
-        opt = FusedSGD(groups[:1], lr=LR[kind], momentum=0.9, weight_decay=0.01, **kw)
+        opt = FusedSGD(groups[:1], momentum=0.9, **hp, **kw)
     elif name == "FusedAdagrad":
-        opt = FusedAdagrad(groups[:1], lr=LR[kind], weight_decay=0.01, **kw)
+        opt = FusedAdagrad(groups[:1], **hp, **kw)
     elif name == "FusedNovoGrad":
-        opt = FusedNovoGrad(groups[:1], lr=LR[kind], weight_decay=0.01, **kw)
+        opt = FusedNovoGrad(groups[:1], **hp, **kw)
     elif name == "LARC":
-        opt = LARC(FusedSGD(groups[:1], lr=LR[kind], weight_decay=0.0, **kw))
+        opt = LARC(FusedSGD(groups[:1], **hp, **kw))
     else:  # pragma: no cover - a new optimizer entry needs its constructor here
         raise AssertionError(name)
     if c.layout.name == "copied_group":

@@ -112,3 +112,12 @@ def test_cell(cell, pg):
 @pytest.mark.slow
 def test_cell_full(full_cell, pg):
     check_cell(full_cell, pg)
+
+
+@pytest.mark.parametrize("cell", [pytest.param(c, id=f"{c.opt}-{c.extra[0]}", marks=_marks(c))
+                                  for c in axes.error_cells()])
+def test_error_input(cell):
+    """Every optimizer refuses hyper-parameters outside float32's range at construction, naming the value."""
+    bad = cell.extra[0]
+    with pytest.raises(bad.refusal.exc, match=bad.refusal.match):
+        harness._make_opt(cell, harness._params(cell), None, **bad.kwargs)
