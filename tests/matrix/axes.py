@@ -125,9 +125,10 @@ OPTIMIZERS = [
               huge_skips=_adam_guard),
     # max_grad_norm=1.0: a huge gradient is clipped, not skipped (the guard is for max_grad_norm=0)
     Optimizer("FusedLAMB", "lamb", bf16_modes=True, state8=True, zero1=True, functional=True, compiled=True),
-    Optimizer("FusedSGD", "sgd"),
-    Optimizer("FusedAdagrad", "adagrad", huge_skips=_square_overflows),
-    Optimizer("FusedNovoGrad", "novograd"),  # its second moment is a per-tensor norm: 1e25 fits
+    # compiled: "compiled and sharded steps keep the host-vector step" (docs/optim.md, apex's optimizers on the device)
+    Optimizer("FusedSGD", "sgd", compiled=True),
+    Optimizer("FusedAdagrad", "adagrad", compiled=True, huge_skips=_square_overflows),
+    Optimizer("FusedNovoGrad", "novograd", compiled=True),  # its second moment is a per-tensor norm: 1e25 fits
     Optimizer("FusedMixedPrecisionLamb", "lamb", compiled=True),
     Optimizer("LARC", "larc"),  # around FusedSGD, as apex's recipes use it
 ]
@@ -225,7 +226,7 @@ def invalid(c: Cell) -> str | None:
     if path == "functional" and c.scaler.name != "noscaler":
         return "a GradScaler steps an optimizer, not a function (the functional API takes inv_scale/found_inf)"
     if path == "compiled" and not o.compiled:
-        return "torch.compile is documented for FusedAdam/FusedLAMB"
+        return "torch.compile is documented for FusedAdam/FusedLAMB (and subclasses) and apex's SGD/Adagrad/NovoGrad"
     if o.name == "FusedMixedPrecisionLamb" and isinstance(w.master, str):
         return "FusedMixedPrecisionLamb has no master_weights argument (its masters: reduced_precision_dtype)"
     if lay == "ampO2" and (w.master is not True or path in ("functional", "zero1", "compiled")):
@@ -321,6 +322,11 @@ KNOWN_DEFECTS: list[Defect] = [
     Defect("issue 31 item 6: a step counter >= 2**31 overflows int32 in the device step under the interpreter "
            "(NaN weights)",
            lambda c: c.layout.name == "step_2e31" and c.backend.name == "interp" and c.path.name == "device"),
+    Defect("found by the matrix: torch.compile(opt.step) of FusedSGD/FusedAdagrad/FusedNovoGrad on the Triton "
+           "backend (CPU tensors, interpreter) fails while tracing: fake-tensor mul of a uint64 tensor, "
+           "KeyError(torch.uint64), raised as an InterpreterError (the torch backend compiles)",
+           lambda c: c.path.name == "compiled" and c.backend.name == "interp"
+           and c.opt.kind in ("sgd", "adagrad", "novograd") and refusal(c) is None, (Exception,)),
     Defect("issue 31 item 7: torch.compile of an 8-bit step fails with an unrelated error instead of the "
            "documented NotImplementedError",
            lambda c: c.path.name == "compiled" and c.moments.bits == 8 and c.opt.state8, (Exception,)),
@@ -374,7 +380,7 @@ def cost(c: Cell) -> float:
     elif c.path.name in ("host", "zero1", "functional") and c.layout.name != "ampO2":
         t += 6.0 if c.layout.large else 2.5  # the twin on the Triton backend
     if c.path.name == "compiled":
-        t += 6.0
+        t += 6.0 if c.opt.kind in ("adam", "lamb") else 20.0 if c.backend.name == "torch" else 90.0
     return t
 
 
