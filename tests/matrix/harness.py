@@ -571,6 +571,7 @@ def trajectory(c: Cell, pg: Any = None, ckpt: str | None = None) -> Run:
     (``torch.save``) with the params and the scaler's state."""
     run = build(c, pg)
     kinds = ["finite", c.grads.name, "finite"]
+    taken = 0
     for k, kind in enumerate(kinds):
         grads = grads_for(run, k, kind)
         run.log.append(grads)
@@ -578,10 +579,15 @@ def trajectory(c: Cell, pg: Any = None, ckpt: str | None = None) -> Run:
             skipped_step(run, grads)
         else:
             checked_step(run, grads)
+            taken += 1
         _all_finite(run)
         if k == 0 and ckpt is not None:
             torch.save({"opt": run.opt.state_dict(), "params": [p.detach().clone() for p in run.params],
                         "scaler": None if run.scaler is None else run.scaler.state_dict()}, ckpt)
+    # the first group (it has grads at every step) counts the steps taken, exactly (at 2**31 fp32 cannot count)
+    step = run.inner().param_groups[0].get("step")
+    if isinstance(step, torch.Tensor) and c.layout.name != "step_2e31":
+        assert float(step.reshape(-1)[0]) == taken, f"group 0's step counter reads {float(step)} after {taken} steps"
     return run
 
 
