@@ -639,7 +639,11 @@ def _torch_signature(device_type: Any, dtype: torch.dtype | None, enabled: bool)
     device type's autocast dtype when ``dtype`` is None, and disabled (with a warning) where torch disables it."""
     if not isinstance(device_type, str):
         raise ValueError(f"autocast(device_type={device_type!r}): expected a str such as 'cuda' or 'cpu'.")
-    if not torch.amp.is_autocast_available(device_type):
+    try:
+        available = torch.amp.is_autocast_available(device_type)
+    except RuntimeError:  # not a device type torch knows at all ("tpu")
+        available = False
+    if not available:
         raise RuntimeError(
             f"autocast({device_type!r}): torch has no autocast for device type {device_type!r}. Write "
             f"autocast('cuda', ...) or autocast('cpu', ...) (an fp16kit region applies to tensors of every device), "
