@@ -112,13 +112,22 @@ def _assert_same(ref: list[torch.Tensor], got: list[torch.Tensor], what: str) ->
         assert torch.equal(a, b), (what, i, (a.float() - b.float()).abs().max().item())
 
 
+def _check_forms(engine: str, combos, forms=FORMS) -> None:
+    for pdtype, low in combos:
+        ref = _run(pdtype, low, "none")
+        assert all(t.isfinite().all() for t in ref), (pdtype, low)
+        for form in forms:
+            _assert_same(ref, _run(pdtype, low, form), f"{engine} {pdtype} {low} {form}")
+
+
 def test_every_checkpoint_form_gives_the_uncheckpointed_gradients(engine):
-    for pdtype in PARAMS:
-        for low in LOW:
-            ref = _run(pdtype, low, "none")
-            assert all(t.isfinite().all() for t in ref), (pdtype, low)
-            for form in FORMS:
-                _assert_same(ref, _run(pdtype, low, form), f"{engine} {pdtype} {low} {form}")
+    """Every form, fp32 parameters in fp16 and bf16 parameters in bf16 (the rest of the matrix: ``-m slow``)."""
+    _check_forms(engine, [(torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])
+
+
+@pytest.mark.slow
+def test_every_checkpoint_form_every_dtype_pairing(engine):
+    _check_forms(engine, [(p, d) for p in PARAMS for d in LOW])
 
 
 def test_recomputation_runs_under_the_forwards_region_not_the_backwards(engine):
