@@ -34,11 +34,12 @@ none: absent composites then run as called).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -59,6 +60,7 @@ __all__ = [
     "set_engine",
     "torch_region_enter",
     "torch_region_exit",
+    "use_engine",
 ]
 
 _T = TypeVar("_T", bound=Callable[..., Any])
@@ -103,6 +105,17 @@ def set_engine(name: str) -> None:
     if name != "dispatch":
         _dispatch.uninstall()
     _engine[0] = name
+
+
+@contextlib.contextmanager
+def use_engine(name: str) -> Iterator[None]:
+    """:func:`set_engine` for a ``with`` block, the previous engine selected again on exit (not inside a region)."""
+    before = _engine[0]
+    set_engine(name)
+    try:
+        yield
+    finally:
+        set_engine(before)
 
 
 # ----------------------------------------------------------------------------------------------------------------

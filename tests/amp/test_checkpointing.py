@@ -34,10 +34,8 @@ PARAMS = (torch.float32, torch.bfloat16)
 
 @pytest.fixture(params=ENGINES)
 def engine(request):
-    before = autocast_mode.engine()
-    autocast_mode.set_engine(request.param)
-    yield request.param
-    autocast_mode.set_engine(before)
+    with autocast_mode.use_engine(request.param):
+        yield request.param
 
 
 class Block(nn.Module):

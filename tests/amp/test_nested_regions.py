@@ -14,8 +14,6 @@ skipped it).
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,16 +24,6 @@ from fp16kit.amp import autocast_mode
 
 ENGINES = ("dispatch", "mode")
 F16, B16, F32 = torch.float16, torch.bfloat16, torch.float32
-
-
-@contextlib.contextmanager
-def _engine(name: str):
-    before = autocast_mode.engine()
-    autocast_mode.set_engine(name)
-    try:
-        yield
-    finally:
-        autocast_mode.set_engine(before)
 
 
 def _probe(lin: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +75,7 @@ def _run_case(name: str) -> list[torch.Tensor]:
 def test_nesting_is_the_documented_one_and_the_same_under_both_engines(name):
     results = {}
     for engine in ENGINES:
-        with _engine(engine):
+        with autocast_mode.use_engine(engine):
             results[engine] = _run_case(name)
         outs = results[engine][:6]
         before, inside, after = outs[0:2], outs[2:4], outs[4:6]
@@ -113,7 +101,7 @@ def test_a_weight_in_regions_of_two_dtypes_is_cast_for_each():
     ref = by_hand()
     for engine in ENGINES:
         lin.zero_grad()
-        with _engine(engine):
+        with autocast_mode.use_engine(engine):
             with amp.autocast(dtype=F16):
                 outs = [lin(x)]
                 with amp.autocast(dtype=B16):
@@ -132,7 +120,7 @@ def test_hf_rotary_pattern_torch_autocast_disabled_inside_a_region():
     pos = torch.arange(6.0).view(1, 1, 6)
     ref = inv_freq @ pos
     for engine in ENGINES:
-        with _engine(engine), amp.autocast(dtype=B16):
+        with autocast_mode.use_engine(engine), amp.autocast(dtype=B16):
             with torch.autocast("cpu", enabled=False):
                 got = inv_freq.float() @ pos.float()
                 assert not amp.is_autocast_enabled()

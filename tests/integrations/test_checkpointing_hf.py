@@ -11,7 +11,6 @@ torch's CPU lists: before the recomputation re-entered fp16kit's region, ``use_r
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Any
 
@@ -29,16 +28,6 @@ from fp16kit.amp import autocast_mode
 from fp16kit.integrations.transformers import AmpTrainer
 
 STEPS = 2
-
-
-@contextlib.contextmanager
-def _engine(name: str):
-    before = autocast_mode.engine()
-    autocast_mode.set_engine(name)
-    try:
-        yield
-    finally:
-        autocast_mode.set_engine(before)
 
 
 def _bert(pdtype: torch.dtype, checkpointing: bool | None):
@@ -75,7 +64,7 @@ def _check(engine: str, combos) -> None:
     first checkpoint boundary are summed in another order by torch's reentrant backward (the checkpointed layer's
     input gradient is accumulated on a detached leaf), which moves them by rounding under ``torch.autocast`` alone
     too (``test_reentrant_reorders_the_sum_under_torch_autocast_too``)."""
-    with _engine(engine):
+    with autocast_mode.use_engine(engine):
         for pdtype, low in combos:
             ref = _grads(pdtype, low, None)
             assert all(t.isfinite().all() for t in ref["grads"].values())
