@@ -264,19 +264,35 @@ def _compiled_grads(form: str, low: torch.dtype) -> list[torch.Tensor]:
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_compiled_checkpointed_block_equals_eager_uncheckpointed():
     """torch.compile over checkpointed blocks (``aot_eager``: the traced aten graph, bit-exact), default engine."""
-    ref = _compiled_grads("none", torch.bfloat16)
-    for form in ("non_reentrant", "selective"):
-        _assert_same(ref, _compiled_grads(form, torch.bfloat16), form)
+    with autocast_mode.use_engine("dispatch"):
+        ref = _compiled_grads("none", torch.bfloat16)
+        for form in ("non_reentrant", "selective"):
+            _assert_same(ref, _compiled_grads(form, torch.bfloat16), form)
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_compiled_checkpoint_every_engine_and_dtype(engine):
-    for low in LOW:
-        ref = _compiled_grads("none", low)
-        for form in ("non_reentrant", "selective", "reentrant"):
-            torch._dynamo.reset()
-            _assert_same(ref, _compiled_grads(form, low), f"{engine} {low} {form}")
+def test_compiled_checkpoint_every_dtype():
+    with autocast_mode.use_engine("dispatch"):
+        for low in LOW:
+            ref = _compiled_grads("none", low)
+            for form in ("non_reentrant", "selective", "reentrant"):
+                torch._dynamo.reset()
+                _assert_same(ref, _compiled_grads(form, low), f"{low} {form}")
+
+
+@pytest.mark.xfail(strict=True, reason="known limit of the mode engine (docs/autocast.md, 'Activation checkpointing'): "
+                   "Dynamo traces a checkpointed function without torch-function modes, so its rows do not apply")
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_checkpoint_under_the_mode_engine_is_a_known_limit():
+    with autocast_mode.use_engine("mode"):
+        def block(x):
+            return x.softmax(-1)
+
+        x = torch.randn(3, 4, dtype=torch.bfloat16)
+        with amp.autocast(dtype=torch.bfloat16):
+            out = torch.compile(lambda t: checkpoint(block, t, use_reentrant=False), backend="aot_eager")(x)
+        assert out.dtype == torch.float32
 
 
 def test_torch_amp_custom_fwd_bwd_inside_a_region(engine):
