@@ -41,9 +41,10 @@ def install(on_enter: Callable[[str, bool, torch.dtype], Any], on_exit: Callable
 
     @functools.wraps(enter)
     def __enter__(self: Any) -> Any:
-        device = getattr(self, "device", None)
-        token = None if device is None else on_enter(device, self._enabled, self.fast_dtype)
-        if token is not None and token[1]:
+        token = on_enter(self.device, self._enabled, self.fast_dtype) if hasattr(self, "device") else None
+        if token is None:
+            return enter(self)
+        if token[1]:
             cache, self._cache_enabled = self._cache_enabled, False
             try:
                 out = enter(self)
@@ -51,14 +52,13 @@ def install(on_enter: Callable[[str, bool, torch.dtype], Any], on_exit: Callable
                 self._cache_enabled = cache
         else:
             out = enter(self)
-        self.__dict__.setdefault("_fp16kit_tokens", []).append(token)
+        self._fp16kit_token = token  # torch keeps its own restore state on the instance the same way
         return out
 
     @functools.wraps(exit_)
     def __exit__(self: Any, *exc: Any) -> Any:
         out = exit_(self, *exc)
-        tokens = self.__dict__.get("_fp16kit_tokens")
-        token = tokens.pop() if tokens else None
+        token = self.__dict__.pop("_fp16kit_token", None)
         if token is not None:
             on_exit(token)
         return out

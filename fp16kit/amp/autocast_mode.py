@@ -569,11 +569,12 @@ def torch_region_enter(device: str, enabled: bool, dtype: torch.dtype) -> tuple[
     nothing cast), the same under both engines (docs/autocast.md, "Nesting"). One that enables the region's own dtype
     changes nothing. ``cache_off``: the torch region must not use torch's weight-cast cache, which may hold casts to
     another dtype (it is keyed by tensor)."""
+    dispatch = _engine[0] == "dispatch"
+    if not (getattr(_tls, "depth", 0) if dispatch else getattr(_tls, "mode", None)):
+        return None  # outside every fp16kit region (plain torch.autocast code): the common case, first
     if device == _dispatch.MARKER or getattr(_tls, "own", 0) or _is_compiling():
         return None
-    if _engine[0] == "dispatch":
-        if not getattr(_tls, "depth", 0):
-            return None
+    if dispatch:
         marker = _dispatch.MARKER
         cache_off = bool(enabled) and _cache_may_hold_other(dtype)
         on = torch.is_autocast_enabled(marker)
@@ -600,6 +601,8 @@ def torch_region_exit(token: tuple[bool, bool]) -> None:
         mode.enabled = True
 
 
+#: one entry once the hooks on torch (``_recompute``, ``_nesting``) are installed: the first eager region does it
+_HOOKED: list[bool] = []
 #: the device types whose ``torch.autocast`` state a region reads or sets (besides the dispatcher engine's marker)
 _TORCH_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
@@ -623,8 +626,12 @@ def _cached_dtypes() -> list[torch.dtype]:
 def _cache_may_hold_other(dtype: torch.dtype) -> bool:
     """True when torch's weight-cast cache may hold casts to another dtype than ``dtype``: an enclosing region,
     fp16kit's or torch's, is enabled in another dtype."""
-    if any(d is not dtype for d in getattr(_tls, "cached", ())):
-        return True
+    stack = getattr(_tls, "cached", None)
+    if stack:
+        if any(d is not dtype for d in stack):
+            return True
+    elif not torch._C._is_any_autocast_enabled():
+        return False  # the outermost region (the common case): one call
     return any(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) is not dtype for d in _TORCH_DEVICES)
 
 
@@ -739,15 +746,16 @@ class autocast:
             dtype, enabled = _torch_signature(device_type, dtype, enabled)
         self.dtype = dtype
         self.enabled = bool(enabled)
-        self.cache_enabled = torch.is_autocast_cache_enabled() if cache_enabled is None else bool(cache_enabled)
+        if cache_enabled is None:  # torch's signature: torch's default; fp16kit's: True, as it always was
+            cache_enabled = torch.is_autocast_cache_enabled() if device_type is not None else True
+        self.cache_enabled = bool(cache_enabled)
         self._saved: list[Any] = []
 
     def __enter__(self) -> autocast:
-        if not _is_compiling():
-            if not _recompute.installed():
-                _recompute.install(region_state, replay)  # checkpoint recomputation re-enters the forward's region
-            if not _nesting.installed():
-                _nesting.install(torch_region_enter, torch_region_exit)  # torch.autocast inside a region
+        if not _HOOKED and not _is_compiling():
+            _recompute.install(region_state, replay)  # checkpoint recomputation re-enters the forward's region
+            _nesting.install(torch_region_enter, torch_region_exit)  # torch.autocast inside a region
+            _HOOKED.append(True)
         if _engine[0] == "dispatch":
             if self.enabled and torch._C._are_functorch_transforms_active() and _inside_vmap():
                 raise RuntimeError(
