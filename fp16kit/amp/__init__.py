@@ -21,6 +21,9 @@ Names resolve lazily to the module that defines them (one job per module), so im
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from .._lazy import lazy_exports
 
 # public name -> defining module (relative to this package)
@@ -58,4 +61,18 @@ _EXPORTS = {
 
 __all__ = sorted(name for name in _EXPORTS if not name.startswith("_"))
 
-__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
+#: submodules reachable as attributes without importing them first (``fp16kit.amp.autocast_mode.set_engine("mode")``,
+#: as docs/autocast.md writes it)
+_SUBMODULES = frozenset({"autocast_mode", "functions", "grad_scaler", "loss_scaler", "policy"})
+
+_exported, _dir = lazy_exports(__name__, globals(), _EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    return _exported(name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(_dir()) | _SUBMODULES)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -52,12 +53,14 @@ from .policy import Rule
 __all__ = [
     "MARKER",
     "EagerRegion",
+    "Replay",
     "composite_rows",
     "install",
     "installed_ops",
     "plan",
     "region",
     "region_active",
+    "replaying",
     "uninstall",
     "wrapped_functions",
 ]
@@ -120,6 +123,48 @@ class _State:
 
 
 STATE = _State()
+
+
+class _ReplayDepth(threading.local):
+    depth = 0
+
+
+#: per thread: how many :class:`Replay` blocks are open. Inside one the kernels apply the table although an autograd
+#: node is running (the forward code that torch re-runs in backward: checkpoint recomputation, ``custom_bwd``).
+_REPLAY = _ReplayDepth()
+
+
+class Replay:
+    """Re-enter a region's marker state (``enabled``, ``dtype``) inside backward, for forward code that torch re-runs
+    there (the recomputation of ``torch.utils.checkpoint``) or a backward that runs under its forward's region
+    (``custom_bwd``). torch restores its own autocast state for the devices itself; this restores the marker, which
+    it does not know, and lets the kernels act although an autograd node is running (they leave the ops of backward
+    formulas alone otherwise). Eager only (under ``torch.compile`` recomputation is part of the traced graph)."""
+
+    __slots__ = ("_prev", "_state")
+
+    def __init__(self, enabled: bool, dtype: torch.dtype) -> None:
+        self._state = (enabled, dtype)
+        self._prev: tuple[bool, torch.dtype] | None = None
+
+    def __enter__(self) -> Replay:
+        include_key()
+        self._prev = (torch.is_autocast_enabled(MARKER), torch.get_autocast_dtype(MARKER))
+        torch.set_autocast_enabled(MARKER, self._state[0])
+        torch.set_autocast_dtype(MARKER, self._state[1])
+        _REPLAY.depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _REPLAY.depth -= 1
+        assert self._prev is not None
+        torch.set_autocast_enabled(MARKER, self._prev[0])
+        torch.set_autocast_dtype(MARKER, self._prev[1])
+
+
+def replaying() -> bool:
+    """True inside a :class:`Replay` block on this thread."""
+    return _REPLAY.depth > 0
 
 
 @functools.cache
@@ -292,7 +337,7 @@ def _make_kernel(name: str) -> Callable[..., Any]:
     guard = torch._C._ExcludeDispatchKeyGuard
     everything, own = _ALL_KEYS, _OWN_KEY
     inside_torch_kernel, cpu_key, cuda_key, cuda = _excluded, _DK.AutocastCPU, _DK.AutocastCUDA, _CUDA
-    backward_node = torch._C._current_autograd_node
+    backward_node, replay = torch._C._current_autograd_node, _REPLAY
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         # Reached only inside an fp16kit region: the key is dispatched through only while the region's marker
@@ -302,7 +347,9 @@ def _make_kernel(name: str) -> Callable[..., Any]:
         hit = live.get(name)
         if (
             hit is not None
-            and backward_node() is None  # the policy is not applied in backward (eager, or traced by AOT autograd)
+            # the policy is not applied in backward (eager, or traced by AOT autograd), except where a forward is
+            # re-run inside it under its own region (checkpoint recomputation, custom_bwd: ``Replay``)
+            and (backward_node() is None or replay.depth)
             and not inside_torch_kernel(cpu_key)
             and (not cuda or not inside_torch_kernel(cuda_key))
         ):
@@ -474,10 +521,11 @@ def _make_cuda_kernel(name: str) -> Callable[..., Any]:
     torch_kernel = torch.library.get_kernel(op, "AutocastCUDA")
     live, call, cast_args, guard = _LIVE_CUDA, op._op, _CAST_ARGS[0], torch._C._ExcludeDispatchKeyGuard
     enabled, everything, backward_node = torch.is_autocast_enabled, _ALL_KEYS, torch._C._current_autograd_node
+    replay = _REPLAY
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         hit = live.get(name)
-        if hit is not None and enabled(MARKER) and backward_node() is None:
+        if hit is not None and enabled(MARKER) and (backward_node() is None or replay.depth):
             entry, fn = hit
             args, kwargs = cast_args(STATE, entry, fn, args, kwargs)
             with guard(everything):

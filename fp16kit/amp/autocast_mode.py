@@ -34,20 +34,34 @@ none: absent composites then run as called).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _versions
-from . import _bytecode, _dispatch, policy
+from . import _bytecode, _dispatch, _nesting, _recompute, policy
 from .policy import Rule
 
-__all__ = ["autocast", "disable_casts", "engine", "is_autocast_enabled", "set_engine"]
+__all__ = [
+    "AutocastDisabledWarning",
+    "autocast",
+    "disable_casts",
+    "engine",
+    "is_autocast_enabled",
+    "region_state",
+    "replay",
+    "set_engine",
+    "torch_region_enter",
+    "torch_region_exit",
+    "use_engine",
+]
 
 _T = TypeVar("_T", bound=Callable[..., Any])
 
@@ -91,6 +105,17 @@ def set_engine(name: str) -> None:
     if name != "dispatch":
         _dispatch.uninstall()
     _engine[0] = name
+
+
+@contextlib.contextmanager
+def use_engine(name: str) -> Iterator[None]:
+    """:func:`set_engine` for a ``with`` block, the previous engine selected again on exit (not inside a region)."""
+    before = _engine[0]
+    set_engine(name)
+    try:
+        yield
+    finally:
+        set_engine(before)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -504,11 +529,169 @@ def is_autocast_enabled() -> bool:
 
 def _dispatch_region(dtype: torch.dtype, enabled: bool, cache_enabled: bool) -> Any:
     """Enter a region of the dispatcher engine; returns what to ``__exit__``."""
-    if _is_compiling() or torch._C._is_torch_function_mode_enabled():
+    if _is_compiling():  # Dynamo traces the torch.autocast blocks (and never calls the hook on them)
         region = _dispatch.region(dtype, enabled, cache_enabled)
         region.__enter__()
         return region
+    if torch._C._is_torch_function_mode_enabled():
+        return _OwnRegion(_dispatch.region(dtype, enabled, cache_enabled))
     return _dispatch.EagerRegion(dtype, enabled, cache_enabled)
+
+
+class _OwnRegion:
+    """:func:`_dispatch.region` (``torch.autocast`` blocks), entered and exited as fp16kit's own: the
+    ``torch.autocast`` hook (:func:`torch_region_enter`) leaves these blocks alone."""
+
+    __slots__ = ("_region",)
+
+    def __init__(self, region: Any) -> None:
+        self._region = region
+        _tls.own = getattr(_tls, "own", 0) + 1
+        try:
+            region.__enter__()
+        finally:
+            _tls.own -= 1
+
+    def __exit__(self, *exc: object) -> None:
+        _tls.own = getattr(_tls, "own", 0) + 1
+        try:
+            self._region.__exit__(*exc)
+        finally:
+            _tls.own -= 1
+
+
+def torch_region_enter(device: str, enabled: bool, dtype: torch.dtype) -> tuple[bool, bool] | None:
+    """Called (by :mod:`fp16kit.amp._nesting`) when a ``torch.autocast(device, dtype, enabled)`` is entered on this
+    thread; returns ``(takes_over, cache_off)`` for :func:`torch_region_exit`, or None when it changes nothing here.
+
+    Inside an enabled fp16kit region, a ``torch.autocast`` that disables autocast or asks for another dtype takes
+    over: until it exits, the ops run under torch's autocast alone (torch's table for that device, in its dtype, or
+    nothing cast), the same under both engines (docs/autocast.md, "Nesting"). One that enables the region's own dtype
+    changes nothing. ``cache_off``: the torch region must not use torch's weight-cast cache, which may hold casts to
+    another dtype (it is keyed by tensor)."""
+    dispatch = _engine[0] == "dispatch"
+    if not (getattr(_tls, "depth", 0) if dispatch else getattr(_tls, "mode", None)):
+        return None  # outside every fp16kit region (plain torch.autocast code): the common case, first
+    if device == _dispatch.MARKER or getattr(_tls, "own", 0) or _is_compiling():
+        return None
+    if dispatch:
+        marker = _dispatch.MARKER
+        cache_off = bool(enabled) and _cache_may_hold_other(dtype)
+        on = torch.is_autocast_enabled(marker)
+        takes_over = on and not (enabled and dtype is torch.get_autocast_dtype(marker))
+        if takes_over:
+            torch.set_autocast_enabled(marker, False)
+        return (takes_over, cache_off) if takes_over or cache_off else None
+    mode = getattr(_tls, "mode", None)
+    if mode is None or not mode.enabled or (enabled and dtype is mode.dtype):
+        return None
+    mode.enabled = False
+    return (True, False)
+
+
+def torch_region_exit(token: tuple[bool, bool]) -> None:
+    """Undo :func:`torch_region_enter` when that ``torch.autocast`` exits."""
+    if not token[0]:
+        return
+    if _engine[0] == "dispatch":
+        torch.set_autocast_enabled(_dispatch.MARKER, True)
+        return
+    mode = getattr(_tls, "mode", None)
+    if mode is not None:
+        mode.enabled = True
+
+
+#: one entry once the hooks on torch (``_recompute``, ``_nesting``) are installed: the first eager region does it
+_HOOKED: list[bool] = []
+#: the device types whose ``torch.autocast`` state a region reads or sets (besides the dispatcher engine's marker)
+_TORCH_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def _inside_vmap() -> bool:
+    """True while a ``torch.func.vmap`` transform is active on this thread."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+
+
+def _cached_dtypes() -> list[torch.dtype]:
+    """This thread's stack of the dtypes of the enclosing enabled regions of the dispatcher engine."""
+    stack = getattr(_tls, "cached", None)
+    if stack is None:
+        stack = _tls.cached = []
+    return stack
+
+
+def _cache_may_hold_other(dtype: torch.dtype) -> bool:
+    """True when torch's weight-cast cache may hold casts to another dtype than ``dtype``: an enclosing region,
+    fp16kit's or torch's, is enabled in another dtype."""
+    stack = getattr(_tls, "cached", None)
+    if stack:
+        if any(d is not dtype for d in stack):
+            return True
+    elif not torch._C._is_any_autocast_enabled():
+        return False  # the outermost region (the common case): one call
+    return any(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) is not dtype for d in _TORCH_DEVICES)
+
+
+def _torch_autocast_off() -> tuple[str, ...]:
+    """Turn off torch's autocast on the devices where it is on (the mode engine's region inside a ``torch.autocast``:
+    torch's kernels would cast again what the mode cast); the devices it turned off, for
+    :func:`_torch_autocast_restore`."""
+    off = tuple(d for d in _TORCH_DEVICES if torch.is_autocast_enabled(d))
+    for d in off:
+        torch.set_autocast_enabled(d, False)
+    return off
+
+
+def _torch_autocast_restore(off: tuple[str, ...]) -> None:
+    for d in off:
+        torch.set_autocast_enabled(d, True)
+
+
+class AutocastDisabledWarning(UserWarning):
+    """``autocast(device_type, ...)`` disabled itself where ``torch.autocast`` with the same arguments does."""
+
+
+def _torch_signature(device_type: Any, dtype: torch.dtype | None, enabled: bool) -> tuple[torch.dtype, bool]:
+    """``(dtype, enabled)`` of ``autocast(device_type, dtype, enabled)``, as ``torch.autocast`` resolves them: the
+    device type's autocast dtype when ``dtype`` is None, and disabled (with a warning) where torch disables it."""
+    if not isinstance(device_type, str):
+        raise ValueError(f"autocast(device_type={device_type!r}): expected a str such as 'cuda' or 'cpu'.")
+    try:
+        available = torch.amp.is_autocast_available(device_type)
+    except RuntimeError:  # not a device type torch knows at all ("tpu")
+        available = False
+    if not available:
+        raise RuntimeError(
+            f"autocast({device_type!r}): torch has no autocast for device type {device_type!r}. Write "
+            f"autocast('cuda', ...) or autocast('cpu', ...) (an fp16kit region applies to tensors of every device), "
+            f"or autocast(dtype=torch.bfloat16) without a device type."
+        )
+    dtype = torch.get_autocast_dtype(device_type) if dtype is None else dtype
+    if not enabled:
+        return dtype, False
+    if device_type == "cuda" and not torch.cuda.is_available():
+        warnings.warn(
+            "fp16kit.amp.autocast('cuda'): CUDA is not available, so this region casts nothing, as "
+            "torch.autocast('cuda') does. For mixed precision on CPU tensors write "
+            "amp.autocast('cpu', dtype=torch.bfloat16) or amp.autocast(dtype=torch.bfloat16) (no device type: "
+            "every device).",
+            AutocastDisabledWarning,
+            stacklevel=3,
+        )
+        return dtype, False
+    if dtype not in _LOW_DTYPES:
+        warnings.warn(
+            f"fp16kit.amp.autocast({device_type!r}, dtype={dtype}): autocast only supports torch.float16 and "
+            f"torch.bfloat16, so this region casts nothing, as torch.autocast does. Pass dtype=torch.float16 or "
+            f"dtype=torch.bfloat16.",
+            AutocastDisabledWarning,
+            stacklevel=3,
+        )
+        return dtype, False
+    return dtype, True
 
 
 class autocast:
@@ -524,41 +707,87 @@ class autocast:
 
     Contract: each op of the table gets the inputs that casting by hand would give and runs as called, so the
     output equals ``op(*manually_cast_inputs)`` bit for bit. Device-agnostic (CPU and CUDA tensors alike).
+
+    Signatures: fp16kit's, ``autocast(dtype=torch.float16, enabled=True, cache_enabled=True)`` (``dtype`` may be
+    the first positional argument), and ``torch.autocast``'s, ``autocast(device_type, dtype=None, enabled=True,
+    cache_enabled=None)``, resolved as torch resolves it: ``dtype=None`` is ``torch.get_autocast_dtype(device_type)``
+    (bf16 for ``"cpu"``, fp16 for ``"cuda"``), ``cache_enabled=None`` is ``torch.is_autocast_cache_enabled()``, an
+    unknown device type raises, and where torch disables its region (``"cuda"`` without CUDA, a dtype other than
+    fp16/bf16) this one is disabled too, with an :class:`AutocastDisabledWarning` saying what to write. The region
+    still applies to tensors of every device: ``device_type`` picks the defaults, not the tensors.
     ``enabled=False`` turns casting off inside (nested regions: the innermost wins, the outer state is restored
     on exit). ``cache_enabled``: an fp32 leaf tensor that requires grad (a parameter) is cast to low precision
     once per region and the copy reused (re-cast if the parameter is modified in place); the cache is freed when
     the outermost region exits and never grows under ``torch.no_grad()``.
     """
 
-    def __init__(self, dtype: torch.dtype = torch.float16, enabled: bool = True, cache_enabled: bool = True) -> None:
-        if dtype not in _LOW_DTYPES:
-            raise ValueError(
-                f"autocast(dtype={dtype}): the low-precision dtype must be torch.float16 or torch.bfloat16."
-            )
+    def __init__(
+        self,
+        device_type: str | torch.dtype | None = None,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+    ) -> None:
+        if isinstance(device_type, torch.dtype):  # fp16kit's own positional form, autocast(torch.bfloat16)
+            if dtype is not None:
+                raise TypeError(
+                    f"autocast({device_type}, dtype={dtype}): the dtype is given twice. Write "
+                    f"autocast(dtype={dtype}) or, torch's signature, autocast('cuda', dtype={dtype})."
+                )
+            device_type, dtype = None, device_type
+        self.device_type = device_type
+        if device_type is None:
+            dtype = torch.float16 if dtype is None else dtype
+            if dtype not in _LOW_DTYPES:
+                raise ValueError(
+                    f"autocast(dtype={dtype}): the low-precision dtype must be torch.float16 or torch.bfloat16."
+                )
+        else:
+            dtype, enabled = _torch_signature(device_type, dtype, enabled)
         self.dtype = dtype
         self.enabled = bool(enabled)
+        if cache_enabled is None:  # torch's signature: torch's default; fp16kit's: True, as it always was
+            cache_enabled = torch.is_autocast_cache_enabled() if device_type is not None else True
         self.cache_enabled = bool(cache_enabled)
         self._saved: list[Any] = []
 
     def __enter__(self) -> autocast:
+        if not _HOOKED and not _is_compiling():
+            _recompute.install(region_state, replay)  # checkpoint recomputation re-enters the forward's region
+            _nesting.install(torch_region_enter, torch_region_exit)  # torch.autocast inside a region
+            _HOOKED.append(True)
         if _engine[0] == "dispatch":
+            if self.enabled and torch._C._are_functorch_transforms_active() and _inside_vmap():
+                raise RuntimeError(
+                    "fp16kit.amp.autocast inside torch.func.vmap with the dispatcher engine (the default): vmap "
+                    "decomposes some ops (nn.Linear with a bias, Tensor.softmax) before torch's autocast sees them, so "
+                    "they would run in their input dtype, as under torch.autocast. Select the mode engine for vmapped "
+                    "code: FP16KIT_AUTOCAST_ENGINE=mode, or fp16kit.amp.autocast_mode.set_engine('mode') outside every "
+                    "region (docs/autocast.md, 'torch.func')."
+                )
             _dispatch.install(cast_args)
-            region = _dispatch_region(self.dtype, self.enabled, self.cache_enabled)
+            # torch's weight-cast cache is keyed by tensor, not dtype: a region nested in one of another dtype casts
+            # afresh (a cached fp16 weight handed to a bf16 matmul is torch's "mat1 and mat2" error)
+            cache = self.cache_enabled and not (self.enabled and _cache_may_hold_other(self.dtype))
+            region = _dispatch_region(self.dtype, self.enabled, cache)
             counted = self.enabled or getattr(_tls, "depth", 0) > 0  # a disabled outermost region opens none
             _tls.depth = getattr(_tls, "depth", 0) + counted
+            if self.enabled:
+                _cached_dtypes().append(self.dtype)
             self._saved.append((region, counted))
             return self
+        torch_state = _torch_autocast_off()  # the region wins over an enclosing torch.autocast (its kernels off)
         mode = active_mode()
         if mode is None:
             if not self.enabled:
-                self._saved.append((None, False, self.dtype, self.cache_enabled))
+                self._saved.append((None, False, self.dtype, self.cache_enabled, torch_state))
                 return self
             mode = _MODE_CLASS()
             mode.__enter__()
             _tls.mode = mode
-            self._saved.append((mode, True, mode.dtype, mode.cache_enabled))
+            self._saved.append((mode, True, mode.dtype, mode.cache_enabled, torch_state))
         else:
-            self._saved.append((None, mode.enabled, mode.dtype, mode.cache_enabled))
+            self._saved.append((None, mode.enabled, mode.dtype, mode.cache_enabled, torch_state))
         mode.enabled, mode.dtype, mode.cache_enabled = self.enabled, self.dtype, self.cache_enabled
         return self
 
@@ -566,9 +795,11 @@ class autocast:
         saved = self._saved.pop()
         if len(saved) == 2:  # the dispatch engine's (region, counted)
             _tls.depth -= saved[1]
+            if self.enabled:
+                _cached_dtypes().pop()
             saved[0].__exit__(*exc)
             return
-        pushed, enabled, dtype, cache_enabled = saved
+        pushed, enabled, dtype, cache_enabled, torch_state = saved
         mode = active_mode()
         if pushed is not None:
             pushed.cache.clear()
@@ -576,14 +807,93 @@ class autocast:
             pushed.__exit__(*exc)
         elif mode is not None:
             mode.enabled, mode.dtype, mode.cache_enabled = enabled, dtype, cache_enabled
+        _torch_autocast_restore(torch_state)
 
     def __call__(self, fn: _T) -> _T:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with autocast(self.dtype, self.enabled, self.cache_enabled):
+            with autocast(dtype=self.dtype, enabled=self.enabled, cache_enabled=self.cache_enabled):
                 return fn(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
+
+
+def region_state() -> tuple[Any, ...]:
+    """This thread's fp16kit region state, as :func:`replay` re-enters it: what ``torch.utils.checkpoint`` saves of
+    torch's own autocast state (``_get_autocast_kwargs``) at a checkpointed forward, for fp16kit's region.
+
+    ``("dispatch", enabled, dtype, depth)`` (the marker's state and the region depth) or ``("mode", None)`` (no
+    region) / ``("mode", (enabled, dtype, cache_enabled))`` (the thread's mode)."""
+    if _engine[0] == "dispatch":
+        marker = _dispatch.MARKER
+        depth = getattr(_tls, "depth", 0)
+        return ("dispatch", torch.is_autocast_enabled(marker), torch.get_autocast_dtype(marker), depth)
+    mode = getattr(_tls, "mode", None)
+    return ("mode", None if mode is None else (mode.enabled, mode.dtype, mode.cache_enabled))
+
+
+class replay:
+    """Re-enter a :func:`region_state` where torch re-runs forward code inside backward (the recomputation of
+    ``torch.utils.checkpoint``, reentrant or not) or runs a backward under its forward's state (:func:`custom_bwd
+    <fp16kit.amp.custom_bwd>`): the ops then get the rows, dtype and cache setting they had in the forward, so the
+    recomputed values are the forward's, bit for bit. torch restores its own per-device autocast state itself; this
+    restores fp16kit's part of it (the dispatcher engine's marker, or the mode engine's ``TorchFunctionMode``).
+
+    A state of the other engine (the engine was switched between forward and backward) cannot be re-entered: that
+    raises, naming the fix."""
+
+    def __init__(self, state: tuple[Any, ...]) -> None:
+        self._state = state
+        self._saved: list[Any] = []
+
+    def __enter__(self) -> replay:
+        state = self._state
+        if state[0] != _engine[0]:
+            raise RuntimeError(
+                f"fp16kit.amp: this backward re-runs forward code recorded under the {state[0]!r} autocast engine, "
+                f"but the {_engine[0]!r} engine is selected now. Switch engines (fp16kit.amp.autocast_mode.set_engine) "
+                f"only between training steps, after backward."
+            )
+        if state[0] == "dispatch":
+            _, enabled, dtype, depth = state
+            block = _dispatch.Replay(enabled, dtype)
+            block.__enter__()
+            self._saved.append((block, getattr(_tls, "depth", 0)))
+            _tls.depth = depth
+            return self
+        recorded, mode = state[1], getattr(_tls, "mode", None)
+        if recorded is None:  # the forward ran outside every region
+            self._saved.append((None, mode, None if mode is None else mode.enabled))
+            if mode is not None:
+                mode.enabled = False
+            return self
+        if mode is None:
+            mode = _MODE_CLASS()
+            mode.__enter__()
+            _tls.mode = mode
+            self._saved.append((mode, mode, None))
+        else:
+            self._saved.append((None, mode, (mode.enabled, mode.dtype, mode.cache_enabled)))
+        mode.enabled, mode.dtype, mode.cache_enabled = recorded
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        saved = self._saved.pop()
+        if len(saved) == 2:
+            block, depth = saved
+            _tls.depth = depth
+            block.__exit__(*exc)
+            return
+        pushed, mode, previous = saved
+        if pushed is not None:
+            pushed.cache.clear()
+            _tls.mode = None
+            pushed.__exit__(*exc)
+        elif mode is not None and previous is not None:
+            if isinstance(previous, tuple):
+                mode.enabled, mode.dtype, mode.cache_enabled = previous
+            else:
+                mode.enabled = previous
 
 
 class disable_casts:

@@ -22,7 +22,16 @@ from typing import Any, TypeVar, overload
 import torch
 
 from . import policy
-from .autocast_mode import active_mode, autocast, cast_all, disable_casts, rule_wrapper, table_wrapper
+from .autocast_mode import (
+    active_mode,
+    autocast,
+    cast_all,
+    disable_casts,
+    region_state,
+    replay,
+    rule_wrapper,
+    table_wrapper,
+)
 from .policy import Rule
 
 __all__ = [
@@ -100,13 +109,24 @@ def register_promote_function(module: Any, name: str) -> None:
 
 
 @overload
-def custom_fwd(fwd: _T, *, cast_inputs: torch.dtype | None = None) -> _T: ...
+def custom_fwd(fwd: _T, *, device_type: str | None = None, cast_inputs: torch.dtype | None = None) -> _T: ...
 @overload
-def custom_fwd(fwd: None = None, *, cast_inputs: torch.dtype | None = None) -> Callable[[_T], _T]: ...
+def custom_fwd(
+    fwd: None = None, *, device_type: str | None = None, cast_inputs: torch.dtype | None = None
+) -> Callable[[_T], _T]: ...
 
 
-def custom_fwd(fwd: Any = None, *, cast_inputs: torch.dtype | None = None) -> Any:
+def _check_device_type(where: str, device_type: str | None) -> None:
+    if device_type is not None and not isinstance(device_type, str):
+        raise ValueError(f"{where}(device_type={device_type!r}): expected a str such as 'cuda' or 'cpu', or None.")
+
+
+def custom_fwd(fwd: Any = None, *, device_type: str | None = None, cast_inputs: torch.dtype | None = None) -> Any:
     """Decorator for the ``forward`` staticmethod of a ``torch.autograd.Function``.
+
+    ``device_type`` is accepted so that ``torch.amp.custom_fwd(device_type=...)`` can be swapped for this one
+    unchanged; fp16kit's regions apply to tensors of every device, so it selects nothing. Unlike torch's, which
+    records and re-enters torch's autocast state for that device only, this pair records the fp16kit region.
 
     Records the caller's autocast state (enabled, dtype) on ``ctx`` for :func:`custom_bwd`. With
     ``cast_inputs=dtype`` and an enabled region, floating (non-float64) tensor inputs, positional or keyword
@@ -116,8 +136,9 @@ def custom_fwd(fwd: Any = None, *, cast_inputs: torch.dtype | None = None) -> An
     """
     if cast_inputs is not None and not (isinstance(cast_inputs, torch.dtype) and cast_inputs.is_floating_point):
         raise ValueError(f"custom_fwd(cast_inputs={cast_inputs!r}): expected a floating torch.dtype or None.")
+    _check_device_type("custom_fwd", device_type)
     if fwd is None:
-        return functools.partial(custom_fwd, cast_inputs=cast_inputs)
+        return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ctx, args = args[0], args[1:]
@@ -168,9 +189,20 @@ def _with_positional_signature_of(fwd: Any, run: Callable[[tuple[Any, ...], dict
     return functools.update_wrapper(forward, fwd)
 
 
-def custom_bwd(bwd: _T) -> _T:
+@overload
+def custom_bwd(bwd: _T, *, device_type: str | None = None) -> _T: ...
+@overload
+def custom_bwd(bwd: None = None, *, device_type: str | None = None) -> Callable[[_T], _T]: ...
+
+
+def custom_bwd(bwd: Any = None, *, device_type: str | None = None) -> Any:
     """Decorator for the ``backward`` staticmethod: runs it under the autocast state its forward recorded
-    (:func:`custom_fwd` must decorate the forward; without it, raises a ``RuntimeError`` saying so)."""
+    (:func:`custom_fwd` must decorate the forward; without it, raises a ``RuntimeError`` saying so). The table's
+    rows apply to the ops of the backward as in the forward's region, under both engines. ``device_type``: as for
+    :func:`custom_fwd`."""
+    _check_device_type("custom_bwd", device_type)
+    if bwd is None:
+        return functools.partial(custom_bwd, device_type=device_type)
 
     @functools.wraps(bwd)
     def backward(ctx: Any, *grads: Any) -> Any:
@@ -181,7 +213,8 @@ def custom_bwd(bwd: _T) -> _T:
                 f"fp16kit.amp.custom_fwd (it records the autocast state the backward must run under)."
             )
         enabled, dtype = state
-        with autocast(dtype=dtype, enabled=enabled):
+        # replay: the region's rows apply although an autograd node is running (backward formulas are left alone)
+        with autocast(dtype=dtype, enabled=enabled), replay(region_state()):
             return bwd(ctx, *grads)
 
     return backward  # type: ignore[return-value]

@@ -66,7 +66,7 @@ from ..kernels import (
 from . import _sharded
 from .loss_scaler import LossScaler
 
-__all__ = ["GradScaler", "OptState"]
+__all__ = ["GradScaler", "GradScalerDisabledWarning", "OptState"]
 
 _F16 = torch.float16
 _CPU = torch.device("cpu")
@@ -176,6 +176,22 @@ class _ParamSet:
         return True
 
 
+class GradScalerDisabledWarning(UserWarning):
+    """``GradScaler("cuda")`` was created where CUDA is not available: it is disabled, as torch's is."""
+
+
+_NO_CUDA_WARNING = (
+    "fp16kit.amp.GradScaler('cuda'): CUDA is not available, so this scaler is disabled, as torch's GradScaler is: "
+    "scale() returns the loss unscaled, unscale_() does nothing, step() calls optimizer.step() and update() keeps "
+    "no scale. That is right when the forward runs in fp32 or bf16 here (torch.autocast('cuda') and "
+    "amp.autocast('cuda') cast nothing without CUDA), but an fp16 forward on CPU tensors (amp.autocast("
+    "dtype=torch.float16), amp.initialize O1/O2) then trains unscaled and small gradients underflow to zero. "
+    "For fp16 on CPU create the scaler without a device, amp.GradScaler() (it scales on the gradients' devices), or "
+    "amp.GradScaler('cpu'). Said once per process."
+)
+#: one entry once the warning above was given
+_WARNED_NO_DEVICE: list[bool] = []
+
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _IS_NEG = torch.Tensor.is_neg
@@ -284,7 +300,11 @@ class GradScaler:
         self._process_group = process_group  # sharded grads: found_inf is combined over it (_sharded.py)
         self._enabled = bool(enabled)
         if self._device == "cuda" and self._enabled and not torch.cuda.is_available():
-            warnings.warn("GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
+            # torch's GradScaler disables itself here with a one-line warning, and fp16 then trains unscaled: the
+            # same decision (drop-in), said once per process with its consequence and the fix
+            if not _WARNED_NO_DEVICE:
+                _WARNED_NO_DEVICE.append(True)
+                warnings.warn(_NO_CUDA_WARNING, GradScalerDisabledWarning, stacklevel=2)
             self._enabled = False
         self._warned_fp16 = False
         self._signature_cache: dict[Any, bool] = {}

@@ -339,6 +339,12 @@ def policy_override(
 ) -> Iterator[None]:
     """Change rows of the global table for the duration of a ``with`` block (nestable; restored on exit).
 
+    Scope: the process, not the thread. The table is one for every thread (as ``register_*_function``'s rows are),
+    so regions running on other threads during the block see the override too; an override entered on one thread
+    and left on it is removed whatever other threads did meanwhile (each block removes its own layer). For rows that
+    must differ between threads, run those threads' code in separate processes or apply the rows outside the threads'
+    regions (docs/autocast.md, "Registering your own functions").
+
     Keys are row names of the table (``"softmax"``: all its callables), dotted torch paths (``"torch.tanh"``)
     or callables (``torch.nn.functional.gelu``). Values are a :class:`Rule`, its name (``"fp32"``) or ``None``
     to make the op absent (run as called)::

@@ -125,7 +125,9 @@ INPUTS: dict[str, Inputs] = {
     # losses
     "cross_entropy": lambda mk: _a(mk(6, 5), idx(5, 6)),
     "nll_loss": lambda mk: _a(mk(6, 5, lo=-3.0, hi=-0.1), idx(5, 6)),
-    "kl_div": lambda mk: _a(mk(6, 5, lo=-3.0, hi=-0.1), mk(6, 5, lo=0.05, hi=1.0)),
+    # batchmean: the default 'mean' warns, and Dynamo cannot trace warnings.warn under fullgraph=True once the
+    # warning registry has been reset (the compiled sweeps of test_compile_equals_eager failed after other tests)
+    "kl_div": lambda mk: _a(mk(6, 5, lo=-3.0, hi=-0.1), mk(6, 5, lo=0.05, hi=1.0), reduction="batchmean"),
     "l1_loss": _binary(),
     "mse_loss": _binary(),
     "smooth_l1_loss": _binary(),

@@ -282,10 +282,18 @@ def test_disabled_scaler_is_a_pass_through():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_device_without_cuda_warns_and_disables():
-    with pytest.warns(UserWarning, match="CUDA is not available.  Disabling."):
+def test_cuda_device_without_cuda_warns_once_and_disables(monkeypatch):
+    """As torch's GradScaler, disabled; the warning says so once per process, with what it means for fp16 on CPU
+    and the scaler to create instead."""
+    monkeypatch.setattr(gs_module, "_WARNED_NO_DEVICE", [])
+    with pytest.warns(gs_module.GradScalerDisabledWarning,
+                      match=r"CUDA is not available, so this scaler is disabled.*underflow.*amp\.GradScaler\(\)"):
         scaler = GradScaler("cuda")
     assert not scaler.is_enabled()
+    assert torch.equal(scaler.scale(torch.tensor(3.0)), torch.tensor(3.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not GradScaler("cuda").is_enabled()  # said once
 
 
 def test_getters_before_first_scale_and_device_following_the_loss():
