@@ -7,8 +7,9 @@ function of its seed and the precision mode alone.
 
 ``SIZES`` holds the presets of ``--size``: ``quick`` (the test suite's smoke run), ``cpu`` (the demo's default on a
 2-core CPU), ``bench`` (the CPU convergence study) and ``gpu`` (a larger variant, about 10.8M parameters).
-Every preset's matrices hold at least 4096 elements, the size from which ``state_bits=8`` quantizes the moments
-(``fp16kit.kernels.state8.SMALL_NUMEL``), so the 8-bit modes apply to every weight matrix.
+Every preset's Linear weights and token embedding hold at least 4096 elements, the size from which ``state_bits=8``
+quantizes the moments (``fp16kit.kernels.state8.SMALL_NUMEL``), so the 8-bit modes apply to all of them (and to the
+position embedding except in ``quick``); biases and LayerNorms keep fp32 moments.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class LMConfig:
 
 SIZES: dict[str, LMConfig] = {
     "quick": LMConfig(d_model=64, layers=1, heads=2, seq_len=32, batch=4),
-    "cpu": LMConfig(d_model=64, layers=2, heads=4, seq_len=64, batch=8),
+    "cpu": LMConfig(d_model=64, layers=2, heads=4, seq_len=64, batch=6),
     "bench": LMConfig(d_model=96, layers=2, heads=4, seq_len=96, batch=12),
     "gpu": LMConfig(d_model=384, layers=6, heads=6, seq_len=256, batch=64),
 }

@@ -19,7 +19,7 @@ from . import _device, extras_missing
 __all__ = ["DEFAULT_STEPS", "QUICK_STEPS", "main"]
 
 DEFAULT_STEPS = 100
-QUICK_STEPS = 8
+QUICK_STEPS = 6
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,9 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("fp16kit-demo-lm.png"), help="where to write the PNG")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batch order")
     p.add_argument("--eval-every", type=int, default=None,
-                   help="validation loss every N steps (default: steps / 10)")
+                   help="validation loss every N steps (default: steps / 10; 2 with --quick)")
     p.add_argument("--val-windows", type=int, default=None,
-                   help="validation windows of seq_len bytes (default 64; 8 with --quick)")
+                   help="validation windows of seq_len bytes (default 64; 4 with --quick)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op CPU threads (1 is fastest for this small model on a busy machine)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -101,8 +101,8 @@ def _run(args: argparse.Namespace, names: list[str], steps: int) -> int:
     cfg = SIZES[size]
     corpus = load_corpus()
     hyper = Hyper()
-    eval_every = args.eval_every or max(1, steps // 10)
-    val_windows = args.val_windows or (8 if args.quick else 64)
+    eval_every = args.eval_every or max(2 if args.quick else 1, steps // 10)
+    val_windows = args.val_windows or (4 if args.quick else 64)
     threads = f" ({args.threads} thread{'s' if args.threads > 1 else ''})" if device.type == "cpu" else ""
     title = (f"fp16kit demo: byte-level transformer LM (size '{size}': d_model {cfg.d_model}, {cfg.layers} layers, "
              f"{cfg.heads} heads), {steps} steps x {cfg.batch} x {cfg.seq_len} bytes, seed {args.seed}, "

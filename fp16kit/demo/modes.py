@@ -85,6 +85,7 @@ class Hyper:
     lamb_lr: float = 5e-2
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.01
+    clip: float = 1.0  # global gradient-norm clipping (FusedLAMB's max_grad_norm; clip_grad_norm_ for AdamW)
     warmup: float = 0.1  # fraction of the steps with a linear warm-up, then cosine decay to 10%
     scale_window: int = 100  # clean steps before a dynamic loss scale doubles (torch's and apex's: 2000)
 
@@ -127,6 +128,8 @@ class Trainer:
 
             self.scaler = GradScaler(growth_interval=hyper.scale_window)
         self._device = device
+        # LAMB clips inside its step (max_grad_norm); Adam/AdamW clip before it, as training scripts do
+        self._clip_here = mode.optimizer != "lamb" and hyper.clip > 0
 
     def _optimizer(self, seed: int) -> torch.optim.Optimizer:
         m, h = self.mode, self.hyper
@@ -136,7 +139,7 @@ class Trainer:
         from ..optim import FusedAdam, FusedLAMB
 
         if m.optimizer == "lamb":
-            return FusedLAMB(params, lr=h.lamb_lr, betas=h.betas, weight_decay=h.weight_decay)
+            return FusedLAMB(params, lr=h.lamb_lr, betas=h.betas, weight_decay=h.weight_decay, max_grad_norm=h.clip)
         options: dict[str, Any] = {"state_bits": m.state_bits}
         if m.bf16 is not None:
             options["master_weights"] = m.bf16
@@ -168,6 +171,9 @@ class Trainer:
             self.opt.step()
         elif self.scaler is not None:
             self.scaler.scale(loss).backward()
+            if self._clip_here:
+                self.scaler.unscale_(self.opt)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hyper.clip)
             self.scaler.step(self.opt)
             before = self._scale_tensor().clone()
             self.scaler.update()
@@ -175,6 +181,8 @@ class Trainer:
             self._skips = backed_off if self._skips is None else self._skips + backed_off
         else:
             loss.backward()
+            if self._clip_here:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hyper.clip)
             self.opt.step()
         return loss.detach()
 
