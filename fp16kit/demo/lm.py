@@ -50,7 +50,7 @@ class LMConfig:
 SIZES: dict[str, LMConfig] = {
     "quick": LMConfig(d_model=64, layers=1, heads=2, seq_len=32, batch=4),
     "cpu": LMConfig(d_model=64, layers=2, heads=4, seq_len=64, batch=6),
-    "bench": LMConfig(d_model=96, layers=2, heads=4, seq_len=96, batch=12),
+    "bench": LMConfig(d_model=64, layers=2, heads=4, seq_len=64, batch=8),
     "gpu": LMConfig(d_model=384, layers=6, heads=6, seq_len=256, batch=64),
 }
 

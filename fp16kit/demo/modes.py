@@ -81,7 +81,7 @@ MODES: dict[str, Mode] = {m.name: m for m in [
 class Hyper:
     """Optimizer settings shared by every mode (LAMB's lr is its own: the trust ratio scales steps per tensor)."""
 
-    lr: float = 5e-3
+    lr: float = 3e-3
     lamb_lr: float = 5e-2
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.01
