@@ -52,10 +52,12 @@ def plot(results: Sequence[LMResult], path: Path, title: str,
     import matplotlib.pyplot as plt
 
     fig, (ax_curve, ax_mem) = plt.subplots(1, 2, figsize=(14, 5.5))
-    cmap = plt.get_cmap("tab20")
+    cmap = plt.get_cmap("tab10")
+    colors: dict[str, object] = {}  # a mode and its 8-bit-moments variant share a color (8-bit: dashed, squares)
     seen: dict[str, object] = {}
     for i, r in enumerate(results):
-        color = seen.setdefault(r.mode, cmap(len(seen) % 20))
+        color = colors.setdefault(r.mode.removesuffix("-8bit"), cmap(len(colors) % 10))
+        seen[r.mode] = color
         dashed = "8bit" in r.mode
         first = r.mode not in [q.mode for q in results[:i]]
         vals = [v if math.isfinite(v) else float("nan") for v in r.val_losses]
@@ -90,6 +92,7 @@ def plot(results: Sequence[LMResult], path: Path, title: str,
         stacked[round(y, 1)] = row + 1
         ax_mem.annotate(name, (x, y), textcoords="offset points", xytext=(5, 3 + 10 * row), fontsize=8,
                         color=seen[name])
+    ax_mem.margins(x=0.2, y=0.12)  # room for the labels
     ax_mem.set_xlabel("final validation loss" + (" (mean; bars: min-max over seeds)" if spread else ""))
     ax_mem.set_ylabel("bytes per parameter (weights + optimizer state)")
     ax_mem.set_title("memory against loss")
