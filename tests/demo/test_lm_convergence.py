@@ -21,9 +21,9 @@ from fp16kit.demo.modes import MODES, Hyper
 from fp16kit.demo.text import load_corpus
 
 STEPS = 250
-#: The largest range over seeds 0, 1, 2 of the two references' final validation loss, rounded up
-#: (docs/which-mode.md, "How the margin was derived").
-MARGIN = 0.05
+#: The larger of the two references' ranges over seeds 0, 1, 2 of the final validation loss (fp32 AdamW: 0.181),
+#: rounded up (docs/which-mode.md, "The margin the tests hold every mode to").
+MARGIN = 0.2
 
 
 @pytest.mark.slow
