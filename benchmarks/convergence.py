@@ -31,7 +31,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -142,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.out.with_suffix(".json")
     runs = _load(json_path, config)
     corpus = load_corpus()
-    started = time.time()
     load_before = os.getloadavg()[0]
     for seed in seeds:
         for name in names:
@@ -164,12 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         f"- `{m}`: final validation loss {', '.join(f'{v:.4f}' for v in stats[m]['val'])} over seeds "
         f"{args.seeds}: range {stats[m]['val_range']:.4f}, standard deviation {stats[m]['val_std']:.4f}"
         for m in refs)
-    minutes = (time.time() - started) / 60
+    minutes = sum(r.seconds for r in runs) / 60  # the runs' own wall times: also right for a resumed study
     text = f"""# Convergence of every precision mode (`benchmarks/convergence.py`)
 
 Produced by `python benchmarks/convergence.py {' '.join(argv if argv is not None else sys.argv[1:])}` on {machine()}.
-{minutes:.1f} minutes for the runs not already saved; load average {load_before:.1f} before, \
-{os.getloadavg()[0]:.1f} after (a shared machine: tokens/s compare within one run only).
+{len(runs)} runs, {minutes:.1f} minutes of training and evaluation in all; load average {load_before:.1f} at the \
+start, {os.getloadavg()[0]:.1f} at the end (a shared machine: tokens/s compare within one study only).
 
 Model: byte-level transformer, size `{args.size}` (d_model {cfg.d_model}, {cfg.layers} layers, {cfg.heads} heads, \
 {runs[0].params:,} parameters); {args.steps} steps of {cfg.batch} x {cfg.seq_len} bytes; {Hyper()}.

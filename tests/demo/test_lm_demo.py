@@ -149,3 +149,29 @@ def test_help_and_bad_arguments(capsys):
     assert main(["--modes", "fp32,fp8"]) == 2
     assert "unknown mode(s) ['fp8']" in capsys.readouterr().err
     assert main(["--steps", "2"]) == 2
+
+
+def test_convergence_summary_pairs_each_mode_with_its_reference_at_the_same_seed():
+    import importlib.util
+    from pathlib import Path
+
+    from fp16kit.demo.lm_train import LMResult
+
+    path = Path(__file__).parents[2] / "benchmarks" / "convergence.py"
+    spec = importlib.util.spec_from_file_location("convergence_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def run(mode, seed, val):
+        m = MODES[mode]
+        return LMResult(mode=mode, reference=m.reference, recipe=m.recipe, seed=seed, train_losses=[val],
+                        eval_steps=[0, 1], val_losses=[5.0, val], final_train=val, final_val=val, tokens_per_s=100.0,
+                        bytes_per_param=12.0, skipped=0, scale=None, params=10, seconds=1.0)
+
+    runs = [run("fp32", 0, 2.6), run("fp32", 1, 2.5), run("bf16-split", 0, 2.62), run("bf16-split", 1, 2.49)]
+    table, stats = bench.summarize(runs)
+    assert stats["fp32"]["val_range"] == pytest.approx(0.1)
+    assert stats["bf16-split"]["paired"] == pytest.approx([0.02, -0.01])
+    assert stats["bf16-split"]["paired_max"] == pytest.approx(0.02)
+    row = next(line for line in table.splitlines() if "`bf16-split`" in line)
+    assert "+0.0050 / +0.0200" in row and "| 0.20 |" in row  # largest paired difference / the reference's range
