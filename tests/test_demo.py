@@ -1,4 +1,5 @@
-"""``python -m fp16kit demo`` in its short mode: every run trains, the table is printed, the PNG is written."""
+"""``python -m fp16kit demo --task digits`` (the opt-level demo on scikit-learn's digits) in its short mode: every
+run trains, the table is printed, the PNG is written. The language-model demo (the default task): tests/demo/."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fp16kit.demo import main
 
 def test_quick_demo_trains_every_level_and_writes_the_plot(tmp_path, capsys):
     out = tmp_path / "plots" / "demo.png"
-    assert cli_main(["demo", "--quick", "--no-progress", "--out", str(out)]) == 0
+    assert cli_main(["demo", "--task", "digits", "--quick", "--no-progress", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("run "))
@@ -32,7 +33,7 @@ def test_quick_demo_trains_every_level_and_writes_the_plot(tmp_path, capsys):
 
 def test_help_documents_the_options(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--help"])
+        main(["--task", "digits", "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for option in ("--steps", "--quick", "--device", "--out", "--runs", "--optimizer", "--scale-window"):
@@ -40,9 +41,11 @@ def test_help_documents_the_options(capsys):
 
 
 def test_bad_arguments_are_reported(capsys):
-    assert main(["--runs", "O4"]) == 2
+    assert main(["--task=digits", "--runs", "O4"]) == 2
     assert "unknown run(s) ['O4']" in capsys.readouterr().err
-    assert main(["--steps", "0"]) == 2
+    assert main(["--steps", "0", "--task", "digits"]) == 2
+    assert main(["--task", "mnist"]) == 2
+    assert "unknown --task 'mnist'; choose from lm, digits" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from .train import RunResult
 
-__all__ = ["format_table", "plot"]
+__all__ = ["format_table", "plot", "save_figure"]
 
 
 def _size(n: int) -> str:
@@ -85,6 +86,13 @@ def plot(results: list[RunResult], path: Path, title: str) -> Path:
     ax_scale.grid(True, alpha=0.3)
     ax_scale.legend()
     fig.suptitle(title)
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out ``fig``, write it as a PNG to ``path`` (its folder made if needed), close it; returns the path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
