@@ -40,7 +40,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 step gpu_tests 140 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests
 step gpu_step 75 "$PY" benchmarks/gpu_step.py --out "$OUT/gpu_step.md"
-step gpu_traffic 90 "$PY" benchmarks/gpu_traffic.py --out "$OUT/gpu_traffic.md"
+step gpu_traffic 100 "$PY" benchmarks/gpu_traffic.py --out "$OUT/gpu_traffic.md"
 step bert_step 60 "$PY" benchmarks/gpu_bert_step.py --out "$OUT/bert_step.md"
 # issue 23: the default autocast engine vs torch.autocast, forward + backward, BERT-base and the small models
 step autocast 70 "$PY" benchmarks/bench_autocast_default.py --device cuda --bert-base --dtype fp16 --iters 10 \
