@@ -83,6 +83,48 @@ def profile_step(name: str, scaler: bool) -> tuple[int, int, int]:
     return len(kernels), htod, dtoh
 
 
+#: Host-time variants of fp16kit's device step: (label, optimizer, replay steady steps, bound launches): the
+#: steady-state replay (fp16kit/optim/_base.py) and Triton's C launcher called with arguments bound once
+#: (fp16kit/kernels/_launch.py, FP16KIT_BOUND_LAUNCH=1) against the full path every step took before them.
+HOST_VARIANTS = [
+    ("FusedAdam, full path", "FusedAdam", False, False),
+    ("FusedAdam, replay", "FusedAdam", True, False),
+    ("FusedAdam, replay + bound launches", "FusedAdam", True, True),
+    ("FusedLAMB, full path", "FusedLAMB", False, False),
+    ("FusedLAMB, replay", "FusedLAMB", True, False),
+    ("FusedLAMB, replay + bound launches", "FusedLAMB", True, True),
+]
+
+
+def host_time_variants(n: int, rounds: int = 9, steps: int = 50) -> dict[str, float]:
+    """Median ms per step of each :data:`HOST_VARIANTS` entry and torch's fused AdamW, rounds interleaved."""
+    import os
+
+    opts = {label: MAKERS[name](small_params(n)) for label, name, _, _ in HOST_VARIANTS}
+    opts["torch AdamW(fused)"] = MAKERS["torch AdamW(fused)"](small_params(n))
+    flags = {label: (replay, bound) for label, _, replay, bound in HOST_VARIANTS}
+    times: dict[str, list[float]] = {k: [] for k in opts}
+    try:
+        for r in range(rounds + 1):
+            for label, o in opts.items():
+                replay, bound = flags.get(label, (True, False))
+                if label in flags:
+                    o.device_replay = replay
+                os.environ["FP16KIT_BOUND_LAUNCH"] = "1" if bound else "0"
+                for _ in range(3 if r == 0 else 0):
+                    o.step()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    o.step()
+                torch.cuda.synchronize()
+                if r:
+                    times[label].append((time.perf_counter() - t0) / steps * 1e3)
+    finally:
+        os.environ.pop("FP16KIT_BOUND_LAUNCH", None)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def host_time(n: int, rounds: int = 7, steps: int = 50) -> dict[str, float]:
     opts = {name: make(small_params(n)) for name, make in MAKERS.items()}
     for o in opts.values():
@@ -249,6 +291,14 @@ def main() -> None:
             lines.append(f"| {n} | " + " | ".join(f"{t[k]:.3f} ms" for k in MAKERS)
                          + f" | {t['FusedAdam'] / peer:.2f} | {t['FusedLAMB'] / peer:.2f} |")
 
+    def host_variants() -> None:
+        lines.append("| params | variant | ms / step | / torch AdamW(fused) |\n|---|---|---|---|")
+        for n in (200, 1000):
+            t = host_time_variants(n)
+            peer = t["torch AdamW(fused)"]
+            for k, v in t.items():
+                lines.append(f"| {n} | {k} | {v:.3f} | {v / peer:.2f} |")
+
     def profiles() -> None:
         for name in ("FusedAdam", "torch AdamW(fused)"):
             lines.append(f"**{name}**\n\n```\n{host_profile(name)[-3500:]}\n```")
@@ -285,6 +335,7 @@ def main() -> None:
 
     section("Launches and copies per step (200 params x 64)", launches)
     section("Host time per step (params of 64 elements)", host)
+    section("Host time per step: full path, replay, bound launches (params of 64 elements)", host_variants)
     section("Host profile, 100 steps at 200 params", profiles)
     section("CUDA graphs (torch's pattern)", graphs)
     section("torch.compile(opt.step)", compiled)

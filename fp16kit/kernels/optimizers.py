@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import _bf16_weights, _plan, cpu_native, optim_fallback, optim_fallback_apex
+from . import _bf16_weights, _launch, _plan, cpu_native, optim_fallback, optim_fallback_apex
 from ._bf16_weights import Bf16Weights, join_halves, split_halves, stochastic_round
 from ._results import StepVerify
 from ._step_scalars import DeviceStep
@@ -53,6 +53,8 @@ __all__ = [
     "lamb_stage2",
     "lamb_update",
     "novograd_update",
+    "record_launches",
+    "replay_launches",
     "sgd_update",
     "split_halves",
     "step_check",
@@ -115,6 +117,24 @@ def _models_of(group: _plan.Group, models: Sequence[torch.Tensor | None] | None,
 def _kernel_models(chosen: list) -> list[torch.Tensor] | None:
     """A kernel group's model copies: all present or all absent (the model dtype is part of the group key)."""
     return None if chosen[0] is None else chosen
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Recorded launches (a steady device step replayed: fp16kit/optim/_base.py)
+
+
+def record_launches(device: torch.device) -> _launch.Recording:
+    """``with record_launches(device) as rec:`` capture every fp16kit Triton launch of this thread
+    (``rec.launches``, replayable by :func:`replay_launches` while their arguments stand); ``rec.ok`` is False when
+    anything else ran inside (a torch op other than a view: a fallback row, a fill, a host-side pass), so that a
+    replay of the launches alone would not be the same step (``fp16kit/kernels/_launch.py``)."""
+    return _launch.Recording(device)
+
+
+def replay_launches(launches: Sequence[Any]) -> None:
+    """Issue recorded launches again, in order: the same kernels, grids and arguments (on CUDA with
+    ``FP16KIT_BOUND_LAUNCH=1``, through the compiled kernels' C launchers with the arguments bound once)."""
+    _launch.replay(launches)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from fp16kit.kernels import (
     uses_state8,
     vouched_rows,
 )
+from fp16kit.kernels.optimizers import record_launches, replay_launches
 
 from . import _checkpoint, _sharding, _state8_dtensor
 from . import functional as F
@@ -74,6 +76,46 @@ _POLICIES = ("skip", "warn", "raise")
 BF16_MODES = ("split", "stochastic")
 #: The state key of the split master's low halves (int16, the param's shape).
 LOW_KEY = "master_low"
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+_not_none = functools.partial(is_not, None)  # C-level: filter(_not_none, models) drops the None entries
+
+
+def _fact(value: Any) -> Any:
+    """A hyper-parameter as a replay key holds it: a tensor by identity, a list (``betas=[0.9, 0.999]``, mutable in
+    place) as a tuple of its values, anything else as is."""
+    if isinstance(value, torch.Tensor):
+        return id(value)
+    if isinstance(value, list):
+        return tuple(map(_fact, value))
+    return value
+
+
+class _Uncompared:
+    """A value carried in a replay key that never decides equality (the key's written tensors)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Uncompared)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclass(eq=False)
+class _DeviceProgram:
+    """A recorded device step (``FusedOptimizer._step_on_device``): its replay key, launches, and whether its check
+    pass counted the skip on the device."""
+
+    key: tuple
+    launches: list
+    counted: bool
 
 
 def _capturing() -> bool:
@@ -839,7 +881,36 @@ class FusedOptimizer(torch.optim.Optimizer):
         hyper-parameters from the device step counter and advance it (``fp16kit.kernels.DeviceStep``). A tensor
         ``lr`` adds the device check of its value (a few torch ops); anything the kernels cannot take (several
         grad dtypes, layouts the planner sends to the torch fallback) runs the torch passes for that part.
+
+        A steady step (the same rows at the same addresses with the same metadata, the same hyper-parameters, flags
+        and counters as the step before) is recorded once and then replayed (:meth:`_replay_key`): the recorded
+        launches issued again, the written tensors' versions bumped, the skip reported, and nothing planned.
         """
+        cache = self._step_cache
+        key = self._replay_key(all_rows, device) if self.device_replay else None
+        program = cache.get("device_program")
+        if key is not None and program is not None and program.key == key:
+            self._replay_step(program, key, device)
+            return
+        # Record a step whose key repeats the last one (a steady loop: grads kept, nothing changed), never while a
+        # CUDA graph captures (the recording's bookkeeping is host work the capture need not see).
+        recording = key is not None and key == cache.get("device_key") and not _capturing()
+        cache["device_key"], cache["device_program"] = key, None
+        with record_launches(device) if recording else contextlib.nullcontext() as rec:
+            bad_hp, found_inf, own_flag, counted, grads = self._device_pass(all_rows, device)
+        grad_scale = getattr(self, "grad_scale", None)
+        if self.unscale_grads and grad_scale is not None:
+            self._write_unscaled_grads(grads, F.inv_scale_from_grad_scale(grad_scale, device), device)
+        elif rec is not None and rec.ok and bad_hp is None:
+            cache["device_program"] = _DeviceProgram(key, rec.launches, counted)
+        capturing = device.type == "cuda" and _capturing()
+        self._count_and_report(bad_hp, found_inf if own_flag else None, device, counted=counted, report=not capturing)
+
+    def _device_pass(
+        self, all_rows: list[_Rows], device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor, bool, bool, list[torch.Tensor]]:
+        """The device step's launches (and the torch passes for what the kernels cannot take): ``(bad_hp,
+        found_inf, own_flag, counted, grads)`` for the report that follows."""
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         own_flag = found_inf is None
@@ -883,10 +954,54 @@ class FusedOptimizer(torch.optim.Optimizer):
             rows_t = (rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models)
             with vouched_rows(verdict, rows_t) if verdict is not None else contextlib.nullcontext():
                 self._run_device_update(group, rows, ds, skip)
-        if self.unscale_grads and grad_scale is not None:
-            self._write_unscaled_grads(grads, F.inv_scale_from_grad_scale(grad_scale, device), device)
+        return bad_hp, found_inf, own_flag, counted, grads
+
+    #: Replay steady device steps from their recording (:meth:`_step_on_device`); False: every step takes the full
+    #: path (``benchmarks/bench_device_step_host.py`` times both in one run).
+    device_replay: bool = True
+
+    def _replay_key(self, all_rows: list[_Rows], device: torch.device) -> tuple | None:
+        """What a recorded device step depends on, or None when this step cannot be replayed: every group's
+        verdict (the rows' metadata, checked by its guard in :meth:`_collect`) and the addresses of every row
+        tensor; the groups' hyper-parameters (tensors by identity: a tensor ``lr`` or step counter replaced), the
+        optimizer's own settings, its counters and buffers, the GradScaler's scale and flag, and the backend.
+        Equal keys mean the same launches with the same arguments: the planner, the tables and the launchers'
+        argument packing would all give what the recording holds. The key's last entry is the list of written
+        tensors (params or masters, moments, model copies) whose versions a replay bumps; it is not compared."""
+        verdicts = self.__dict__.get("_verdicts")
+        if not verdicts or torch.compiler.is_compiling():
+            return None
+        vs = tuple(map(verdicts.get, map(id, self.param_groups)))
+        if None in vs:
+            return None
+        written: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for rows in all_rows:
+            written += rows.params
+            written += rows.exp_avgs
+            written += rows.exp_avg_sqs
+            written += filter(_not_none, rows.models)
+            grads += rows.grads
+        groups = tuple(tuple((k, _fact(v)) for k, v in g.items() if k != "params") for g in self.param_groups)
+        own = tuple((k, v) for k, v in self.__dict__.items() if v is None or isinstance(v, (bool, int, float, str)))
+        scaler = (id(getattr(self, "grad_scale", None)), id(getattr(self, "found_inf", None)), flag_is_final(self))
+        return (vs, tuple(map(_data_ptr, written)), tuple(map(_data_ptr, grads)), groups, own, scaler,
+                tuple(map(id, self._skip_counts.values())), select_backend(device).backend, _Uncompared(written))
+
+    def _replay_step(self, program: _DeviceProgram, key: tuple, device: torch.device) -> None:
+        """The recorded step again: its launches, the versions of what they write, the counters' bookkeeping and
+        the skip report (the same calls the full path ends with)."""
+        for gi, group in enumerate(self.param_groups):
+            self._own_step(gi, group, device)
+        replay_launches(program.launches)
+        torch._C._increment_version(key[-1].value)
+        found_inf = getattr(self, "found_inf", None)
+        own_flag = found_inf is None
+        if own_flag:
+            found_inf = self._device_buffers(device)["flag"]
         capturing = device.type == "cuda" and _capturing()
-        self._count_and_report(bad_hp, found_inf if own_flag else None, device, counted=counted, report=not capturing)
+        self._count_and_report(None, found_inf if own_flag else None, device, counted=program.counted,
+                               report=not capturing)
 
     def _run_device_update(self, group: dict[str, Any], rows: _Rows, ds: DeviceStep, skip: torch.Tensor) -> None:
         raise NotImplementedError

@@ -38,8 +38,10 @@ from fp16kit.kernels import (
     sgd_kernel,
     unscale_kernel,
 )
+from fp16kit.kernels._chunks import chunk_span, load_chunk, row_pointer, store_chunk
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "doctor"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aot_histogram  # (the histogram kernel's signature and constexprs, shared with its own test)
 
 INT_ARGS = {"num_tensors", "num_chunks", "stream"}
@@ -265,7 +267,112 @@ def ptxas_usage(ptx: str, arch: int, fp_fusion: bool) -> dict:
     }
 
 
+_TL = {"fp32": F32, "fp16": F16, "bf16": BF16}
+
+#: The negative control of the traffic check: a copy that also reads its destination (4 B per element too many),
+#: which ``ptx_traffic.analyze`` must report (``tests/kernels/test_kernel_traffic.py``).
+CONTROL = "control: fp32 copy that reads its destination"
+LAUNCH = {"_control_kernel": {"num_warps": 16, "enable_fp_fusion": False}}
+
+
+@triton.jit
+def _control_kernel(ptrs, num_tensors, numels, chunk_tensor, chunk_start, num_chunks, BLOCK: tl.constexpr,
+                    ALIGNED: tl.constexpr):
+    for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
+        t, offs, mask, full = chunk_span(c, chunk_tensor, chunk_start, numels, BLOCK, ALIGNED)
+        src = row_pointer(ptrs, 0, num_tensors, t, tl.float32, ALIGNED)
+        dst = row_pointer(ptrs, 1, num_tensors, t, tl.float32, ALIGNED)
+        store_chunk(dst, offs, load_chunk(src, offs, mask, full) + load_chunk(dst, offs, mask, full), mask, full)
+
+
+def traffic_case(v) -> tuple:
+    """``(fn, constexprs, overrides)`` of a ``traffic_cases.Variant``: the launcher's constexprs for that variant
+    (aligned tables, the GPU chunk size; Adam and LAMB in AdamW form with the trust ratio: the math switches change
+    no row a kernel reads or writes)."""
+    hp = HP_ON_DEVICE if v.device else HP_LEGACY
+    if v.kernel in ("adam", "lamb1", "lamb2"):
+        p, g = _TL[v.param_dtype], _TL[v.grad_dtype]
+        model = _TL[v.model_dtype] if v.model_dtype else p
+        weights = {"split": 1, "stochastic": 2}.get(v.weights, 0)
+        common = dict(P_DTYPE=p, DECOUPLED=True, BLOCK=SB, ALIGNED=True, QSTATE=v.bits == 8, **hp)
+        if v.kernel == "adam":
+            return adam_kernel._adam_kernel, dict(
+                G_DTYPE=g, MODEL_DTYPE=model, HAS_MODEL=v.model_dtype is not None, L2_MODE=False, WEIGHTS=weights,
+                ROW_IDX=v.row_idx, **common), {}
+        if v.kernel == "lamb1":
+            return lamb_kernel._lamb_stage1_kernel, dict(
+                G_DTYPE=g, L2_MODE=False, WEIGHTS=weights, FINISH_SUMS=v.device, **common), {}
+        return lamb_kernel._lamb_stage2_kernel, dict(
+            MODEL_DTYPE=model, HAS_MODEL=v.model_dtype is not None, TRUST=True, WEIGHTS=weights, ROW_IDX=v.row_idx,
+            **common), {}
+    if v.kernel in ("check", "sumsq"):
+        consts = dict(IN_DTYPE=_TL[v.weights], CHECK=True, BLOCK=SB, ALIGNED=True, **SUMSQ_PLAIN)
+        if v.kernel == "check":
+            consts.update(FINISH=True, NORM=v.norm, OWN_FLAG=True, COUNT=True, SCALE_IS_GRAD_SCALE=True)
+        return l2norm_kernel._sumsq_kernel, consts, {**F64_SCALE, **F64_PARTIALS}
+    if v.kernel == "unscale":
+        return unscale_kernel._unscale_kernel, dict(IN_DTYPE=_TL[v.weights], OUT_DTYPE=_TL[v.out or v.weights],
+                                                    WITH_NORM=False, BLOCK=SB, ALIGNED=True), {}
+    if v.kernel == "copy":
+        return copy_kernel._copy_kernel, dict(SRC_DTYPE=_TL[v.weights], DST_DTYPE=_TL[v.out], BLOCK=4096,
+                                              ALIGNED=True), {}
+    if v.kernel == "absmax":
+        return novograd_kernel._absmax_kernel, dict(IN_DTYPE=_TL[v.weights], BLOCK=4096, ALIGNED=True), {}
+    p, g = _TL[v.param_dtype], _TL[v.grad_dtype]
+    flags = {**APEX_LEGACY, **(HP_ON_DEVICE if v.device else {})}
+    if v.device and v.verify:  # the check-and-verify launch of a device step
+        flags.update(ADVANCE=False, OWN_FLAG=True, FIRST=True, COUNT=True)
+    common = dict(P_DTYPE=p, G_DTYPE=g, MODEL_DTYPE=_TL[v.model_dtype] if v.model_dtype else p,
+                  HAS_MODEL=v.model_dtype is not None, VERIFY=v.verify, BLOCK=4096, ALIGNED=True, **flags)
+    if v.kernel == "sgd":
+        return sgd_kernel._sgd_kernel, dict(WD=True, WD_AFTER=False, MOMENTUM=True, NESTEROV=False, FIRST_RUN=False,
+                                            **common), {}
+    if v.kernel == "adagrad":
+        return adagrad_kernel._adagrad_kernel, dict(L2_MODE=False, DECOUPLED=True, **common), {}
+    return novograd_kernel._novograd_kernel, dict(REG_INSIDE=False, **common), {}
+
+
+def _traffic_one(v, target) -> dict:
+    import ptx_traffic
+
+    if v == CONTROL:
+        fn, constexprs, overrides = _control_kernel, dict(BLOCK=4096, ALIGNED=True), {}
+    else:
+        fn, constexprs, overrides = traffic_case(v)
+    options = launch_options(fn, constexprs)
+    src = ASTSource(fn=fn, signature=signature(fn, constexprs, overrides), constexprs=constexprs)
+    ptx = triton.compile(src, target=target, options=options).asm["ptx"]
+    block = constexprs.get("BLOCK", 4096)
+    t = ptx_traffic.analyze(ptx, block=block, num_warps=options["num_warps"])
+    return {
+        "ok": True, "min": [t.min_load, t.min_store], "max": [t.max_load, t.max_store], "v4_loads": t.v4_loads,
+        "v4_stores": t.v4_stores, "widths": list(t.vector_widths), "data": t.data_accesses,
+        "uniform": t.uniform_accesses, "other": t.other_accesses, "num_warps": options["num_warps"], "block": block,
+        **ptxas_usage(ptx, target.arch, options["enable_fp_fusion"]),
+    }
+
+
+def traffic(arch: int, names: list[str]) -> dict:
+    """The ``traffic`` mode: for each named variant (``traffic_cases.py``), the PTX's bytes per element
+    (``ptx_traffic.analyze``) and ``ptxas -v``'s registers and spills, compiled for ``sm_<arch>``."""
+    import traffic_cases
+
+    by_name = {v.name: v for v in traffic_cases.all_variants()}
+    target = GPUTarget("cuda", arch, 32)
+    out = {}
+    for name in names:
+        try:
+            out[name] = _traffic_one(CONTROL if name == CONTROL else by_name[name], target)
+        except Exception as err:  # report every failing variant, not only the first
+            out[name] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:2000]}
+    return out
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "traffic":  # traffic ARCH NAME... (names: one per line on stdin if none)
+        names = sys.argv[3:] or [line for line in sys.stdin.read().splitlines() if line]
+        print(json.dumps(traffic(int(sys.argv[2]), names)))
+        return
     arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
     target = GPUTarget("cuda", arch, 32)
     out = {}
