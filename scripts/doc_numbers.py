@@ -70,15 +70,15 @@ def block(command: str, text: str, lang: str = "") -> str:
 
 
 def demo(tmp: Path) -> dict[str, str]:
-    out = fp16kit("demo", "--no-progress", "--out", str(tmp / "demo.png"))
+    out = fp16kit("demo", "--task", "digits", "--no-progress", "--out", str(tmp / "demo.png"))
     shutil.copy(tmp / "demo.png", IMAGES / "demo.png")
     table = "\n".join(line for line in out.splitlines() if not line.startswith(("plot:", "doctor (", "mem (training")))
-    adam = fp16kit("demo", "--no-progress", "--optimizer", "adam", "--runs", "O0,O1,O2,O3,O2-bf16",
+    adam = fp16kit("demo", "--task", "digits", "--no-progress", "--optimizer", "adam", "--runs", "O0,O1,O2,O3,O2-bf16",
                    "--doctor-every", "0", "--out", str(tmp / "adam.png"))
     adam_table = "\n".join(line for line in adam.splitlines()
                            if line.startswith(("run ", "---", "O0", "O1", "O2", "O3")))
-    return {"demo-sgd": block("python -m fp16kit demo", table.strip()),
-            "demo-adam": block("python -m fp16kit demo --optimizer adam", adam_table)}
+    return {"demo-sgd": block("python -m fp16kit demo --task digits", table.strip()),
+            "demo-adam": block("python -m fp16kit demo --task digits --optimizer adam", adam_table)}
 
 
 def doctor_demo(tmp: Path) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""fp16kit where people train: the HF ``transformers.Trainer`` and ``accelerate``.
+"""fp16kit where people train: the HF ``transformers.Trainer``, ``accelerate`` and PyTorch Lightning.
 
 * ``fp16kit.integrations.transformers.AmpTrainer``: a ``transformers.Trainer`` with apex-style amp (O1/O2) done
   right: loss scaling around the Trainer's backward, gradient clipping and the logged grad norm on the unscaled
@@ -6,10 +6,13 @@
   Trainer's checkpoints.
 * ``fp16kit.integrations.accelerate``: ``backward`` and ``clip_grad_norm_`` for apex-style amp on
   ``accelerator.prepare``'d models and optimizers.
+* ``fp16kit.integrations.lightning.AmpPrecision``: a Lightning precision plugin running fp16kit's autocast +
+  GradScaler or apex-style O1/O2, with clipping on unscaled gradients and the amp state in Lightning's
+  checkpoints (docs/ecosystem.md).
 
 Torch-style mixed precision (``Trainer(fp16=True / bf16=True)``, ``Accelerator(mixed_precision=...)``) needs no
 integration: pass fp16kit's optimizers and it works (docs/trainer.md). Importing this package imports neither
-transformers nor accelerate (``integrations.transformers`` imports transformers; ``integrations.accelerate`` needs
+transformers, accelerate nor lightning (``integrations.transformers`` imports transformers; ``integrations.accelerate`` needs
 only the accelerator object it is given).
 """
 
