@@ -12,8 +12,8 @@
 
 Torch-style mixed precision (``Trainer(fp16=True / bf16=True)``, ``Accelerator(mixed_precision=...)``) needs no
 integration: pass fp16kit's optimizers and it works (docs/trainer.md). Importing this package imports neither
-transformers, accelerate nor lightning (``integrations.transformers`` imports transformers; ``integrations.accelerate`` needs
-only the accelerator object it is given).
+transformers, accelerate nor lightning (``integrations.transformers`` imports transformers,
+``integrations.lightning`` lightning; ``integrations.accelerate`` needs only the accelerator object it is given).
 """
 
 from __future__ import annotations
