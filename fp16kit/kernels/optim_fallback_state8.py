@@ -24,7 +24,9 @@ same elements in the same order, so the result is the contiguous run's bit for b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -70,7 +72,7 @@ def _dense_rows(
     models: Sequence[torch.Tensor | None],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], list[tuple]]:
     """``(params, grads, models, back)``: the lists with every 8-bit row's non-contiguous param, grad and model copy
-    replaced by a contiguous copy, and ``back``, the ``(tensor, copy)`` pairs :func:`_write_back` copies home after
+    replaced by a contiguous copy, and ``back``, the ``(tensor, copy)`` pairs to copy home after
     the step (a skipped step leaves the copies as they were: writing them back changes no bit)."""
     back: list[tuple[torch.Tensor, torch.Tensor]] = []
     if all(p.is_contiguous() and g.is_contiguous() and (m is None or m.is_contiguous())
@@ -89,11 +91,21 @@ def _dense_rows(
     return params, grads, models, back
 
 
-def _write_back(back: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for dst, src in back:
-        dst.copy_(src)
+def _on_dense_rows(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn(params, grads, exp_avgs, exp_avg_sqs, models, ...)`` on :func:`_dense_rows`' lists, then the contiguous
+    copies written back into the caller's tensors."""
+
+    @functools.wraps(fn)
+    def run(params, grads, exp_avgs, exp_avg_sqs, models, *args: Any, **kw: Any) -> None:
+        params, grads, models, back = _dense_rows(params, grads, exp_avgs, models)
+        fn(params, grads, exp_avgs, exp_avg_sqs, models, *args, **kw)
+        for dst, src in back:
+            dst.copy_(src)
+
+    return run
 
 
+@_on_dense_rows
 def adam8_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -106,27 +118,10 @@ def adam8_(
     l2_mode: bool,
     decoupled: bool,
 ) -> None:
-    """One Adam/AdamW step (``adam_kernel.py``) over moments that may be 8-bit."""
+    """One Adam/AdamW step (``adam_kernel.py``) over moments that may be 8-bit (non-contiguous 8-bit rows on
+    contiguous copies: :func:`_on_dense_rows`)."""
     if not params:
         return
-    params, grads, models, back = _dense_rows(params, grads, exp_avgs, models)
-    _adam8(params, grads, exp_avgs, exp_avg_sqs, models, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled)
-    _write_back(back)
-
-
-def _adam8(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-    hp: torch.Tensor,
-    found_inf: torch.Tensor,
-    *,
-    l2_mode: bool,
-    decoupled: bool,
-) -> None:
-    """:func:`adam8_` on rows whose 8-bit ones are contiguous."""
     host_skip = optim_fallback._skip(found_inf, None)  # a bool on the CPU (unless masked_commits())
     if host_skip is True:
         return  # a skipped step writes nothing
