@@ -91,3 +91,47 @@ def test_item1_state8_non_contiguous_rows_under_the_interpreter(kind):
     for name in ("0.weight", "proj.weight"):
         a, b = (dict(m.named_parameters())[name] for m in (got, want))
         assert torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. The functional API's square guard
+
+
+def _functional_rows(n: int = 5):
+    p = torch.linspace(-1, 1, n)
+    g = torch.full((n,), 0.5)
+    g[2] = 1e25  # finite, but its square overflows fp32: v would become inf
+    return [p], [g], [torch.zeros(n)], [torch.zeros(n)]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("fn", ["adam", "lamb"])
+def test_item2_functional_steps_skip_a_grad_whose_square_overflows(fn, backend):
+    """``adam_step_`` and ``lamb_step_(max_grad_norm=0)`` skip a finite grad of 1e25 as FusedAdam does: the flag is
+    raised, nothing is written (no inf in exp_avg_sq), the step counter stays."""
+    from fp16kit.optim import adam_step_, lamb_step_
+
+    params, grads, ms, vs = _functional_rows()
+    before = params[0].clone()
+    step = torch.zeros(1)
+    with use_backend(backend):
+        if fn == "adam":
+            flag = adam_step_(params, grads, ms, vs, step=step, lr=0.1)
+        else:
+            flag = lamb_step_(params, grads, ms, vs, step=step, lr=0.1, max_grad_norm=0.0)
+    assert float(flag) == 1.0
+    assert torch.equal(params[0], before) and float(step) == 0.0
+    assert torch.equal(vs[0], torch.zeros(5)) and torch.equal(ms[0], torch.zeros(5))
+    p = torch.nn.Parameter(before.clone())
+    p.grad = grads[0].clone()
+    opt = (FusedAdam([p], lr=0.1) if fn == "adam" else FusedLAMB([p], lr=0.1, max_grad_norm=0.0))
+    opt.on_nonfinite = "skip"
+    with use_backend(backend):
+        opt.step()
+    assert torch.equal(p, before) and float(opt.param_groups[0]["step"]) == 0.0
+    # below the guard (|g| < 2**63) the functional step runs, as FusedAdam's does
+    params, grads, ms, vs = _functional_rows()
+    grads[0][2] = 1e18
+    with use_backend(backend):
+        flag = adam_step_(params, grads, ms, vs, step=step, lr=0.1)
+    assert float(flag) == 0.0 and float(step) == 1.0 and bool(torch.isfinite(vs[0]).all())

@@ -271,11 +271,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     #: ``|g| >= 2**63`` after unscaling skips the step like inf/NaN where the update squares unclipped gradients
-    #: (Adam, LAMB without clipping): below it ``v = beta2 * v + (1 - beta2) * g * g`` stays finite for every
-    #: finite ``v`` (it is at most ``max(v, g^2)``, and ``2**126`` leaves room for the roundings), above it the
-    #: second moment may become inf and the element never moves again (docs/guarantees.md). The check multiplies
-    #: the unscaled value by ``2**65`` (exact: a power of two), so "overflows fp32" means ``|g| >= 2**63``.
-    _SQUARE_GUARD = 2.0**65
+    #: (Adam, LAMB without clipping): ``fp16kit.optim.functional.SQUARE_GUARD``, the functional steps' rule too.
+    _SQUARE_GUARD = F.SQUARE_GUARD
 
     def _check_factor(self) -> float:
         """The factor the check pass applies before its inf/NaN test: 1, or ``_SQUARE_GUARD`` for an update that
