@@ -135,3 +135,93 @@ def test_item2_functional_steps_skip_a_grad_whose_square_overflows(fn, backend):
     with use_backend(backend):
         flag = adam_step_(params, grads, ms, vs, step=step, lr=0.1)
     assert float(flag) == 0.0 and float(step) == 1.0 and bool(torch.isfinite(vs[0]).all())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. 8-bit state through torch.save to a file and torch.load(weights_only=True)
+
+
+def _rows8(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in ((4096 + 300,), (7, 5))]
+
+
+def _steps(opt, params, start: int, stop: int) -> None:
+    for k in range(start, stop):
+        g = torch.Generator().manual_seed(100 + k)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+
+
+def _make8(kind: str, params, mode):
+    return OPT8[kind](params, lr=0.01, weight_decay=0.01, state_bits=8, master_weights=mode,
+                      **({"rounding_seed": 7} if mode == "stochastic" else {}))
+
+
+@pytest.mark.parametrize("mode", [False, True, "split", "stochastic"], ids=["fp32", "master", "split", "stochastic"])
+@pytest.mark.parametrize("kind", sorted(OPT8))
+def test_item3_state8_resumes_through_torch_save_and_weights_only_load(kind, mode, tmp_path):
+    """FusedAdam and FusedLAMB, 8-bit moments (a ragged 8-bit tensor and a small fp32-moment one), fp32 params and
+    bf16 params with fp32 masters, split and stochastic: two steps, ``torch.save`` of the state_dict to a file,
+    ``torch.load(weights_only=True)`` into a new optimizer, two more steps: bit for bit the uninterrupted run."""
+    dtype = torch.float32 if mode is False else torch.bfloat16
+    want = _rows8(dtype)
+    want_opt = _make8(kind, want, mode)
+    _steps(want_opt, want, 0, 4)
+
+    first = _rows8(dtype)
+    opt = _make8(kind, first, mode)
+    _steps(opt, first, 0, 2)
+    torch.save({"model": [p.detach() for p in first], "optim": opt.state_dict()}, tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    got = [torch.nn.Parameter(t.clone()) for t in saved["model"]]
+    resumed = _make8(kind, got, mode)
+    resumed.load_state_dict(saved["optim"])
+    assert resumed.state[got[0]]["exp_avg"].dtype == torch.uint8
+    _steps(resumed, got, 2, 4)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for a, b in zip(got, want):
+        sa, sb = resumed.state[a], want_opt.state[b]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            assert torch.equal(sa[key], sb[key]), key
+
+
+def test_item3_hf_trainer_checkpoint_resume_with_an_8bit_optimizer(tmp_path):
+    """The stock ``transformers.Trainer`` saves an 8-bit FusedAdam's state at every step (``save_steps=1``) and a fresh
+    Trainer resumes from the first checkpoint (``resume_from_checkpoint``) to the uninterrupted run's weights."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "integrations"))
+    from hf_helpers import MaskedLMData
+    from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
+
+    class Ordered(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    def trainer(out: str) -> Trainer:
+        torch.manual_seed(0)
+        config = BertConfig(vocab_size=160, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=37, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)
+        model = BertForMaskedLM(config)  # word embeddings 160 x 32: 8-bit moments
+        args = TrainingArguments(output_dir=str(tmp_path / out), per_device_train_batch_size=4, max_steps=2,
+                                 save_steps=1, save_strategy="steps", report_to=[], use_cpu=True, disable_tqdm=True,
+                                 learning_rate=1e-2, seed=0, logging_steps=1)
+        opt = FusedAdam(model.parameters(), lr=1e-2, state_bits=8)
+        return Ordered(model=model, args=args, train_dataset=MaskedLMData(n=16), optimizers=(opt, None))
+
+    whole = trainer("a")
+    whole.train()
+    emb = whole.model.bert.embeddings.word_embeddings.weight
+    assert whole.optimizer.state[emb]["exp_avg"].dtype == torch.uint8
+    resumed = trainer("b")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
+    for a, b in zip(resumed.model.parameters(), whole.model.parameters()):
+        assert torch.equal(a, b)

@@ -574,6 +574,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                 out.append(hi.float() if low is None else join_halves(hi, local(low)))
         return out
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict``; with ``state_bits=8`` each 8-bit moment's codes and absmax are copies (a snapshot,
+        about 2 bytes per param for the two moments): the live absmax is a float32 view of the codes' own storage,
+        which ``torch.save`` refuses (``_checkpoint.saveable_state8``)."""
+        out = super().state_dict()
+        if self.state_bits == 8:
+            out["state"] = _checkpoint.saveable_state8(out["state"])
+        return out
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint: validated, then committed (``_checkpoint.py``); on any error nothing changes.
 

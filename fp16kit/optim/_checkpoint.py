@@ -21,7 +21,9 @@
 with fp32 ``exp_avg_absmax``/``exp_avg_sq_absmax``. :func:`split_state8` dequantizes them before step 2 (so every
 check above runs on their fp32 values) and keeps the originals; :func:`apply_state8` then gives an 8-bit optimizer
 8-bit moments: the saved codes and absmax themselves where the checkpoint had them (a round trip is exact), else
-the fp32 moments quantized. A ``state_bits=32`` optimizer keeps the dequantized fp32 values.
+the fp32 moments quantized. A ``state_bits=32`` optimizer keeps the dequantized fp32 values. ``state_dict()`` gives
+copies of the codes and absmax (:func:`saveable_state8`), so the result goes through ``torch.save`` and
+``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "import_groups",
     "refuse_foreign",
     "restore_state",
+    "saveable_state8",
     "split_state8",
     "writer_of",
 ]
@@ -323,6 +326,23 @@ def check_state_values(fn: str, entries: Sequence[tuple[int, int, str, torch.Ten
 
 
 _MOMENTS8 = (("exp_avg", True), ("exp_avg_sq", False))
+
+
+def saveable_state8(state: dict[Any, Any]) -> dict[Any, Any]:
+    """``state`` (a ``state_dict()``'s, whose entries are the optimizer's live per-param dicts) with every entry that
+    holds 8-bit moments replaced by a new dict whose codes and ``*_absmax`` are copies: each in its own storage, so
+    ``torch.save`` accepts them (the live absmax is a float32 view of the uint8 codes' storage, ``state8.new_state``),
+    and a consistent snapshot that later steps do not change. Other entries are left as they are."""
+    out = {}
+    for idx, entry in state.items():
+        if isinstance(entry, dict) and any(f"{k}_absmax" in entry for k, _ in _MOMENTS8):
+            entry = dict(entry)
+            for key, _ in _MOMENTS8:
+                for k in (key, f"{key}_absmax"):
+                    if isinstance(entry.get(k), torch.Tensor):
+                        entry[k] = entry[k].detach().clone(memory_format=torch.contiguous_format)
+        out[idx] = entry
+    return out
 
 
 def split_state8(fn: str, saved_state: dict[Any, Any]) -> tuple[dict[Any, Any], dict[Any, dict[str, tuple]]]:
