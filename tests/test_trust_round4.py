@@ -225,3 +225,63 @@ def test_item3_hf_trainer_checkpoint_resume_with_an_8bit_optimizer(tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
     for a, b in zip(resumed.model.parameters(), whole.model.parameters()):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. Absurd hyper-parameters
+
+
+# (key, value, other constructor arguments): beyond float32, or a step size formed from them beyond it
+ABSURD = [("lr", 1e39, {}), ("lr", 3e38, {}), ("weight_decay", 1e300, {}), ("weight_decay", 1e39, {}),
+          ("weight_decay", 1e36, {"lr": 1e3}), ("eps", 1e39, {})]
+
+
+def _small_opt(kind: str, **kw):
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 6))
+    p.grad = torch.full((6,), 0.25)
+    return p, OPT8[kind]([p], **kw)
+
+
+@pytest.mark.parametrize(
+    "kind,key,value,kw", [(k, *kv) for k in sorted(OPT8) for kv in ABSURD] + [("lamb", "max_grad_norm", 1e39, {})]
+)
+def test_item4_absurd_hyperparameters_raise_everywhere(kind, key, value, kw):
+    """At construction, after a hand edit of ``param_groups`` (at the step, before anything is written), and in
+    ``load_state_dict`` (nothing changes): a ValueError naming the key and float32's range."""
+    with pytest.raises(ValueError, match=rf"{key}|lr"):
+        _small_opt(kind, **kw, **{key: value})
+    p, opt = _small_opt(kind, **kw)
+    before = p.detach().clone()
+    sd = opt.state_dict()
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=r"float32"):
+        opt.step()
+    assert torch.equal(p, before) and float(opt.param_groups[0].get("step", 0)) == 0
+    opt.param_groups[0][key] = sd["param_groups"][0][key]
+    opt.step()
+    bad = {**sd, "param_groups": [{**sd["param_groups"][0], key: value}]}
+    good = opt.state_dict()
+    with pytest.raises(ValueError, match=r"float32"):
+        opt.load_state_dict(bad)
+    assert opt.param_groups[0][key] == good["param_groups"][0][key]
+    assert bool(torch.isfinite(p).all())
+
+
+@pytest.mark.parametrize("kind", sorted(OPT8))
+def test_item4_a_scheduler_that_drives_lr_past_float32_is_refused_at_the_step(kind):
+    p, opt = _small_opt(kind, lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1e42 if step >= 1 else 1.0)
+    opt.step()
+    sched.step()
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"lr.*float32"):
+        opt.step()
+    assert torch.equal(p, before)
+
+
+@pytest.mark.parametrize("kind", sorted(OPT8))
+def test_item4_a_float64_tensor_lr_beyond_float32_skips_on_the_device(kind):
+    p, opt = _small_opt(kind, lr=torch.tensor(1e39, dtype=torch.float64), on_nonfinite="skip")
+    before = p.detach().clone()
+    opt.step()
+    assert torch.equal(p, before) and int(opt.hparam_skips) == 1

@@ -28,15 +28,13 @@ from fp16kit.kernels.optimizers import StepVerify
 from . import functional as F
 from ._base import _LOW_PRECISION, FusedOptimizer, _capturing
 from ._checkpoint import TORCH_FLAGS, check_state_values, refuse_foreign
-from ._validate import _number, check_sparse_grad, check_step_value, naming_group
+from ._validate import FP32_MAX, _number, check_sparse_grad, check_step_value, naming_group
 
 __all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hparams64", "widen_state"]
 
 F64 = torch.float64
 
 
-#: The largest float32: the kernels compute in float32, so a host hyper-parameter above it would round to inf.
-FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def check_range(

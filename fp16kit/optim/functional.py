@@ -42,7 +42,7 @@ from fp16kit.kernels import (
 )
 from fp16kit.kernels import check_and_norm as _check_and_norm
 
-from ._validate import check_hyperparams
+from ._validate import FP32_MAX, check_hyperparams
 
 __all__ = ["adam_step_", "lamb_step_"]
 
@@ -136,13 +136,14 @@ def clip_factor(gnorm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
 
 
 def bad_lr_flag(lrs: Sequence[Scalar], device: torch.device) -> torch.Tensor | None:
-    """float32 ``[1]``: 1 when any tensor learning rate is NaN, inf or negative, else 0 — computed on the
-    device (no sync); None when no lr is a tensor (host values are checked on the host, at step)."""
+    """float32 ``[1]``: 1 when any tensor learning rate is NaN, inf, negative or beyond float32's maximum (a
+    float64 tensor: inf in the kernels' float32), else 0 — computed on the device (no sync); None when no lr is a
+    tensor (host values are checked on the host, at step)."""
     tensors = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
     if not tensors:
         return None
     values = torch.cat([_scalar64("lr", lr, device) for lr in tensors])
-    return (~torch.isfinite(values) | (values < 0)).any().float().reshape(1)
+    return (~(values <= FP32_MAX) | (values < 0)).any().float().reshape(1)
 
 
 def advance_step(step: torch.Tensor, found_inf: torch.Tensor) -> None:
