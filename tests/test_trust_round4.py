@@ -285,3 +285,106 @@ def test_item4_a_float64_tensor_lr_beyond_float32_skips_on_the_device(kind):
     before = p.detach().clone()
     opt.step()
     assert torch.equal(p, before) and int(opt.hparam_skips) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. Every group owns its step counter
+
+
+def _every_optimizer():
+    from fp16kit.optim import FusedAdagrad, FusedMixedPrecisionLamb, FusedNovoGrad, FusedSGD
+
+    return {"adam": FusedAdam, "lamb": FusedLAMB, "sgd": FusedSGD, "adagrad": FusedAdagrad,
+            "novograd": FusedNovoGrad, "mixed_lamb": FusedMixedPrecisionLamb}
+
+
+ALL_OPTS = ["adam", "lamb", "sgd", "adagrad", "novograd", "mixed_lamb"]
+
+
+def _grads(*params):
+    for p in params:
+        p.grad = torch.full_like(p, 0.1)
+
+
+def _steps_of(opt) -> list[float]:
+    return [float(g["step"].reshape(-1)[0]) if isinstance(g["step"], torch.Tensor) else float(g["step"])
+            for g in opt.param_groups]
+
+
+@pytest.mark.parametrize("name", ALL_OPTS)
+def test_item5_a_group_copied_from_another_owns_its_step_counter(name):
+    """``add_param_group`` of a dict copied from group 0 (its step tensor included); groups that share one tensor at
+    construction; a state_dict loaded into a second optimizer; a counter assigned by hand from another group: each
+    group advances its own counter only."""
+    cls = _every_optimizer()[name]
+    a, b, c = (torch.nn.Parameter(torch.ones(3)) for _ in range(3))
+    opt = cls([a], lr=0.01)
+    _grads(a)
+    opt.step()
+    copied = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    opt.add_param_group({**copied, "params": [b]})
+    _grads(a, b)
+    for _ in range(4):
+        opt.step()
+    assert _steps_of(opt) == [5.0, 5.0]  # group 1 started from the copied count (1), and only its own steps
+    assert opt.param_groups[0]["step"] is not opt.param_groups[1]["step"]
+
+    twin = cls([{"params": [torch.nn.Parameter(torch.ones(3))]}, {"params": [torch.nn.Parameter(torch.ones(3))]}],
+               lr=0.01)
+    twin.load_state_dict(opt.state_dict())
+    for p in (q for g in twin.param_groups for q in g["params"]):
+        p.grad = torch.full_like(p, 0.1)
+    twin.step()
+    assert _steps_of(twin) == [6.0, 6.0] and _steps_of(opt) == [5.0, 5.0]
+
+    shared = torch.full((1,), 2.0)
+    both = cls([{"params": [a], "step": shared}, {"params": [c], "step": shared}], lr=0.01)
+    _grads(a, c)
+    both.step()
+    both.param_groups[1]["step"] = both.param_groups[0]["step"]  # by hand
+    both.step()
+    assert _steps_of(both) == [4.0, 4.0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7d. When a group's counter advances: only on a step (not skipped) in which one of its params has a gradient
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("name", ALL_OPTS)
+def test_item7d_a_group_without_grads_keeps_its_counter(name, backend):
+    """torch's rule per group: group 1's params have no grad for three steps, so its counter stays 0 while group 0's
+    counts 3 (host-vector step on the torch backend; the device step under the interpreter); a step with no grad
+    anywhere moves nothing."""
+    cls = _every_optimizer()[name]
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = cls([{"params": [a]}, {"params": [b]}], lr=0.01)
+    with use_backend(backend):
+        opt.step()  # no grad anywhere
+        assert all(float(g.get("step", 0)) == 0 for g in opt.param_groups)
+        _grads(a)
+        for _ in range(3):
+            opt.step()
+        assert _steps_of(opt) == [3.0, 0.0]
+        _grads(b)
+        opt.step()
+    assert _steps_of(opt) == [4.0, 1.0]
+
+
+def test_item7d_frozen_then_trained_param_matches_torch_adamw():
+    """The rule is torch's for a group whose params share their grad pattern: a param frozen for three steps then
+    trained takes its first bias correction (t = 1), as ``torch.optim.AdamW``'s per-param counter does."""
+    ours_p = [torch.nn.Parameter(torch.linspace(-1, 1, 5)) for _ in range(2)]
+    ref_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
+    ours = FusedAdam([{"params": [ours_p[0]]}, {"params": [ours_p[1]]}], lr=0.1, weight_decay=0.01)
+    ref = torch.optim.AdamW([{"params": [ref_p[0]]}, {"params": [ref_p[1]]}], lr=0.1, weight_decay=0.01,
+                            foreach=False)
+    for k in range(5):
+        for ps in (ours_p, ref_p):
+            ps[0].grad = torch.linspace(0.1, 0.5, 5) * (k + 1)
+            ps[1].grad = None if k < 3 else torch.linspace(-0.3, 0.2, 5)
+        ours.step()
+        ref.step()
+    for a, b in zip(ours_p, ref_p):  # a few fp32 ulps of the largest weight (the rounding orders differ)
+        atol = 8 * torch.finfo(torch.float32).eps * float(b.detach().abs().max())
+        torch.testing.assert_close(a, b, rtol=0, atol=atol)

@@ -266,6 +266,24 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self.__dict__.get("bf16_weights") == "stochastic":
             _check_seed(self._name, index, {**self.defaults, **param_group}.get("rounding_seed"))
         super().add_param_group(param_group)
+        self._own_counter(self.param_groups[-1])
+
+    def _own_counter(self, group: dict[str, Any]) -> None:
+        """Each group owns its step counter: a tensor ``step`` that another group holds too (a group dict copied
+        from another, ``step`` included; one tensor given to two groups; a hand assignment) becomes this group's own
+        copy, so that no step advances a counter twice (docs/optim.md, "Step counters")."""
+        step = group.get("step")
+        if isinstance(step, torch.Tensor) and any(g is not group and g.get("step") is step for g in self.param_groups):
+            group["step"] = step.detach().clone()
+
+    def _adopt_counters(self) -> None:
+        """After a committed load: each group's counter a copy of the checkpoint's (``state_dict()`` hands out the
+        live tensors: a second optimizer loading it must not advance the first one's), remembered as checked."""
+        for gi, group in enumerate(self.param_groups):
+            if isinstance(group.get("step"), torch.Tensor):
+                group["step"] = group["step"].detach().clone()
+            if group["params"] and "step" in group:
+                self._own_step(gi, group, group["params"][0].device)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -302,6 +320,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 # a number, or a tensor installed by hand: read once (a sync on a GPU, only when it changed)
                 value = step.reshape(-1)[0] if isinstance(step, torch.Tensor) and step.numel() == 1 else step
                 check_step_value(self._name, gi, float(value))
+                self._own_counter(group)
         return unchecked
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -628,9 +647,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.state.update(state)
         _checkpoint.finish_split(self.param_groups, self.state, self.__dict__.get("bf16_weights"))
         self.__dict__.get("_verdicts", {}).clear()
-        for gi, group in enumerate(self.param_groups):
-            if group["params"] and "step" in group:
-                self._own_step(gi, group, group["params"][0].device)
+        self._adopt_counters()
 
     # -- step -----------------------------------------------------------------------------------------------
 
@@ -739,7 +756,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         verdicts = self.__dict__.get("_verdicts", {}) if shards is None and not torch.compiler.is_compiling() else {}
         for gi, (group, rows) in enumerate(zip(self.param_groups, all_rows)):
             step = self._own_step(gi, group, device)
-            F.advance_step(step, skip)
+            if rows.params:  # a group without grads keeps its counter (docs/optim.md, "Step counters")
+                F.advance_step(step, skip)
             verdict = verdicts.get(id(group)) if verdicts else None  # (no id() while compiling)
             if verdict is None:
                 self._update_group(group, rows, step, inv64, skip, grad_norm)
@@ -880,8 +898,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         skip = found_inf if bad_hp is None else torch.maximum(found_inf.reshape(1), bad_hp)
         for gi, (group, rows) in enumerate(zip(self.param_groups, all_rows)):
             step = self._own_step(gi, group, device)
-            if not rows.params:
-                F.advance_step(step, skip)
+            if not rows.params:  # no grads: the counter stays (docs/optim.md, "Step counters")
                 continue
             base = DeviceStep(step, {}, scale=grad_scale, gnorm=gnorm)
             ds = self._device_step(group, base)
