@@ -388,3 +388,43 @@ def test_item7d_frozen_then_trained_param_matches_torch_adamw():
     for a, b in zip(ours_p, ref_p):  # a few fp32 ulps of the largest weight (the rounding orders differ)
         atol = 8 * torch.finfo(torch.float32).eps * float(b.detach().abs().max())
         torch.testing.assert_close(a, b, rtol=0, atol=atol)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. Step counters past 2**31 (from a checkpoint)
+
+
+def _resumed_at(name: str, step: float, backend: str, host_vector: bool = False, **kw) -> torch.Tensor:
+    cls = _every_optimizer()[name]
+    dtype = torch.bfloat16 if kw.get("master_weights") == "stochastic" else torch.float32
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 7).to(dtype))
+    opt = cls([p], lr=0.01, **kw)
+    if host_vector:  # the kernels with the host's float64 hyper-parameter vector instead of the device step
+        opt._on_device = lambda device: False
+    p.grad = torch.linspace(0.3, -0.2, 7).to(dtype)
+    opt.step()  # the state exists; then the checkpoint's counter
+    sd = opt.state_dict()
+    sd["param_groups"][0]["step"] = torch.tensor([step], dtype=torch.float32)
+    opt.load_state_dict(sd)
+    with use_backend(backend):
+        for _ in range(2):
+            opt.step()
+    return p.detach().float().clone()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name,kw", [(n, {}) for n in ALL_OPTS] + [
+    (n, {"master_weights": "stochastic", "rounding_seed": 3}) for n in ("adam", "lamb")])
+def test_item6_step_counter_past_2_31_agrees_across_backends(name, kw):
+    """A checkpoint's counter of 2**31 + 5: the device step under the interpreter (the kernels derive the bias
+    corrections and stochastic rounding's counter word from it in 64-bit integers) gives the torch backend's
+    weights within a few fp32 ulps, finite; stochastic bf16 writes draw the same bits as the kernels' host-vector
+    step, which takes the counter from the host (bit for bit)."""
+    big = float(2**31 + 5)
+    got = _resumed_at(name, big, "auto", **kw)
+    assert bool(torch.isfinite(got).all())
+    if "master_weights" in kw:
+        assert torch.equal(got, _resumed_at(name, big, "auto", host_vector=True, **kw))
+    else:
+        want = _resumed_at(name, big, "torch", **kw)
+        torch.testing.assert_close(got, want, rtol=0, atol=8 * torch.finfo(torch.float32).eps)
