@@ -5,6 +5,8 @@ promises (docs/guarantees.md, "Optimizer state and hyper-parameters (round 4)").
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -428,3 +430,118 @@ def test_item6_step_counter_past_2_31_agrees_across_backends(name, kw):
     else:
         want = _resumed_at(name, big, "torch", **kw)
         torch.testing.assert_close(got, want, rtol=0, atol=8 * torch.finfo(torch.float32).eps)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. The smaller promises
+
+
+@pytest.mark.parametrize("kind", sorted(OPT8))
+def test_item7a_torch_compile_of_an_8bit_step_raises_not_implemented(kind):
+    """``torch.compile(opt.step)`` with ``state_bits=8`` raises the documented NotImplementedError (Dynamo runs a frame
+    that raises while traced eagerly: the eager step under torch.compile raises too), and nothing was made or
+    written; the eager step afterwards runs."""
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 4096))
+    p.grad = torch.full_like(p, 0.5)
+    opt = OPT8[kind]([p], lr=0.01, state_bits=8)
+    before = p.detach().clone()
+    torch._dynamo.reset()
+    with pytest.raises(NotImplementedError, match=r"torch\.compile of a state_bits=8 step"):
+        torch.compile(opt.step)()
+    assert torch.equal(p, before) and not opt.state[p]
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.uint8 and not torch.equal(p, before)
+
+
+@pytest.mark.parametrize("seed", [None, "abc", 2**64 + 5, -1, 2**63, True, 1.5])
+@pytest.mark.parametrize("kind", sorted(OPT8))
+def test_item7b_rounding_seed_is_validated_at_construction_load_and_step(kind, seed):
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 6).bfloat16())
+    p.grad = torch.full_like(p, 0.5)
+    if seed is not None:
+        with pytest.raises(ValueError, match="rounding_seed"):
+            OPT8[kind]([p], lr=0.01, master_weights="stochastic", rounding_seed=seed)
+    opt = OPT8[kind]([p], lr=0.01, master_weights="stochastic", rounding_seed=5)
+    sd = opt.state_dict()
+    bad = {**sd, "param_groups": [{**sd["param_groups"][0], "rounding_seed": seed}]}
+    with pytest.raises(ValueError, match="rounding_seed"):
+        opt.load_state_dict(bad)
+    assert opt.param_groups[0]["rounding_seed"] == 5
+    opt.param_groups[0]["rounding_seed"] = seed
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="rounding_seed"):
+        opt.step()
+    assert torch.equal(p, before)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("seed", [0, 2**63 - 1])
+def test_item7b_valid_seeds_draw_the_same_bits_on_both_backends(seed):
+    def run(backend):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 9).bfloat16())
+        opt = FusedAdam([p], lr=0.01, master_weights="stochastic", rounding_seed=seed)
+        with use_backend(backend):
+            for _ in range(2):
+                p.grad = torch.linspace(0.3, -0.2, 9).bfloat16()
+                opt.step()
+        return p.detach()
+
+    assert torch.equal(run("torch"), run("auto"))
+
+
+@pytest.mark.parametrize("kind", sorted(OPT8))
+def test_item7c_a_negative_absmax_in_a_checkpoint_is_refused_at_load(kind, tmp_path):
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 4096))
+    p.grad = torch.linspace(0.5, -0.5, 4096)
+    opt = OPT8[kind]([p], lr=0.01, state_bits=8)
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "o.pt")
+    sd = torch.load(tmp_path / "o.pt", weights_only=True)
+    sd["state"][0]["exp_avg_absmax"][3] *= -1  # exp_avg: no later check would see its block's flipped signs
+    kept = opt.state[p]["exp_avg"].clone()
+    with pytest.raises(ValueError, match=r"exp_avg_absmax.*negative"):
+        opt.load_state_dict(sd)
+    assert torch.equal(opt.state[p]["exp_avg"], kept)
+
+
+@pytest.mark.parametrize("mode", ["split", "stochastic"])
+@pytest.mark.parametrize("kind", sorted(OPT8))
+def test_item7f_a_bf16_mode_without_bf16_params_is_refused(kind, mode):
+    """The choice: refuse (ValueError naming the fix) when no param is bf16, since the mode would do nothing; fp32
+    params beside bf16 ones stay accepted (updated directly)."""
+    with pytest.raises(ValueError, match=r"no param is\s+bfloat16.*model.to\(torch.bfloat16\)"):
+        OPT8[kind]([torch.nn.Parameter(torch.ones(3))], master_weights=mode)
+    mixed = [torch.nn.Parameter(torch.ones(3).bfloat16()), torch.nn.Parameter(torch.ones(3))]
+    assert OPT8[kind](mixed, master_weights=mode).bf16_weights == mode
+
+
+@pytest.mark.parametrize("kind", sorted(OPT8))
+def test_item7g_state_bits_8_with_only_small_tensors_warns_once_naming_the_threshold(kind):
+    small = [torch.nn.Parameter(torch.ones(64, 63)), torch.nn.Parameter(torch.ones(10))]
+    with pytest.warns(UserWarning, match=r"at least 4096 elements.*largest has 4032") as record:
+        opt = OPT8[kind](small, state_bits=8)
+    assert len([w for w in record if "state_bits=8" in str(w.message)]) == 1
+    for p in small:
+        p.grad = torch.ones_like(p)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # no second warning
+        OPT8[kind]([*small, torch.nn.Parameter(torch.ones(4096))], state_bits=8)  # one large tensor: silent
+
+
+def test_item7e_cpu_scratch_stays_within_the_documented_bound(monkeypatch):
+    """docs/optim.md ("Transient and process-wide memory"): the CPU fallback's fp32 scratch buffers hold at most
+    ``65536 + 2 * max(65536, N_max) + max(65536, N_small)`` elements, whatever the model's size."""
+    from fp16kit.kernels import optim_fallback
+
+    monkeypatch.setattr(optim_fallback, "_scratch", {})
+    monkeypatch.setattr(optim_fallback, "_views", {})
+    sizes = [200_000, 70_000, 5000, 300, 300]
+    params = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in sizes]
+    opt = FusedLAMB(params, lr=0.01, master_weights=True)
+    for p in params:
+        p.grad = torch.randn(p.shape).bfloat16()
+    opt.step()
+    held = sum(t.numel() for t in optim_fallback._scratch.values())
+    assert 0 < held <= 65536 + 2 * max(65536, max(sizes)) + max(65536, sum(n for n in sizes if n < 16384))

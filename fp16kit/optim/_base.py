@@ -40,6 +40,7 @@ import torch
 
 from fp16kit.distributed import is_dtensor, local
 from fp16kit.kernels import (
+    STATE8_SMALL_NUMEL,
     Backend,
     Bf16Weights,
     DeviceStep,
@@ -74,6 +75,20 @@ _POLICIES = ("skip", "warn", "raise")
 BF16_MODES = ("split", "stochastic")
 #: The state key of the split master's low halves (int16, the param's shape).
 LOW_KEY = "master_low"
+
+
+try:  # Dynamo's frame callback: set inside a torch.compile'd call (while tracing, and in frames it runs eagerly)
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _dynamo_callback
+except ImportError:  # pragma: no cover - a torch without Dynamo's C frame hook: the trace-time check alone
+    _dynamo_callback = None
+
+
+def _under_torch_compile() -> bool:
+    """Is this code running inside a ``torch.compile``'d call: traced by Dynamo, or run eagerly after Dynamo fell
+    back on a frame (an exception raised while tracing makes it run that frame eagerly)?"""
+    if torch.compiler.is_compiling():
+        return True
+    return _dynamo_callback is not None and _dynamo_callback() not in (None, False)
 
 
 def _capturing() -> bool:
@@ -196,6 +211,30 @@ class FusedOptimizer(torch.optim.Optimizer):
         # ZeRO-1: the ranks whose params together form the model (global norm and inf flag summed over them).
         self.process_group = process_group
         super().__init__(params, defaults)
+        self._check_modes_fit()
+
+    def _check_modes_fit(self) -> None:
+        """At construction: a bf16 mode (``"split"``/``"stochastic"``) with no bf16 param would keep nothing and round
+        nothing (fp32 params are updated directly), so it is refused; ``state_bits=8`` with no param of
+        ``STATE8_SMALL_NUMEL`` (4096) elements or more keeps fp32 moments everywhere, so it warns (once, here)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        mode = self.bf16_weights
+        if mode is not None and params and not any(p.dtype == torch.bfloat16 for p in params):
+            raise ValueError(
+                f"{self._name}: master_weights={mode!r} keeps bf16 params without fp32 masters, but no param is "
+                f"bfloat16 (dtypes {sorted({str(p.dtype) for p in params})}): it would do nothing. Cast the model to "
+                f"bf16 first (model.to(torch.bfloat16)), or drop master_weights={mode!r} (fp32 params are their own "
+                f"masters) (docs/optim.md, \"bf16 weights without fp32 masters\")."
+            )
+        if self.state_bits == 8 and params and not any(map(uses_state8, params)):
+            warnings.warn(
+                f"{self._name}: state_bits=8 quantizes the moments of params of at least {STATE8_SMALL_NUMEL} "
+                f"elements, and none of these {len(params)} params is that large (the largest has "
+                f"{max(p.numel() for p in params)}): every moment stays fp32, no memory is saved (docs/optim.md, "
+                f"\"8-bit moments\").",
+                UserWarning,
+                stacklevel=3,
+            )
 
     @property
     def hparam_skips(self) -> torch.Tensor | None:
@@ -263,10 +302,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
         with naming_group(index):
             self._check_group({**self.defaults, **param_group})
-        if self.__dict__.get("bf16_weights") == "stochastic":
-            _check_seed(self._name, index, {**self.defaults, **param_group}.get("rounding_seed"))
+        self._check_rounding_seed(index, {**self.defaults, **param_group})
         super().add_param_group(param_group)
         self._own_counter(self.param_groups[-1])
+
+    def _check_rounding_seed(self, index: int, group: dict[str, Any]) -> None:
+        """Stochastic rounding's seed of group ``index`` (an int in ``[0, 2**63)``): in ``add_param_group``, at every
+        step (an edit by hand) and at load (a checkpoint's), before anything is written."""
+        if self.__dict__.get("bf16_weights") == "stochastic":
+            _check_seed(self._name, index, group.get("rounding_seed"))
 
     def _own_counter(self, group: dict[str, Any]) -> None:
         """Each group owns its step counter: a tensor ``step`` that another group holds too (a group dict copied
@@ -312,6 +356,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             with naming_group(gi):
                 self._check_group(group)
+            self._check_rounding_seed(gi, group)
             step = group.get("step")
             if step is not None and self._known_steps.get(gi) is not step:
                 if isinstance(step, torch.Tensor) and step.numel() == 1 and torch.compiler.is_compiling():
@@ -387,11 +432,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self.state_bits == 32:
             return {}
         if torch.compiler.is_compiling():
-            raise NotImplementedError(
-                f"{self._name}: torch.compile of a state_bits=8 step is not supported yet; run the step eagerly (it "
-                f"is already one launch set per dtype group)."
-            )
+            raise NotImplementedError(self._compile8_message())
         return {"state_bits": self.state_bits}
+
+    def _compile8_message(self) -> str:
+        return (
+            f"{self._name}: torch.compile of a state_bits=8 step is not supported yet; run the step eagerly, outside "
+            f"the compiled function (it is already one launch set per dtype group), or use state_bits=32."
+        )
 
     def _collect(self) -> list[_Rows]:
         """Rows of every group (params without a grad are left out), each checked (``check_row``).
@@ -640,6 +688,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             for gi, group in enumerate(self.param_groups):
                 with naming_group(gi):
                     self._check_group(group)
+                self._check_rounding_seed(gi, group)
         except BaseException:
             self.param_groups, self.state = old_groups, old_state
             raise
@@ -692,6 +741,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         Raises ValueError (before anything changes) for invalid host hyper-parameters in any group, a grad
         or state tensor that does not match its param, or a step counter that is NaN or negative.
         """
+        if self.state_bits == 8 and _under_torch_compile():
+            # before any state is made: Dynamo falls back to running a frame that raises eagerly (and traces the
+            # frames it calls), so the eager step under torch.compile raises too
+            raise NotImplementedError(self._compile8_message())
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -351,6 +351,7 @@ def split_state8(fn: str, saved_state: dict[Any, Any]) -> tuple[dict[Any, Any], 
     for codes without a matching absmax (or an absmax without codes), naming the entry and the fix."""
     out: dict[Any, Any] = {}
     originals: dict[Any, dict[str, tuple]] = {}
+    negative: list[tuple[Any, str, torch.Tensor]] = []
     for idx, entry in saved_state.items():
         if not isinstance(entry, dict) or not any(f"{k}_absmax" in entry for k, _ in _MOMENTS8):
             out[idx] = entry
@@ -376,12 +377,29 @@ def split_state8(fn: str, saved_state: dict[Any, Any]) -> tuple[dict[Any, Any], 
             if not is_dtensor(absmax):
                 absmax = absmax.reshape(-1)  # an FSDP2 "rows" absmax gathered whole is 2-D (_state8_dtensor.py)
             originals.setdefault(idx, {})[key] = (codes, absmax)
+            negative.append((idx, key, _whole((absmax < 0).any())))
             if is_dtensor(codes):  # an FSDP2 param's: shard by shard (_state8_dtensor.py)
                 entry[key] = _state8_dtensor.dequantize_dtensor(codes, absmax, signed)
             else:
                 entry[key] = dequantize_state8(codes, absmax, signed)
         out[idx] = entry
+    _refuse_negative_absmax(fn, negative)
     return out, originals
+
+
+def _refuse_negative_absmax(fn: str, flags: list[tuple[Any, str, torch.Tensor]]) -> None:
+    """A block's absmax is ``max |x|``: never negative (NaN marks a poisoned block, which the value checks refuse as
+    NaN moments). A negative one would flip the signs of its block's values, which no later check sees in
+    ``exp_avg``: a ValueError naming the first, with one host read for all of them."""
+    if not flags:
+        return
+    bad = torch.stack([f.to(flags[0][2].device) for _, _, f in flags]).nonzero().flatten().tolist()
+    if bad:
+        idx, key, _ = flags[bad[0]]
+        raise ValueError(
+            f"{fn}.load_state_dict: state[{idx!r}][{key + '_absmax'!r}] holds negative values; a block's absmax is the "
+            f"largest magnitude of its values (>= 0). The checkpoint is corrupt: load an earlier one."
+        )
 
 
 def apply_state8(
