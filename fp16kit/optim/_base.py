@@ -216,7 +216,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _check_modes_fit(self) -> None:
         """At construction: a bf16 mode (``"split"``/``"stochastic"``) with no bf16 param would keep nothing and round
         nothing (fp32 params are updated directly), so it is refused; ``state_bits=8`` with no param of
-        ``STATE8_SMALL_NUMEL`` (4096) elements or more keeps fp32 moments everywhere, so it warns (once, here)."""
+        ``STATE8_SMALL_NUMEL`` (4096) elements or more keeps fp32 moments everywhere, so it warns (once, here). Not
+        under ZeRO-1 (``process_group``): a rank's partition of a mixed model may hold only fp32 or small params."""
+        if self.process_group is not None:
+            return
         params = [p for g in self.param_groups for p in g["params"]]
         mode = self.bf16_weights
         if mode is not None and params and not any(p.dtype == torch.bfloat16 for p in params):
