@@ -191,6 +191,8 @@ def test_item3_state8_resumes_through_torch_save_and_weights_only_load(kind, mod
             assert torch.equal(sa[key], sb[key]), key
 
 
+@pytest.mark.slow  # ~6 s of Trainer set-up and checkpoint writes (the default suite's budget); the mechanism is the
+# torch.save test above
 def test_item3_hf_trainer_checkpoint_resume_with_an_8bit_optimizer(tmp_path):
     """The stock ``transformers.Trainer`` saves an 8-bit FusedAdam's state at every step (``save_steps=1``) and a fresh
     Trainer resumes from the first checkpoint (``resume_from_checkpoint``) to the uninterrupted run's weights."""
