@@ -165,12 +165,14 @@ def load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS: tl.constexpr
 @triton.jit
 def rng_step(step_ptr, AHEAD: tl.constexpr, WEIGHTS: tl.constexpr):
     """The number of the step being taken, as a 32-bit counter word (stochastic rounding only; 0 otherwise, nothing
-    read): the group's counter, plus one when the launch runs before the counter advances (the device step)."""
+    read): the group's float32 counter, plus one (a float32 add, as the counter itself advances) when the launch runs
+    before the counter advances (the device step), modulo ``2**32`` in 64-bit integers (a checkpoint's counter may
+    exceed ``2**31``), as the torch path takes it."""
     if WEIGHTS == STOCHASTIC:
-        s = tl.load(step_ptr).to(tl.int32)
+        s = tl.load(step_ptr)
         if AHEAD:
-            s = s + 1
-        return s.to(tl.uint32, bitcast=True)
+            s = s + 1.0
+        return (s.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
     else:
         return tl.full((), 0, tl.uint32)
 

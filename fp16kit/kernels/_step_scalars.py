@@ -146,8 +146,9 @@ def finish_ticket(ticket_ptr):
 
 @triton.jit
 def next_step(step_ptr):
-    """``t``, the number of the step being taken: the device counter (float32, not yet advanced) plus one."""
-    return (tl.load(step_ptr) + 1.0).to(tl.int32)
+    """``t``, the number of the step being taken: the device counter (float32, not yet advanced) plus one, as a 64-bit
+    integer (a checkpoint's counter may exceed ``2**31``: in int32 it would wrap, and ``beta^t`` with it)."""
+    return (tl.load(step_ptr) + 1.0).to(tl.int64)
 
 
 @triton.jit

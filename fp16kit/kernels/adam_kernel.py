@@ -95,7 +95,7 @@ def _adam_kernel(
     pid = tl.program_id(0)
     if HP_DEVICE:
         # adam_hparams (fp16kit/optim/functional.py) on the device: float64 math, each value rounded once
-        t = next_step(step_ptr)
+        t_step = next_step(step_ptr)  # int64; ``t`` is the loop's tensor index (int32) below
         lr = lr64(lr_hi, lr_mid, lr_lo, lr_ptr, LR_TENSOR)
         b1 = join3(b1_hi, b1_mid, b1_lo)
         b2 = join3(b2_hi, b2_mid, b2_lo)
@@ -105,8 +105,8 @@ def _adam_kernel(
         one_minus_beta2 = (1.0 - b2).to(tl.float32)
         eps = join3(eps_hi, eps_mid, eps_lo).to(tl.float32)
         wd = wd64.to(tl.float32)
-        neg_step_size = (-lr / bias_correction64(b1, t, BIAS_CORRECTION)).to(tl.float32)
-        bc2_sqrt = tl.sqrt(bias_correction64(b2, t, BIAS_CORRECTION)).to(tl.float32)
+        neg_step_size = (-lr / bias_correction64(b1, t_step, BIAS_CORRECTION)).to(tl.float32)
+        bc2_sqrt = tl.sqrt(bias_correction64(b2, t_step, BIAS_CORRECTION)).to(tl.float32)
         inv_scale = inv_scale64(scale_ptr, HAS_SCALE).to(tl.float32)
         decay = (1.0 - lr * wd64).to(tl.float32)
     else:

@@ -15,11 +15,18 @@ sequence in place on the temporaries (no masked commits: the skip is known clear
 and absmax (``state8.quantize_into``, whose code is a table look-up, not a search); LAMB's ``u`` is written into
 whole tensors, so its norms are summed as before. ``tests/optim/test_state8_cpu_path.py`` checks the two paths
 bit for bit.
+
+Rows whose moments are 8-bit but whose param, grad or model copy is not contiguous (a channels_last conv weight, a
+transposed weight, amp O2's model copy of one) step on contiguous copies of those tensors, written back after the
+step (:func:`_dense_rows`): the codes are laid out in the param's logical (contiguous) order, the same rule on the
+same elements in the same order, so the result is the contiguous run's bit for bit (``tests/test_trust_round4.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -58,6 +65,47 @@ def _requantize(
             values[i] = dequantize(q, a, signed)
 
 
+def _dense_rows(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    models: Sequence[torch.Tensor | None],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], list[tuple]]:
+    """``(params, grads, models, back)``: the lists with every 8-bit row's non-contiguous param, grad and model copy
+    replaced by a contiguous copy, and ``back``, the ``(tensor, copy)`` pairs to copy home after
+    the step (a skipped step leaves the copies as they were: writing them back changes no bit)."""
+    back: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if all(p.is_contiguous() and g.is_contiguous() and (m is None or m.is_contiguous())
+           for p, g, m in zip(params, grads, models)):
+        return list(params), list(grads), list(models), back
+    params, grads, models = list(params), list(grads), list(models)
+    for i, m in enumerate(exp_avgs):
+        if m.dtype != _U8:
+            continue
+        grads[i] = grads[i].contiguous()
+        for xs in (params, models):
+            x = xs[i]
+            if x is not None and not x.is_contiguous():
+                xs[i] = x.contiguous()
+                back.append((x, xs[i]))
+    return params, grads, models, back
+
+
+def _on_dense_rows(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn(params, grads, exp_avgs, exp_avg_sqs, models, ...)`` on :func:`_dense_rows`' lists, then the contiguous
+    copies written back into the caller's tensors."""
+
+    @functools.wraps(fn)
+    def run(params, grads, exp_avgs, exp_avg_sqs, models, *args: Any, **kw: Any) -> None:
+        params, grads, models, back = _dense_rows(params, grads, exp_avgs, models)
+        fn(params, grads, exp_avgs, exp_avg_sqs, models, *args, **kw)
+        for dst, src in back:
+            dst.copy_(src)
+
+    return run
+
+
+@_on_dense_rows
 def adam8_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -70,7 +118,8 @@ def adam8_(
     l2_mode: bool,
     decoupled: bool,
 ) -> None:
-    """One Adam/AdamW step (``adam_kernel.py``) over moments that may be 8-bit."""
+    """One Adam/AdamW step (``adam_kernel.py``) over moments that may be 8-bit (non-contiguous 8-bit rows on
+    contiguous copies: :func:`_on_dense_rows`)."""
     if not params:
         return
     host_skip = optim_fallback._skip(found_inf, None)  # a bool on the CPU (unless masked_commits())
@@ -131,15 +180,16 @@ def _cpu_rows(
     params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
     models: Sequence[torch.Tensor | None],
 ) -> tuple[list[int], list[tuple[int, int, int, slice]]]:
-    """The CPU path's schedule: the rows stepped whole (fp32 moments, or tensors that are not contiguous), and
-    the chunks ``(row, start, stop, absmax blocks)`` of the 8-bit rows, ``_CHUNK`` elements each (block aligned:
-    a chunk's blocks are the tensor's)."""
+    """The CPU path's schedule: the rows stepped whole (fp32 moments), and the chunks ``(row, start, stop, absmax
+    blocks)`` of the 8-bit rows, ``_CHUNK`` elements each (block aligned: a chunk's blocks are the tensor's). The
+    8-bit rows' tensors are contiguous here (:func:`_dense_rows`): a chunk is a flat view of each."""
     plain, chunks = [], []
     for i, (p, g, m, model) in enumerate(zip(params, grads, exp_avgs, models)):
-        if m.dtype != _U8 or not (p.is_contiguous() and g.is_contiguous()
-                                  and (model is None or model.is_contiguous())):
+        if m.dtype != _U8:
             plain.append(i)
             continue
+        if not (p.is_contiguous() and g.is_contiguous() and (model is None or model.is_contiguous())):
+            raise AssertionError("fp16kit: an 8-bit row reached the chunked CPU path with a non-contiguous tensor")
         n = p.numel()
         for start in range(0, n, _CHUNK):
             stop = min(start + _CHUNK, n)
@@ -171,7 +221,8 @@ def lamb8_stage1(
     where ``found_inf``), and ``(p, u)``: the params in fp32 and the update direction from the moments as stored."""
     skip = found_inf.reshape(()) != 0
     scalars = hp.unbind()
-    p = optim_fallback._math(params, hp.dtype)
+    # p is only read here (the caller writes p - ratio * u): contiguous copies of the 8-bit rows need no write-back
+    p, grads, _, _ = _dense_rows(optim_fallback._math(params, hp.dtype), grads, exp_avgs, [None] * len(params))
     if optim_fallback._skip(found_inf, None) is False:  # the CPU (unless masked_commits()), not skipped
         return p, _lamb8_direction_cpu(p, (grads, exp_avgs, exp_avg_sqs), scalars, (l2_mode, decoupled))
     _, _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars

@@ -28,15 +28,13 @@ from fp16kit.kernels.optimizers import StepVerify
 from . import functional as F
 from ._base import _LOW_PRECISION, FusedOptimizer, _capturing
 from ._checkpoint import TORCH_FLAGS, check_state_values, refuse_foreign
-from ._validate import _number, check_sparse_grad, check_step_value, naming_group
+from ._validate import FP32_MAX, _number, check_sparse_grad, check_step_value, naming_group
 
 __all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hparams64", "widen_state"]
 
 F64 = torch.float64
 
 
-#: The largest float32: the kernels compute in float32, so a host hyper-parameter above it would round to inf.
-FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def check_range(
@@ -184,9 +182,7 @@ class ApexStateOptimizer(FusedOptimizer):
         except BaseException:
             self.param_groups, self.state = old_groups, old_state
             raise
-        for gi, group in enumerate(self.param_groups):
-            if group["params"] and "step" in group:
-                self._own_step(gi, group, group["params"][0].device)
+        self._adopt_counters()
 
     def _import(self, state_dict: dict[str, Any], writer: str) -> dict[str, Any]:
         """A copy of an accepted ``state_dict`` in this class's form: torch's flags checked (``maximize=True``
@@ -302,7 +298,7 @@ class ApexStateOptimizer(FusedOptimizer):
         for gi, (group, rows) in enumerate(zip(self.param_groups, all_rows)):
             step = self._own_step(gi, group, device)
             ds = self._device_step(group, DeviceStep(step, {}, scale=grad_scale)) if rows.params else None
-            work.append((group, rows, step, ds))
+            work.append((group, rows, ds))
             if ds is not None:  # the check pass and the result check of every group, before any write
                 self._run_device_update(group, rows, ds, found_inf, verify=True, check=check)
         if check.launches == 0:  # no grad anywhere (a group of empty tensors): nothing checked
@@ -311,10 +307,8 @@ class ApexStateOptimizer(FusedOptimizer):
             check.result.zero_()
         bad_hp = F.bad_lr_flag([g["lr"] for g in self.param_groups], device)
         skip = found_inf if bad_hp is None else torch.maximum(found_inf.reshape(1), bad_hp)
-        for group, rows, step, ds in work:
-            if ds is None:
-                F.advance_step(step, skip)
-            else:
+        for group, rows, ds in work:
+            if ds is not None:  # a group without grads keeps its counter (docs/optim.md, "Step counters")
                 self._run_device_update(group, rows, ds, skip)
         if self.unscale_grads and grad_scale is not None:
             grads = [g for rows in all_rows for g in rows.grads]

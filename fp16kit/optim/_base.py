@@ -41,6 +41,7 @@ import torch
 
 from fp16kit.distributed import is_dtensor, local
 from fp16kit.kernels import (
+    STATE8_SMALL_NUMEL,
     Backend,
     Bf16Weights,
     DeviceStep,
@@ -116,6 +117,19 @@ class _DeviceProgram:
     key: tuple
     launches: list
     counted: bool
+
+try:  # Dynamo's frame callback: set inside a torch.compile'd call (while tracing, and in frames it runs eagerly)
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _dynamo_callback
+except ImportError:  # pragma: no cover - a torch without Dynamo's C frame hook: the trace-time check alone
+    _dynamo_callback = None
+
+
+def _under_torch_compile() -> bool:
+    """Is this code running inside a ``torch.compile``'d call: traced by Dynamo, or run eagerly after Dynamo fell
+    back on a frame (an exception raised while tracing makes it run that frame eagerly)?"""
+    if torch.compiler.is_compiling():
+        return True
+    return _dynamo_callback is not None and _dynamo_callback() not in (None, False)
 
 
 def _capturing() -> bool:
@@ -238,6 +252,33 @@ class FusedOptimizer(torch.optim.Optimizer):
         # ZeRO-1: the ranks whose params together form the model (global norm and inf flag summed over them).
         self.process_group = process_group
         super().__init__(params, defaults)
+        self._check_modes_fit()
+
+    def _check_modes_fit(self) -> None:
+        """At construction: a bf16 mode (``"split"``/``"stochastic"``) with no bf16 param would keep nothing and round
+        nothing (fp32 params are updated directly), so it is refused; ``state_bits=8`` with no param of
+        ``STATE8_SMALL_NUMEL`` (4096) elements or more keeps fp32 moments everywhere, so it warns (once, here). Not
+        under ZeRO-1 (``process_group``): a rank's partition of a mixed model may hold only fp32 or small params."""
+        if self.process_group is not None:
+            return
+        params = [p for g in self.param_groups for p in g["params"]]
+        mode = self.bf16_weights
+        if mode is not None and params and not any(p.dtype == torch.bfloat16 for p in params):
+            raise ValueError(
+                f"{self._name}: master_weights={mode!r} keeps bf16 params without fp32 masters, but no param is "
+                f"bfloat16 (dtypes {sorted({str(p.dtype) for p in params})}): it would do nothing. Cast the model to "
+                f"bf16 first (model.to(torch.bfloat16)), or drop master_weights={mode!r} (fp32 params are their own "
+                f"masters) (docs/optim.md, \"bf16 weights without fp32 masters\")."
+            )
+        if self.state_bits == 8 and params and not any(map(uses_state8, params)):
+            warnings.warn(
+                f"{self._name}: state_bits=8 quantizes the moments of params of at least {STATE8_SMALL_NUMEL} "
+                f"elements, and none of these {len(params)} params is that large (the largest has "
+                f"{max(p.numel() for p in params)}): every moment stays fp32, no memory is saved (docs/optim.md, "
+                f"\"8-bit moments\").",
+                UserWarning,
+                stacklevel=3,
+            )
 
     @property
     def hparam_skips(self) -> torch.Tensor | None:
@@ -305,19 +346,39 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
         with naming_group(index):
             self._check_group({**self.defaults, **param_group})
-        if self.__dict__.get("bf16_weights") == "stochastic":
-            _check_seed(self._name, index, {**self.defaults, **param_group}.get("rounding_seed"))
+        self._check_rounding_seed(index, {**self.defaults, **param_group})
         super().add_param_group(param_group)
+        self._own_counter(self.param_groups[-1])
+
+    def _check_rounding_seed(self, index: int, group: dict[str, Any]) -> None:
+        """Stochastic rounding's seed of group ``index`` (an int in ``[0, 2**63)``): in ``add_param_group``, at every
+        step (an edit by hand) and at load (a checkpoint's), before anything is written."""
+        if self.__dict__.get("bf16_weights") == "stochastic":
+            _check_seed(self._name, index, group.get("rounding_seed"))
+
+    def _own_counter(self, group: dict[str, Any]) -> None:
+        """Each group owns its step counter: a tensor ``step`` that another group holds too (a group dict copied
+        from another, ``step`` included; one tensor given to two groups; a hand assignment) becomes this group's own
+        copy, so that no step advances a counter twice (docs/optim.md, "Step counters")."""
+        step = group.get("step")
+        if isinstance(step, torch.Tensor) and any(g is not group and g.get("step") is step for g in self.param_groups):
+            group["step"] = step.detach().clone()
+
+    def _adopt_counters(self) -> None:
+        """After a committed load: each group's counter a copy of the checkpoint's (``state_dict()`` hands out the
+        live tensors: a second optimizer loading it must not advance the first one's), remembered as checked."""
+        for gi, group in enumerate(self.param_groups):
+            if isinstance(group.get("step"), torch.Tensor):
+                group["step"] = group["step"].detach().clone()
+            if group["params"] and "step" in group:
+                self._own_step(gi, group, group["params"][0].device)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         raise NotImplementedError
 
     #: ``|g| >= 2**63`` after unscaling skips the step like inf/NaN where the update squares unclipped gradients
-    #: (Adam, LAMB without clipping): below it ``v = beta2 * v + (1 - beta2) * g * g`` stays finite for every
-    #: finite ``v`` (it is at most ``max(v, g^2)``, and ``2**126`` leaves room for the roundings), above it the
-    #: second moment may become inf and the element never moves again (docs/guarantees.md). The check multiplies
-    #: the unscaled value by ``2**65`` (exact: a power of two), so "overflows fp32" means ``|g| >= 2**63``.
-    _SQUARE_GUARD = 2.0**65
+    #: (Adam, LAMB without clipping): ``fp16kit.optim.functional.SQUARE_GUARD``, the functional steps' rule too.
+    _SQUARE_GUARD = F.SQUARE_GUARD
 
     def _check_factor(self) -> float:
         """The factor the check pass applies before its inf/NaN test: 1, or ``_SQUARE_GUARD`` for an update that
@@ -339,6 +400,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             with naming_group(gi):
                 self._check_group(group)
+            self._check_rounding_seed(gi, group)
             step = group.get("step")
             if step is not None and self._known_steps.get(gi) is not step:
                 if isinstance(step, torch.Tensor) and step.numel() == 1 and torch.compiler.is_compiling():
@@ -347,6 +409,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 # a number, or a tensor installed by hand: read once (a sync on a GPU, only when it changed)
                 value = step.reshape(-1)[0] if isinstance(step, torch.Tensor) and step.numel() == 1 else step
                 check_step_value(self._name, gi, float(value))
+                self._own_counter(group)
         return unchecked
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -413,11 +476,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self.state_bits == 32:
             return {}
         if torch.compiler.is_compiling():
-            raise NotImplementedError(
-                f"{self._name}: torch.compile of a state_bits=8 step is not supported yet; run the step eagerly (it "
-                f"is already one launch set per dtype group)."
-            )
+            raise NotImplementedError(self._compile8_message())
         return {"state_bits": self.state_bits}
+
+    def _compile8_message(self) -> str:
+        return (
+            f"{self._name}: torch.compile of a state_bits=8 step is not supported yet; run the step eagerly, outside "
+            f"the compiled function (it is already one launch set per dtype group), or use state_bits=32."
+        )
 
     def _collect(self) -> list[_Rows]:
         """Rows of every group (params without a grad are left out), each checked (``check_row``).
@@ -619,6 +685,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                 out.append(hi.float() if low is None else join_halves(hi, local(low)))
         return out
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict``; with ``state_bits=8`` each 8-bit moment's codes and absmax are copies (a snapshot,
+        about 2 bytes per param for the two moments): the live absmax is a float32 view of the codes' own storage,
+        which ``torch.save`` refuses (``_checkpoint.saveable_state8``)."""
+        out = super().state_dict()
+        if self.state_bits == 8:
+            out["state"] = _checkpoint.saveable_state8(out["state"])
+        return out
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint: validated, then committed (``_checkpoint.py``); on any error nothing changes.
 
@@ -657,6 +732,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             for gi, group in enumerate(self.param_groups):
                 with naming_group(gi):
                     self._check_group(group)
+                self._check_rounding_seed(gi, group)
         except BaseException:
             self.param_groups, self.state = old_groups, old_state
             raise
@@ -664,9 +740,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.state.update(state)
         _checkpoint.finish_split(self.param_groups, self.state, self.__dict__.get("bf16_weights"))
         self.__dict__.get("_verdicts", {}).clear()
-        for gi, group in enumerate(self.param_groups):
-            if group["params"] and "step" in group:
-                self._own_step(gi, group, group["params"][0].device)
+        self._adopt_counters()
 
     # -- step -----------------------------------------------------------------------------------------------
 
@@ -711,6 +785,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         Raises ValueError (before anything changes) for invalid host hyper-parameters in any group, a grad
         or state tensor that does not match its param, or a step counter that is NaN or negative.
         """
+        if self.state_bits == 8 and _under_torch_compile():
+            # before any state is made: Dynamo falls back to running a frame that raises eagerly (and traces the
+            # frames it calls), so the eager step under torch.compile raises too
+            raise NotImplementedError(self._compile8_message())
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -775,7 +853,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         verdicts = self.__dict__.get("_verdicts", {}) if shards is None and not torch.compiler.is_compiling() else {}
         for gi, (group, rows) in enumerate(zip(self.param_groups, all_rows)):
             step = self._own_step(gi, group, device)
-            F.advance_step(step, skip)
+            if rows.params:  # a group without grads keeps its counter (docs/optim.md, "Step counters")
+                F.advance_step(step, skip)
             verdict = verdicts.get(id(group)) if verdicts else None  # (no id() while compiling)
             if verdict is None:
                 self._update_group(group, rows, step, inv64, skip, grad_norm)
@@ -945,8 +1024,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         skip = found_inf if bad_hp is None else torch.maximum(found_inf.reshape(1), bad_hp)
         for gi, (group, rows) in enumerate(zip(self.param_groups, all_rows)):
             step = self._own_step(gi, group, device)
-            if not rows.params:
-                F.advance_step(step, skip)
+            if not rows.params:  # no grads: the counter stays (docs/optim.md, "Step counters")
                 continue
             base = DeviceStep(step, {}, scale=grad_scale, gnorm=gnorm)
             ds = self._device_step(group, base)

@@ -21,7 +21,9 @@
 with fp32 ``exp_avg_absmax``/``exp_avg_sq_absmax``. :func:`split_state8` dequantizes them before step 2 (so every
 check above runs on their fp32 values) and keeps the originals; :func:`apply_state8` then gives an 8-bit optimizer
 8-bit moments: the saved codes and absmax themselves where the checkpoint had them (a round trip is exact), else
-the fp32 moments quantized. A ``state_bits=32`` optimizer keeps the dequantized fp32 values.
+the fp32 moments quantized. A ``state_bits=32`` optimizer keeps the dequantized fp32 values. ``state_dict()`` gives
+copies of the codes and absmax (:func:`saveable_state8`), so the result goes through ``torch.save`` and
+``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "import_groups",
     "refuse_foreign",
     "restore_state",
+    "saveable_state8",
     "split_state8",
     "writer_of",
 ]
@@ -325,12 +328,30 @@ def check_state_values(fn: str, entries: Sequence[tuple[int, int, str, torch.Ten
 _MOMENTS8 = (("exp_avg", True), ("exp_avg_sq", False))
 
 
+def saveable_state8(state: dict[Any, Any]) -> dict[Any, Any]:
+    """``state`` (a ``state_dict()``'s, whose entries are the optimizer's live per-param dicts) with every entry that
+    holds 8-bit moments replaced by a new dict whose codes and ``*_absmax`` are copies: each in its own storage, so
+    ``torch.save`` accepts them (the live absmax is a float32 view of the uint8 codes' storage, ``state8.new_state``),
+    and a consistent snapshot that later steps do not change. Other entries are left as they are."""
+    out = {}
+    for idx, entry in state.items():
+        if isinstance(entry, dict) and any(f"{k}_absmax" in entry for k, _ in _MOMENTS8):
+            entry = dict(entry)
+            for key, _ in _MOMENTS8:
+                for k in (key, f"{key}_absmax"):
+                    if isinstance(entry.get(k), torch.Tensor):
+                        entry[k] = entry[k].detach().clone(memory_format=torch.contiguous_format)
+        out[idx] = entry
+    return out
+
+
 def split_state8(fn: str, saved_state: dict[Any, Any]) -> tuple[dict[Any, Any], dict[Any, dict[str, tuple]]]:
     """``(state, originals)``: ``saved_state`` with every 8-bit moment dequantized to fp32 (its ``*_absmax`` key
     dropped), and per saved index the original ``(codes, absmax)`` of each 8-bit moment. Raises ``ValueError``
     for codes without a matching absmax (or an absmax without codes), naming the entry and the fix."""
     out: dict[Any, Any] = {}
     originals: dict[Any, dict[str, tuple]] = {}
+    negative: list[tuple[Any, str, torch.Tensor]] = []
     for idx, entry in saved_state.items():
         if not isinstance(entry, dict) or not any(f"{k}_absmax" in entry for k, _ in _MOMENTS8):
             out[idx] = entry
@@ -356,12 +377,29 @@ def split_state8(fn: str, saved_state: dict[Any, Any]) -> tuple[dict[Any, Any], 
             if not is_dtensor(absmax):
                 absmax = absmax.reshape(-1)  # an FSDP2 "rows" absmax gathered whole is 2-D (_state8_dtensor.py)
             originals.setdefault(idx, {})[key] = (codes, absmax)
+            negative.append((idx, key, _whole((absmax < 0).any())))
             if is_dtensor(codes):  # an FSDP2 param's: shard by shard (_state8_dtensor.py)
                 entry[key] = _state8_dtensor.dequantize_dtensor(codes, absmax, signed)
             else:
                 entry[key] = dequantize_state8(codes, absmax, signed)
         out[idx] = entry
+    _refuse_negative_absmax(fn, negative)
     return out, originals
+
+
+def _refuse_negative_absmax(fn: str, flags: list[tuple[Any, str, torch.Tensor]]) -> None:
+    """A block's absmax is ``max |x|``: never negative (NaN marks a poisoned block, which the value checks refuse as
+    NaN moments). A negative one would flip the signs of its block's values, which no later check sees in
+    ``exp_avg``: a ValueError naming the first, with one host read for all of them."""
+    if not flags:
+        return
+    bad = torch.stack([f.to(flags[0][2].device) for _, _, f in flags]).nonzero().flatten().tolist()
+    if bad:
+        idx, key, _ = flags[bad[0]]
+        raise ValueError(
+            f"{fn}.load_state_dict: state[{idx!r}][{key + '_absmax'!r}] holds negative values; a block's absmax is the "
+            f"largest magnitude of its values (>= 0). The checkpoint is corrupt: load an earlier one."
+        )
 
 
 def apply_state8(

@@ -19,6 +19,7 @@ import torch
 
 __all__ = [
     "EPS_MIN",
+    "FP32_MAX",
     "check_hyperparams",
     "check_param_tensor",
     "check_row",
@@ -34,6 +35,11 @@ __all__ = [
 #: a zero-initialised bias with no signal yet) makes ``m / (sqrt(v) + eps)`` a 0/0, and a gradient
 #: whose square underflows (|g| < 1e-19 in fp32) an ``m / 0``: NaN or inf would be written into the weights.
 EPS_MIN = float(torch.finfo(torch.float32).tiny)
+
+#: The largest float32: the kernels compute in float32, so a host hyper-parameter above it (or a step size formed
+#: from them, :func:`check_hyperparams`) would round to inf there and write inf/NaN into the weights.
+FP32_MAX = float(torch.finfo(torch.float32).max)
+_FP32_TOP = "float32's maximum 3.4028235e+38"
 
 _FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _F32, _F64, _STRIDED = torch.float32, torch.float64, torch.strided
@@ -81,7 +87,11 @@ def check_hyperparams(
     max_grad_norm: Any = None,
     group: int | None = None,
 ) -> None:
-    """lr >= 0, 0 <= beta1, beta2 < 1, eps >= EPS_MIN, weight_decay >= 0, max_grad_norm >= 0 (all finite).
+    """lr >= 0, 0 <= beta1, beta2 < 1, eps >= EPS_MIN, weight_decay >= 0, max_grad_norm >= 0, each at most
+    float32's maximum (:data:`FP32_MAX`: the kernels compute in float32, where a larger value is inf), and so are
+    the step sizes the updates form from them: ``lr / (1 - beta1)`` (Adam's bias-corrected step size at its first
+    step, its largest) and ``lr * weight_decay`` (the decoupled decay ``p * (1 - lr * wd)``). Beyond them a step would
+    write inf or NaN into the weights; a ValueError names the value and the bound instead.
 
     ``group`` (an index into ``param_groups``) makes the messages name ``param_groups[i]['key']``: the check
     runs at construction, in ``add_param_group`` and at every step (values edited by hand or by a scheduler).
@@ -94,8 +104,11 @@ def check_hyperparams(
         group = _GROUP.get()
     name = lambda key: _label(group, key)
     lr_value = _number(fn, name("lr"), lr)
-    if lr_value is not None and not (0.0 <= lr_value < float("inf")):
-        raise ValueError(f"{fn}: invalid learning rate {name('lr')}={lr!r}; it must be a finite number >= 0.")
+    if lr_value is not None and not (0.0 <= lr_value <= FP32_MAX):
+        raise ValueError(
+            f"{fn}: invalid learning rate {name('lr')}={lr!r}; it must be a finite number >= 0 and <= {_FP32_TOP} "
+            f"(the kernels compute in float32)."
+        )
     if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
         raise ValueError(f"{fn}: {name('betas')} must be a pair (beta1, beta2), got {betas!r}.")
     for i, beta in enumerate(betas):
@@ -105,20 +118,41 @@ def check_hyperparams(
                 f"{fn}: invalid beta{i + 1}={beta!r} in {name('betas')}={tuple(betas)!r}; each must lie in [0, 1)."
             )
     eps_value = _number(fn, name("eps"), eps)
-    if eps_value is None or not (EPS_MIN <= eps_value < float("inf")):
+    if eps_value is None or not (EPS_MIN <= eps_value <= FP32_MAX):
         raise ValueError(
             f"{fn}: invalid {name('eps')}={eps!r}; it must be a finite number >= {EPS_MIN:.3g} (e.g. 1e-8 for Adam, "
-            f"1e-6 for LAMB). eps = 0 is not allowed: a zero gradient would divide 0/0 and write NaN into the weights."
+            f"1e-6 for LAMB) and <= {_FP32_TOP}. eps = 0 is not allowed: a zero gradient would divide 0/0 and write "
+            f"NaN into the weights."
         )
     wd_value = _number(fn, name("weight_decay"), weight_decay)
-    if wd_value is None or not (0.0 <= wd_value < float("inf")):
-        raise ValueError(f"{fn}: invalid {name('weight_decay')}={weight_decay!r}; it must be a finite number >= 0.")
+    if wd_value is None or not (0.0 <= wd_value <= FP32_MAX):
+        raise ValueError(
+            f"{fn}: invalid {name('weight_decay')}={weight_decay!r}; it must be a finite number >= 0 and <= "
+            f"{_FP32_TOP} (the kernels compute in float32)."
+        )
     if max_grad_norm is not None:
         mgn = _number(fn, name("max_grad_norm"), max_grad_norm)
-        if mgn is None or not (0.0 <= mgn < float("inf")):
+        if mgn is None or not (0.0 <= mgn <= FP32_MAX):
             raise ValueError(
                 f"{fn}: invalid {name('max_grad_norm')}={max_grad_norm!r}; it must be a finite number >= 0 "
-                f"(0 disables clipping)."
+                f"(0 disables clipping) and <= {_FP32_TOP}."
+            )
+    if lr_value is not None:
+        _check_step_sizes(fn, name, lr_value, float(betas[0]), wd_value)
+
+
+def _check_step_sizes(fn: str, name: Any, lr: float, beta1: float, wd: float) -> None:
+    """The step sizes formed from valid host values, within float32 (:func:`check_hyperparams`)."""
+    for what, value, fix in (
+        (f"lr / (1 - beta1) with {name('betas')}[0]={beta1!r} (the bias-corrected step size of the first step)",
+         lr / (1.0 - beta1), f"a learning rate of at most {FP32_MAX * (1.0 - beta1):.4g}"),
+        (f"lr * weight_decay with {name('weight_decay')}={wd!r} (the decoupled decay p * (1 - lr * weight_decay))",
+         lr * wd, "a smaller learning rate or weight decay"),
+    ):
+        if value > FP32_MAX:
+            raise ValueError(
+                f"{fn}: {name('lr')}={lr!r} makes {what} = {value:.4g}, beyond {_FP32_TOP}: the kernels compute in "
+                f"float32, where it is inf, and the step would write inf or NaN into the weights. Use {fix}."
             )
 
 

@@ -34,6 +34,7 @@ from fp16kit.kernels import (
     check_pairs,
     check_tensor_list,
     common_device,
+    flag_nonfinite,
     lamb_update,
     library,
     metadata_guard,
@@ -41,12 +42,19 @@ from fp16kit.kernels import (
 )
 from fp16kit.kernels import check_and_norm as _check_and_norm
 
-from ._validate import check_hyperparams
+from ._validate import FP32_MAX, check_hyperparams
 
 __all__ = ["adam_step_", "lamb_step_"]
 
 F64 = torch.float64
 Scalar = float | torch.Tensor
+
+#: The square guard of updates that square unclipped gradients (Adam; LAMB with ``max_grad_norm=0``): an unscaled
+#: ``|g| >= 2**63`` skips the step like inf/NaN. Below it ``v = beta2 * v + (1 - beta2) * g * g`` stays finite for
+#: every finite ``v`` (it is at most ``max(v, g^2)``, and ``2**126`` leaves room for the roundings); above it the
+#: second moment may become inf and the element never moves again. The check multiplies the unscaled value by this
+#: power of two (exact), so "overflows fp32" means ``|g| >= 2**63`` (docs/optim.md, "Non-finite gradients").
+SQUARE_GUARD = 2.0**65
 
 # ---------------------------------------------------------------------------------------------------------
 # device scalars
@@ -109,6 +117,16 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
     return _check_and_norm(grads, inv_scale64, found_inf)
 
 
+def check_square_guard(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """Raise ``found_inf`` when some unscaled gradient is inf/NaN or ``|g| >= 2**63`` (:data:`SQUARE_GUARD`): the
+    check pass of an update that squares unclipped gradients and uses no norm (``fp16kit.kernels.flag_nonfinite``;
+    while ``torch.compile`` traces, the ``fp16kit::check_and_norm`` op with the guard folded into its scale)."""
+    if torch.compiler.is_compiling():
+        check_and_norm(list(grads), inv_scale64 * SQUARE_GUARD, found_inf)
+        return
+    flag_nonfinite(list(grads), inv_scale64.float() * SQUARE_GUARD, found_inf)
+
+
 def clip_factor(gnorm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     """apex's divisor ``gnorm / max_grad_norm`` when ``0 < max_grad_norm < gnorm``, else 1 (float64 [1])."""
     g = gnorm.reshape(1).to(F64)
@@ -118,13 +136,14 @@ def clip_factor(gnorm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
 
 
 def bad_lr_flag(lrs: Sequence[Scalar], device: torch.device) -> torch.Tensor | None:
-    """float32 ``[1]``: 1 when any tensor learning rate is NaN, inf or negative, else 0 — computed on the
-    device (no sync); None when no lr is a tensor (host values are checked on the host, at step)."""
+    """float32 ``[1]``: 1 when any tensor learning rate is NaN, inf, negative or beyond float32's maximum (a
+    float64 tensor: inf in the kernels' float32), else 0 — computed on the device (no sync); None when no lr is a
+    tensor (host values are checked on the host, at step)."""
     tensors = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
     if not tensors:
         return None
     values = torch.cat([_scalar64("lr", lr, device) for lr in tensors])
-    return (~torch.isfinite(values) | (values < 0)).any().float().reshape(1)
+    return (~(values <= FP32_MAX) | (values < 0)).any().float().reshape(1)
 
 
 def advance_step(step: torch.Tensor, found_inf: torch.Tensor) -> None:
@@ -328,8 +347,9 @@ def lamb_step_(
             after the update (``None`` entries allowed), e.g. fp16 model params of fp32 masters.
         inv_scale: ``1 / loss_scale`` (float or device tensor); default 1.
         found_inf: optional one-element float32 flag. It is raised to 1 if any unscaled gradient is
-            inf/NaN, and when it is set (by that check or before the call) nothing at all changes —
-            params, moments, model copies and ``step``.
+            inf/NaN (with ``max_grad_norm=0``, no clipping: or of magnitude ``2**63`` (9.2e18) or more, whose
+            square would overflow the second moment, as ``FusedLAMB`` skips it), and when it is set (by that
+            check or before the call) nothing at all changes — params, moments, model copies and ``step``.
 
     A tensor ``lr`` that is NaN, inf or negative skips the step on the device in the same way (no host
     sync); it raises the returned flag only when this call made the flag (a caller's loss-scaler
@@ -346,7 +366,11 @@ def lamb_step_(
         return new_found_inf(step.device) if found_inf is None else found_inf
     flag = new_found_inf(device) if found_inf is None else found_inf
     inv64 = _scalar64("inv_scale", 1.0 if inv_scale is None else inv_scale, device)
-    gnorm = check_and_norm(list(grads), inv64, flag)
+    if float(max_grad_norm) > 0:
+        gnorm = check_and_norm(list(grads), inv64, flag)
+    else:  # no clipping: the moments square the gradients as they are (the square guard; the norm is not used)
+        gnorm = torch.zeros((), dtype=torch.float32, device=device)
+        check_square_guard(grads, inv64, flag)
     skip = _with_bad_lr(flag, lr, device, own=found_inf is None)
     advance_step(step, skip)
     hp64 = lamb_hparams(
@@ -404,8 +428,10 @@ def adam_step_(
         p = p (1 - lr wd)   when adam_w_mode
         p = p - (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-    A check pass over the grads raises ``found_inf`` on any inf/NaN first; when the flag is set nothing
-    changes (params, moments, model copies, ``step``). Arguments, validation and the tensor-``lr`` skip as
+    A check pass over the grads raises ``found_inf`` first on any unscaled gradient that is inf/NaN or of
+    magnitude ``2**63`` (9.2e18) or more (:data:`SQUARE_GUARD`: its square would make ``v`` inf, and the element
+    would never move again), the rule ``FusedAdam`` follows; when the flag is set nothing changes (params,
+    moments, model copies, ``step``). Arguments, validation and the tensor-``lr`` skip as
     :func:`lamb_step_` (no clipping). Returns the ``found_inf`` flag.
     """
     fn = "adam_step_"
@@ -415,7 +441,7 @@ def adam_step_(
         return new_found_inf(step.device) if found_inf is None else found_inf
     flag = new_found_inf(device) if found_inf is None else found_inf
     inv64 = _scalar64("inv_scale", 1.0 if inv_scale is None else inv_scale, device)
-    check_and_norm(list(grads), inv64, flag)
+    check_square_guard(grads, inv64, flag)
     skip = _with_bad_lr(flag, lr, device, own=found_inf is None)
     advance_step(step, skip)
     hp64 = adam_hparams(

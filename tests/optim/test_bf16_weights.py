@@ -432,8 +432,10 @@ def test_default_seed_follows_torch_manual_seed():
 def test_amp_master_weights_refuse_the_bf16_modes():
     from fp16kit import amp
 
-    model = torch.nn.Linear(4, 4)
+    # a bf16 mode needs a bf16 param at construction (else refused there); amp wants the fp32 model back
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
     opt = FusedAdam(model.parameters(), master_weights="split")
+    model.float()
     with pytest.raises(ValueError, match="without fp32 masters"):
         amp.initialize(model, opt, opt_level="O2", verbosity=0)
 
