@@ -302,41 +302,12 @@ class Defect:
     raises: tuple[type[BaseException], ...] = (AssertionError,)
 
 
-def _eight_bit_large(c: Cell) -> bool:
-    return c.moments.bits == 8 and c.opt.state8 and c.layout.large
-
-
 KNOWN_DEFECTS: list[Defect] = [
-    Defect("issue 31 item 1: 8-bit moments on a non-contiguous param/grad/model copy of >= 4096 elements run the "
-           "fp32 rule on the raw codes (CPU torch path; the interpreter's fallback rows too)",
-           lambda c: _eight_bit_large(c) and c.layout.noncontiguous and c.path.name != "compiled"),
-    Defect("issue 31 item 2: adam_step_/lamb_step_(max_grad_norm=0) have no guard against a finite gradient whose "
-           "square overflows (inf written into exp_avg_sq)",
-           lambda c: c.path.name == "functional" and c.grads.name == "huge" and c.opt.kind == "adam"
-           and c.weights.dtype != torch.float16),
-    Defect("issue 31 item 3: torch.save of an 8-bit state_dict raises 'Cannot save multiple tensors or storages "
-           "that view the same data as different types' (the absmax is a float32 view of the codes' storage)",
-           lambda c: _eight_bit_large(c) and c.path.name != "compiled", (RuntimeError,)),
-    Defect("issue 31 item 4: FusedAdam/FusedLAMB accept lr and weight_decay above float32's range (inf/NaN reach "
-           "the weights); FusedMixedPrecisionLamb bounds lr but not weight_decay",
-           lambda c: bool(c.extra) and (c.opt.name in ("FusedAdam", "FusedLAMB") or (
-               c.opt.name == "FusedMixedPrecisionLamb" and c.extra[0].name.startswith("weight_decay"))),
-           (pytest_fail,)),
-    Defect("issue 31 item 5: a group built by copying another group's dict shares its step tensor: both groups "
-           "advance it, the bias corrections shift",
-           lambda c: c.layout.name == "copied_group" and c.opt.kind in ("adam", "lamb", "novograd")),
-    Defect("issue 31 item 6: a step counter >= 2**31 overflows int32 in the device step under the interpreter "
-           "(NaN weights)",
-           lambda c: c.layout.name == "step_2e31" and c.backend.name == "interp" and c.path.name == "device"),
     Defect("found by the matrix: torch.compile(opt.step) of FusedSGD/FusedAdagrad/FusedNovoGrad on the Triton "
            "backend (CPU tensors, interpreter) fails while tracing: fake-tensor mul of a uint64 tensor, "
            "KeyError(torch.uint64), raised as an InterpreterError (the torch backend compiles)",
            lambda c: c.path.name == "compiled" and c.backend.name == "interp"
            and c.opt.kind in ("sgd", "adagrad", "novograd") and refusal(c) is None, (Exception,)),
-    Defect("issue 31 item 7: torch.compile of an 8-bit step fails with an unrelated error instead of the "
-           "documented NotImplementedError (with master_weights='split'/'stochastic' it raises nothing: the step "
-           "graph-breaks and runs eagerly)",
-           lambda c: c.path.name == "compiled" and c.moments.bits == 8 and c.opt.state8, (Exception, pytest_fail)),
 ]
 
 
