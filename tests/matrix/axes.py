@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from _pytest.outcomes import Failed as pytest_fail
 
 # ---------------------------------------------------------------------------------------------- the entries
 
