@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -108,7 +109,8 @@ TARGETS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         "next_step", "bias_correction64", "lr64", "inv_scale64", "advance_step"), (
         "tests/kernels/test_step_scalars.py", _DS + "test_skipped_step_does_not_advance_and_counts",
         _DS + "test_device_step_equals_the_host_vector_step_bit_for_bit[fp32-adam]",
-        _DS + "test_device_step_equals_the_host_vector_step_bit_for_bit[tensor-lr-changed-adam]")),
+        _DS + "test_device_step_equals_the_host_vector_step_bit_for_bit[tensor-lr-changed-adam]",
+        "tests/test_mutation_kills.py")),
     "device_step": ("fp16kit/optim/_base.py", (
         "FusedOptimizer._device_step", "FusedOptimizer._adam_like_step", "FusedOptimizer._on_device",
         "FusedOptimizer._device_buffers", "FusedOptimizer._step_on_device", "FusedOptimizer._counter",
@@ -395,22 +397,55 @@ def kill(slot: Slot) -> None:
     slot.proc = None
 
 
+def _fingerprint(root: Path, file: str, tests: list[str]) -> str:
+    """What a baseline depends on: the target file, the test files and the pytest arguments."""
+    h = hashlib.sha256(json.dumps(tests).encode() + (root / file).read_bytes())
+    for t in tests:
+        path = root / t.split("::")[0]
+        h.update(path.read_bytes() if path.is_file() else b"")
+    return h.hexdigest()
+
+
+def _baselines(slots: list[Slot], root: Path, files: dict[str, str], tests_of: dict[str, list[str]],
+               known: dict, fork: bool) -> dict[str, float]:
+    """Seconds of each target's unmutated tests (which must pass): run on the free slots, or reused from ``known``
+    (updated) when the target file, the test files and the arguments are unchanged."""
+    base: dict[str, float] = {}
+    todo = []
+    for target, file in sorted(files.items()):
+        fp = _fingerprint(root, file, tests_of[target])
+        if known.get(target, {}).get("fingerprint") == fp:
+            base[target] = known[target]["seconds"]
+        else:
+            todo.append((target, fp))
+    running: dict[int, tuple[str, str]] = {}
+    while todo or running:
+        for i, slot in enumerate(slots):
+            if slot.proc is None and todo:
+                running[i] = todo.pop(0)
+                start(slot, root, tests_of[running[i][0]], 3600, None, fork)
+            elif slot.proc is not None and (r := poll(slot)) is not None:
+                target, fp = running.pop(i)
+                if r[0] != "passed":
+                    raise SystemExit(f"mutation.py: the unmutated tests of {target} fail:\n"
+                                     + (slot.dir / "log.txt").read_text()[-3000:])
+                base[target] = r[1]
+                known[target] = {"seconds": round(r[1], 2), "fingerprint": fp}
+                print(f"baseline {target}: {r[1]:.1f} s", flush=True)
+        time.sleep(0.05)
+    return base
+
+
 def run_all(mutants: list[Mutant], root: Path, tests_of: dict[str, list[str]], results: dict, save,
-            jobs: int, fork: bool, min_timeout: float) -> None:
-    """Judge ``mutants`` (``results[id]`` filled in, ``save()`` after each), after a baseline run per target."""
+            jobs: int, fork: bool, min_timeout: float, baselines: dict | None = None) -> None:
+    """Judge ``mutants`` (``results[id]`` filled in, ``save()`` after each), after a baseline run per target
+    (``baselines``: the stored ones, reused while their fingerprint holds, and updated)."""
+    baselines = {} if baselines is None else baselines
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated run still ends its children (finally)
     packages = {Path(m.file).parts[0] for m in mutants}  # the top folder of each mutated file: its package
     slots = [Slot(root, packages) for _ in range(max(1, jobs))]
     try:
-        base: dict[str, float] = {}
-        for target in sorted({m.target for m in mutants}):
-            start(slots[0], root, tests_of[target], 3600, None, fork)
-            while (r := poll(slots[0])) is None:
-                time.sleep(0.05)
-            if r[0] != "passed":
-                raise SystemExit(f"mutation.py: the unmutated tests of {target} fail:\n"
-                                 + (slots[0].dir / "log.txt").read_text()[-3000:])
-            base[target] = r[1]
-            print(f"baseline {target}: {r[1]:.1f} s", flush=True)
+        base = _baselines(slots, root, {m.target: m.file for m in mutants}, tests_of, baselines, fork)
         by_target: dict[str, list[Mutant]] = {}
         for m in mutants:
             by_target.setdefault(m.target, []).append(m)
@@ -491,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", action="append", help="a target name of TARGETS (default: all)")
     ap.add_argument("--only", action="append", default=[],
                     help="FILE:FUNCTION[@TEST,TEST...]: a target given here instead of TARGETS")
-    ap.add_argument("--sample", type=int, help="at most N mutants per target, drawn with --seed")
+    ap.add_argument("--sample", type=int, help="the first N mutants per target after a shuffle seeded by --seed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rerun", choices=("survived", "all"), help="judge these stored results again")
     ap.add_argument("--ids", nargs="*", default=[], help="only these mutant ids")
@@ -516,8 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         file, fns, _tests = targets[name]
         mine = generate(name, file, fns, a.root)
         generated[name] = len(mine)
-        if a.sample is not None and len(mine) > a.sample:
-            mine = sorted(random.Random(f"{a.seed}:{name}").sample(mine, a.sample), key=lambda m: mine.index(m))
+        if a.sample is not None:  # a seeded shuffle, then the first N: a smaller sample is a prefix of a larger one
+            random.Random(f"{a.seed}:{name}").shuffle(mine)
+            mine = mine[: a.sample]
         mutants += mine
     if a.ids:
         mutants = [m for m in mutants if m.id in set(a.ids)]
@@ -545,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         tests_of = {name: list(targets[name][2]) for name in chosen}
         print(f"{len(todo)} mutants to run ({len(mutants)} chosen, {sum(generated.values())} generated)", flush=True)
         if todo:
-            run_all(todo, a.root, tests_of, results, save, a.jobs, not a.no_fork, a.min_timeout)
+            meta.setdefault("baselines", {})
+            run_all(todo, a.root, tests_of, results, save, a.jobs, not a.no_fork, a.min_timeout, meta["baselines"])
     picked = {m.id for m in mutants}
     shown = {k: r for k, r in results.items() if k in picked or a.summary}
     table = summary(shown, meta.get("generated", generated) if a.summary else generated, equivalents(a.out))
