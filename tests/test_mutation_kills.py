@@ -15,6 +15,8 @@ from fp16kit.kernels._bf16_weights import (
     epilogue_mode,
     launch_arguments,
     low_rows,
+    philox_uint32,
+    round_with_bits,
     row_table,
     stochastic_round,
     stochastic_round_list,
@@ -191,3 +193,41 @@ def test_the_kernels_write_nan_as_the_canonical_bf16_nan():
     dst = torch.zeros(3, dtype=torch.bfloat16)
     copy_([dst], [torch.tensor([float("nan"), 1.0, -float("nan")])])
     assert dst.view(torch.int16).tolist() == [0x7FC0, 0x3F80, 0x7FC0]
+
+
+# fp16kit/kernels/_bf16_weights.py:316:61:binop_RShift, :316:70:const_int (stochastic_round_list: which bits)
+def test_each_element_takes_its_documented_sixteen_random_bits():
+    n, seed, row, stream, step = 21, 5, 3, 2, torch.tensor([9.0])
+    x = torch.linspace(-2, 2, n)
+    e = torch.arange(n, dtype=torch.int64)
+    words = philox_uint32(seed, e // 8, row, stream, 9)  # the counter of element e: (e // 8, row, stream, step)
+    word = words.gather(1, ((e // 2) % 4)[:, None])[:, 0]
+    r = ((word >> (16 * (e % 2))) & 0xFFFF).to(torch.int32)  # half e % 2 of word (e // 2) % 4
+    want = round_with_bits(x, r)
+    got = stochastic_round_list([x], seed, [row], stream, step)[0]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+# fp16kit/kernels/_rounding.py:29:19:binop_Add, :29:26:const_int (round_to: ties go to the even mantissa)
+@pytest.mark.interpreter
+def test_the_kernels_round_exact_ties_to_even_as_torch_does():
+    ties = [1 + 2.0**-8, 1 + 3 * 2.0**-8, 2 + 2.0**-7, 1.5 + 2.0**-8, 1.0 + 2.0**-9, 3 * 2.0**-135]
+    src = torch.tensor(ties + [-t for t in ties], dtype=torch.float32)
+    dst = torch.zeros(len(src), dtype=torch.bfloat16)
+    copy_([dst], [src])
+    assert torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
+
+
+# fp16kit/kernels/_step_scalars.py:175:8:return_none (inv_scale64: a GradScaler's scale read on the device)
+@pytest.mark.interpreter
+def test_a_device_step_unscales_by_the_handed_over_scale_like_the_host_step():
+    def run():
+        p = torch.nn.Parameter(torch.ones(8))
+        p.grad = torch.linspace(-4, 4, 8)
+        opt = FusedAdam([p], lr=0.1)
+        opt.grad_scale, opt.found_inf = torch.full((1,), 8.0), torch.zeros(1)
+        opt.step()
+        return p.detach().clone()
+
+    out = _on_both_backends(run)
+    assert torch.equal(out["auto"], out["torch"])
