@@ -231,3 +231,31 @@ def test_a_device_step_unscales_by_the_handed_over_scale_like_the_host_step():
 
     out = _on_both_backends(run)
     assert torch.equal(out["auto"], out["torch"])
+
+
+# fp16kit/amp/_dispatch.py:195:39:cmp_negate_Eq (_desired: which callable names an op in messages)
+def test_each_overridden_op_is_named_by_the_best_ranked_callable_of_its_row():
+    from fp16kit.amp import _dispatch, policy
+
+    several = 0
+    for name, ((_rule, _inplace, row), shown) in _dispatch._desired().items():
+        base = name.partition(".")[0]
+        rank = [_dispatch._rank(fn, base.endswith("_")) for fn, (_r, _i, r) in policy.RESOLVED.items()
+                if r == row and base in _dispatch._aten_bases(fn)]
+        several += len(set(rank)) > 1
+        assert _dispatch._rank(shown, base.endswith("_")) == min(rank), name
+    assert several  # some op is reached by callables of different ranks (the rule is exercised)
+
+
+# fp16kit/kernels/_step_scalars.py:159:27:const_float_x2 (bias_correction64 without bias correction)
+@pytest.mark.interpreter
+def test_a_device_step_without_bias_correction_equals_the_host_step():
+    def run():
+        p = torch.nn.Parameter(torch.ones(8))
+        p.grad = torch.linspace(-1, 1, 8)
+        opt = FusedAdam([p], lr=0.1, bias_correction=False)
+        opt.step()
+        return p.detach().clone()
+
+    out = _on_both_backends(run)
+    assert torch.equal(out["auto"], out["torch"]) and not torch.equal(out["auto"], torch.ones(8))
