@@ -585,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         if todo:
             meta.setdefault("baselines", {})
             run_all(todo, a.root, tests_of, results, save, a.jobs, not a.no_fork, a.min_timeout, meta["baselines"])
+        save()
     picked = {m.id for m in mutants}
     shown = {k: r for k, r in results.items() if k in picked or a.summary}
     table = summary(shown, meta.get("generated", generated) if a.summary else generated, equivalents(a.out))
