@@ -339,6 +339,9 @@ def _child(slot: Slot, root: Path, tests: list[str], log: Path) -> None:
         os.dup2(fd, 2)
         os.chdir(root)
         sys.dont_write_bytecode = True
+        for pkg in os.listdir(slot.dir):  # a package the parent imported must come from the slot's copy here
+            for name in [n for n in sys.modules if n == pkg or n.startswith(pkg + ".")]:
+                del sys.modules[name]
         sys.path.insert(0, str(slot.dir))
         os.environ["PYTHONPATH"] = os.pathsep.join([str(slot.dir), os.environ.get("PYTHONPATH", "")])
         import pytest
@@ -580,6 +583,11 @@ def main(argv: list[str] | None = None) -> int:
         def save() -> None:
             path.write_text(json.dumps({"meta": meta, "mutants": results}, indent=1, sort_keys=True) + "\n")
 
+        if not a.no_fork:  # what every run imports, imported once before the forks (the package itself: by each run)
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+            for mod in ("numpy", "torch", "triton", "pytest", "hypothesis"):
+                if importlib.util.find_spec(mod) is not None:
+                    __import__(mod)
         tests_of = {name: list(targets[name][2]) for name in chosen}
         print(f"{len(todo)} mutants to run ({len(mutants)} chosen, {sum(generated.values())} generated)", flush=True)
         if todo:
