@@ -105,7 +105,8 @@ TARGETS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         _BF + "test_triton_device_functions_equal_the_torch_twins",
         _S8 + "test_triton_matches_torch_bit_for_bit[dtype1-adam]",
         "tests/test_mutation_kills.py::test_the_kernels_write_nan_as_the_canonical_bf16_nan",
-        "tests/test_mutation_kills.py::test_the_kernels_round_exact_ties_to_even_as_torch_does")),
+        "tests/test_mutation_kills.py::test_the_kernels_round_exact_ties_to_even_as_torch_does",
+        "tests/test_mutation_kills.py::test_the_kernels_round_to_fp16_as_torch_does")),
     "step_scalars": (_K + "_step_scalars.py", (
         "DeviceStep.hp64", "DeviceStep.arguments", "split3_cached", "split3", "join3", "pow_int", "finish_ticket",
         "next_step", "bias_correction64", "lr64", "inv_scale64", "advance_step"), (

@@ -259,3 +259,61 @@ def test_a_device_step_without_bias_correction_equals_the_host_step():
 
     out = _on_both_backends(run)
     assert torch.equal(out["auto"], out["torch"]) and not torch.equal(out["auto"], torch.ones(8))
+
+
+# fp16kit/optim/_base.py:898:30:cmp_negate_NotEq (_counter: one counter per device, kept across steps)
+@pytest.mark.interpreter
+def test_a_device_step_counts_every_skipped_step():
+    def run():
+        p = torch.nn.Parameter(torch.zeros(4))
+        opt = FusedAdam([p], lr=0.1, on_nonfinite="skip")
+        for _ in range(3):
+            p.grad = torch.full((4,), float("nan"))
+            opt.step()
+        return int(opt.nonfinite_skips)
+
+    assert _on_both_backends(run) == {"auto": 3, "torch": 3}
+
+
+# fp16kit/optim/_base.py:861:21:const_float_zero (_step_on_device: LAMB's check pass keeps the factor 1)
+@pytest.mark.interpreter
+def test_a_lamb_device_step_skips_a_finite_grad_that_overflows_when_unscaled():
+    from fp16kit.optim import FusedLAMB
+
+    def run():
+        p = torch.nn.Parameter(torch.ones(4))
+        p.grad = torch.full((4,), 3e38)
+        opt = FusedLAMB([p], lr=0.1)  # max_grad_norm > 0: the check pass takes the norm
+        opt.grad_scale, opt.found_inf = torch.full((1,), 0.5), torch.zeros(1)  # 1 / scale = 2: 6e38 is inf
+        opt.step()
+        return p.detach().clone(), float(opt.found_inf)
+
+    out = _on_both_backends(run)
+    assert torch.equal(out["auto"][0], torch.ones(4)) and out["auto"][1] == out["torch"][1] == 1.0
+
+
+# fp16kit/amp/_dispatch.py:527:4:stmt_delete (_refresh: the CUDA kernels' live rows follow the table back)
+def test_the_cuda_kernels_live_rows_are_dropped_when_the_row_is_restored():
+    from fp16kit.amp import _dispatch, autocast_mode, policy_override
+
+    before = autocast_mode.engine()
+    autocast_mode.set_engine("dispatch")
+    _dispatch.uninstall()
+    _dispatch.install(autocast_mode.cast_args)
+    try:
+        with policy_override({"linear": "fp32"}):
+            assert {n.partition(".")[0] for n in _dispatch._LIVE_CUDA} == {"linear"}
+        assert _dispatch._LIVE_CUDA == {}
+    finally:
+        autocast_mode.set_engine(before)
+        if before != "dispatch":
+            _dispatch.uninstall()
+
+
+# fp16kit/kernels/_rounding.py:33:8:return_none (round_to: fp16 outputs use Triton's own cast)
+@pytest.mark.interpreter
+def test_the_kernels_round_to_fp16_as_torch_does():
+    src = torch.tensor([1 + 2.0**-11, 1 + 3 * 2.0**-11, 70000.0, 2.0**-25, -0.1, float("nan")])
+    dst = torch.zeros(len(src), dtype=torch.float16)
+    copy_([dst], [src])
+    assert torch.equal(dst.view(torch.int16), src.to(torch.float16).view(torch.int16))
