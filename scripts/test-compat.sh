@@ -48,4 +48,4 @@ if [ "$got" != "$TORCH_VERSION $TRITON_VERSION" ]; then
 fi
 echo "[compat] $(date -u +%Y-%m-%d) torch $TORCH_VERSION, triton $TRITON_VERSION, $("$VENV/bin/python" -V)"
 export TRITON_INTERPRET=1
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${FP16KIT_TEST_WORKERS:-2}" "$@"
