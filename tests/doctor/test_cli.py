@@ -48,7 +48,7 @@ def test_doctor_command_rejects_a_scale_that_is_not_a_power_of_two(tmp_path, cap
 
 def test_demo_writes_the_doctor_picture_of_its_o2_run(tmp_path, capsys):
     out = tmp_path / "demo.png"
-    assert cli_main(["demo", "--quick", "--no-progress", "--runs", "O2", "--out", str(out)]) == 0
+    assert cli_main(["demo", "--task", "digits", "--quick", "--no-progress", "--runs", "O2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     picture = tmp_path / "demo-doctor-O2.png"
     assert f"picture: {picture}" in text and picture.read_bytes()[:8] == PNG

@@ -104,7 +104,9 @@ def test_a_failure_on_an_edge_value_shrinks_to_that_edge_value():
         return t.numel() > 0 and bool(torch.isinf(t.float().square().sum()))
 
     t = find(fst.float_tensors(torch.bfloat16, shape=fst.shapes(16, min_dims=2)), overflows, settings=SHRINK)
-    assert t.shape == (1, 1) and float(t) == format_of(torch.bfloat16).max
+    # one element, bf16's largest value; the rank the shrinker stops at (2 or 3 of the allowed dims) depends on the
+    # path it took, which differs between processes (pytest-xdist workers), so only the element count is pinned
+    assert t.dim() >= 2 and t.numel() == 1 and float(t) == format_of(torch.bfloat16).max
 
 
 def test_a_naive_softmax_nan_shrinks_to_twelve():
