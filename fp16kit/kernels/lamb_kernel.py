@@ -68,9 +68,6 @@ LAUNCH: dict[str, dict] = {
     # _lamb_stage2_kernel: the same ``u`` as stage 1 bit for bit (the trust-ratio norms were taken from stage 1's
     # ``u``); 8 warps: at 16 ptxas (with Triton's ``--regAllocOptLevel=2``) caps it at 64 registers and spills.
     "_lamb_stage2_kernel": {"num_warps": 8, "enable_fp_fusion": False},
-    # with QSTATE and bf16 params the 8-warp build spills 4 B (64 registers); 16 warps fit it in 48 without a spill
-    # (sm_90, tests/kernels/test_kernel_traffic.py)
-    "_lamb_stage2_kernel_state8": {"num_warps": 16, "enable_fp_fusion": False},
 }
 
 
@@ -424,5 +421,5 @@ def launch_lamb_stage2(
         ALIGNED=table.aligned,
         QSTATE=state8,
         **flags,
-        **LAUNCH["_lamb_stage2_kernel_state8" if state8 else "_lamb_stage2_kernel"],
+        **LAUNCH["_lamb_stage2_kernel"],
     )

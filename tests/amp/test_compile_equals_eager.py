@@ -129,25 +129,31 @@ def _sweep(low, backend):
     return wrong
 
 
-@pytest.mark.parametrize("low", LOW, ids=IDS)
-def test_every_table_row_compiled_equals_eager(low):
-    wrong = _sweep(low, "aot_eager")
+def _assert_only_known_differences(wrong: list[str], within_tolerance: bool = False) -> None:
+    """Only the documented rows differ, and (bit-exact comparisons) they do; Inductor's comparison is within a
+    tolerance, which the promoted rows' difference fits, so there they may also agree."""
     if autocast_mode.engine() == "dispatch":
         # Dynamo rewrites these into their pointwise constituents before any dispatch key is reached, so the
         # dispatcher engine cannot apply their PROMOTE row under compile (docs/autocast.md, "Two engines, one table")
         known = {"torch.addcdiv[0]", "torch.Tensor.addcdiv_[0]", "torch.Tensor.addcmul_[0]"}
-        assert {w.partition(":")[0] for w in wrong} == known, "\n".join(wrong)
+        seen = {w.partition(":")[0] for w in wrong}
+        assert seen <= known if within_tolerance else seen == known, "\n".join(wrong)
         return
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("low", LOW, ids=IDS)
+def test_every_table_row_compiled_equals_eager(low):
+    _assert_only_known_differences(_sweep(low, "aot_eager"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 @pytest.mark.parametrize("low", LOW, ids=IDS)
 def test_every_table_row_other_backends(low, backend):
-    """The same sweep under Dynamo alone (``eager``) and Inductor (slow: one large C++ build per dtype)."""
-    wrong = _sweep(low, backend)
-    assert not wrong, "\n".join(wrong)
+    """The same sweep under Dynamo alone (``eager``) and Inductor (slow: one large C++ build per dtype), with the
+    same documented exceptions as ``aot_eager``."""
+    _assert_only_known_differences(_sweep(low, backend), within_tolerance=backend == "inductor")
 
 
 # ----------------------------------------------------------------------------------------------------------------
