@@ -13,7 +13,8 @@ e5m2       8     2         57344        2^-14           2^-16            2^-2
 
 The two fp8 formats (``torch.float8_e4m3fn`` and ``torch.float8_e5m2``) are present when torch has them.
 ``e4m3fn`` has no infinities (its one NaN pattern per sign takes the top code), so ``has_inf`` is false
-and a cast to it saturates: torch converts anything beyond 448, infinities included, to +-448.
+and a cast to it saturates: torch 2.13 converts anything beyond 448, infinities included, to +-448 (torch 2.11
+casts them to NaN; fp16kit's reference saturates on every torch).
 
 ``ulp(x, dtype)`` is the spacing of ``dtype``'s representable numbers at ``|x|``: ``2^(e - mantissa_bits)``
 for a normal ``x`` with exponent ``e``, and the smallest subnormal below the normal range.

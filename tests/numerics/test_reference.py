@@ -70,4 +70,11 @@ def test_round_to_fp8_matches_torchs_cast(dtype):
              3 * 2.0**-11, 2.0**-17, -(2.0**-16)]
     x = torch.cat([x, torch.tensor(edges)])
     got = reference.round_to_format(x.double(), dtype).to(dtype)
-    assert torch.equal(got.view(torch.int8), x.to(dtype).view(torch.int8))
+    torchs = x.to(dtype)
+    if dtype == torch.float8_e4m3fn:
+        # beyond e4m3fn's range (inf included) torch 2.13 saturates to +-448 as the reference does; torch 2.11
+        # casts those values to NaN: there the reference's saturated value is checked on its own
+        beyond = ~x.isnan() & torchs.float().isnan()
+        assert bool((got[beyond].float().abs() == 448).all())
+        got, torchs = got[~beyond], torchs[~beyond]
+    assert torch.equal(got.view(torch.int8), torchs.view(torch.int8))
