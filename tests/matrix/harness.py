@@ -420,14 +420,18 @@ def _check_adam(run: Run, snap: list[dict]) -> None:
             a_g = items["g"][i].abs()
             err_m = K * U32 * (b1 * items["m"][i].abs() + (1 - b1) * a_g)
             err_v = K * U32 * (b2 * items["v"][i] + (1 - b2) * a_g**2)
-            if eight[i]:
-                _check_8bit_moment(st["exp_avg"], st["exp_avg_absmax"], ref_m[i], err_m, True, f"exp_avg {i}")
-                _check_8bit_moment(st["exp_avg_sq"], st["exp_avg_sq_absmax"], ref_v[i], err_v, False,
-                                   f"exp_avg_sq {i}")
-            else:
-                assert_within(st["exp_avg"], ref_m[i], err_m, f"exp_avg {i}")
-                assert_within(st["exp_avg_sq"], ref_v[i], err_v, f"exp_avg_sq {i}")
+            _check_moments(st, ref_m[i], ref_v[i], err_m, err_v, eight[i], i)
         _check_model_copies(run, items["params"], targets)
+
+
+def _check_moments(st: dict, ref_m, ref_v, err_m, err_v, eight: bool, i: int) -> None:
+    """Both moments of row ``i`` against their float64 references: 8-bit codes through their absmax, fp32 directly."""
+    if eight:
+        _check_8bit_moment(st["exp_avg"], st["exp_avg_absmax"], ref_m, err_m, True, f"exp_avg {i}")
+        _check_8bit_moment(st["exp_avg_sq"], st["exp_avg_sq_absmax"], ref_v, err_v, False, f"exp_avg_sq {i}")
+    else:
+        assert_within(st["exp_avg"], ref_m, err_m, f"exp_avg {i}")
+        assert_within(st["exp_avg_sq"], ref_v, err_v, f"exp_avg_sq {i}")
 
 
 def _lamb_from_moments(p0, m, v, hp, adam_w_mode, use_nvlamb):
@@ -468,13 +472,7 @@ def _check_lamb(run: Run, snap: list[dict]) -> None:
             err_p, err_m, err_v = lamb_budgets(items["p"][i], items["g"][i], items["m"][i], items["v"][i],
                                                ref_m[i], ref_v[i], hp=hp, clip=norm[1], delta_clip=norm[2],
                                                adam_w_mode=opt.adam_w_mode, use_nvlamb=opt.use_nvlamb)
-            if eight:
-                _check_8bit_moment(st["exp_avg"], st["exp_avg_absmax"], ref_m[i], err_m, True, f"exp_avg {i}")
-                _check_8bit_moment(st["exp_avg_sq"], st["exp_avg_sq_absmax"], ref_v[i], err_v, False,
-                                   f"exp_avg_sq {i}")
-            else:
-                assert_within(st["exp_avg"], ref_m[i], err_m, f"exp_avg {i}")
-                assert_within(st["exp_avg_sq"], ref_v[i], err_v, f"exp_avg_sq {i}")
+            _check_moments(st, ref_m[i], ref_v[i], err_m, err_v, eight, i)
         if any(opt.state[p]["exp_avg"].dtype == torch.uint8 for p in items["params"]):
             # the update from the moments as stored: its own reference, the same per-element budget
             ref_p = _lamb_from_moments(items["p"], [m for m, _ in stored], [v for _, v in stored], hp,
