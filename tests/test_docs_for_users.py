@@ -6,7 +6,7 @@
 - Every relative link resolves: the file exists and a ``#anchor`` names a heading of it (GitHub's slug rule).
 - Every ``docs/<page>.md, "Section"`` citation in the package, tests, benchmarks and scripts names a heading (or a
   bold run-in heading) of that page, so restructuring a page cannot orphan the code's pointers into it.
-- Every ``tests/<file>.py::<test>`` the docs name exists.
+- Every repository file and every ``tests/<file>.py::<test>`` the docs name exists.
 - The constructor signatures the docs show are the classes' own: every argument, its default, and where the
   keyword-only ones begin.
 - docs/README.md is the map: it links every page.
@@ -133,6 +133,19 @@ def test_relative_links_resolve() -> None:
         elif anchor and where.suffix == ".md" and anchor not in _anchors(where):
             broken.append(f"{page} links {target}: no heading of {path or page} has that anchor")
     assert not broken, "\n".join(broken)
+
+
+_FILE = re.compile(r"(?<![\w/.-])((?:fp16kit|tests|benchmarks|scripts|docs)/[\w./-]+\.(?:py|md|sh|txt|json|png|csv))")
+
+
+def test_cited_files_exist() -> None:
+    """Every repository path a page names (``fp16kit/kernels/_table.py``, ``tests/optim/test_sgd.py``) exists; a
+    file that moves takes its citations with it."""
+    cited = [(str(page.relative_to(ROOT)), m.group(1)) for page in PAGES
+             for m in _FILE.finditer(page.read_text(encoding="utf-8"))]
+    assert len(cited) >= 300, "the path scan found too little"
+    missing = sorted({f"{page} names {path}" for page, path in cited if not (ROOT / path).exists()})
+    assert not missing, "\n".join(missing)
 
 
 # -- section citations from code ----------------------------------------------------------------------------------
