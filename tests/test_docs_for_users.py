@@ -35,7 +35,7 @@ FORBIDDEN = [
     (re.compile(r"(?<![-\w])rounds? \d+\b", re.I), "an internal work round"),
     (re.compile(r"\bsessions? \d+\b", re.I), "an internal work session"),
     (re.compile(r"\bitems? \d+(/\d+)?\b", re.I), "an item of an internal issue"),
-    (re.compile(r"(?<![\w/&(])#\d+(?![\w-])"), "a '#N' tracker reference"),
+    (re.compile(r"(?<![\w/&])#\d+(?![\w-])"), "a '#N' tracker reference"),
     (re.compile(r"\b(this|that|in a|the previous|the next|a later|an earlier) (session|round)\b", re.I), "a work note"),
     (re.compile(r"\bthis change\b", re.I), "a work note"),
     (re.compile(r"\bno GPU (in|on|was) (this|that|available)", re.I), "a work note"),
