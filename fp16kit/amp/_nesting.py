@@ -30,7 +30,8 @@ _HOOKS: list[tuple[Callable[..., Any], Callable[[Any], None]]] = []
 
 def install(on_enter: Callable[[str, bool, torch.dtype], Any], on_exit: Callable[[Any], None]) -> None:
     """Wrap ``torch.autocast``'s ``__enter__``/``__exit__`` (once). ``on_enter(device, enabled, dtype)`` returns
-    ``(takes_over, cache_off)`` or None; ``on_exit(token)`` undoes it."""
+    a token ``(takes_over, cache_off, ...)`` or None; ``on_exit(token)`` undoes it (also when torch's own
+    ``__enter__`` raises after it)."""
     if _HOOKS:
         return
     from torch.amp import autocast_mode as torch_autocast_mode
@@ -44,14 +45,18 @@ def install(on_enter: Callable[[str, bool, torch.dtype], Any], on_exit: Callable
         token = on_enter(self.device, self._enabled, self.fast_dtype) if hasattr(self, "device") else None
         if token is None:
             return enter(self)
-        if token[1]:
-            cache, self._cache_enabled = self._cache_enabled, False
-            try:
+        try:
+            if token[1]:
+                cache, self._cache_enabled = self._cache_enabled, False
+                try:
+                    out = enter(self)
+                finally:
+                    self._cache_enabled = cache
+            else:
                 out = enter(self)
-            finally:
-                self._cache_enabled = cache
-        else:
-            out = enter(self)
+        except BaseException:
+            on_exit(token)
+            raise
         self._fp16kit_token = token  # torch keeps its own restore state on the instance the same way
         return out
 
