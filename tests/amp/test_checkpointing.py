@@ -357,7 +357,7 @@ def test_torch_amp_custom_fwd_bwd_run_the_backward_under_the_region(engine):
     the same dtypes and bits as fp16kit's decorators (the oracle), whatever region ``backward`` is called in. Beside
     it, ``torch.autocast`` alone: torch's decorators behave as without fp16kit (its CPU table: ``exp`` in fp16,
     inf), and the row both tables share (the matmul) has the same dtype under both regions."""
-    fp16 = lambda: amp.autocast(dtype=torch.float16)  # noqa: E731
+    fp16 = lambda: amp.autocast(dtype=torch.float16)
     ours = _exp_function(amp.custom_fwd, amp.custom_bwd)
     theirs = _exp_function(torch.amp.custom_fwd, torch.amp.custom_bwd)
     ref_dtypes, ref = _exp_run(ours, fp16)
@@ -368,7 +368,7 @@ def test_torch_amp_custom_fwd_bwd_run_the_backward_under_the_region(engine):
         assert dtypes == ref_dtypes, (engine, dtypes)
         _assert_same(ref, got, f"{engine} torch.amp.custom_bwd")
 
-    torch_fp16 = lambda: torch.autocast("cpu", dtype=torch.float16)  # noqa: E731
+    torch_fp16 = lambda: torch.autocast("cpu", dtype=torch.float16)
     dtypes, got = _exp_run(theirs, torch_fp16)
     assert dtypes == (torch.float16, torch.float16)  # torch's CPU table; the matmul's row as under fp16kit's region
     assert not got[1].isfinite().all()  # exp(12) overflowed in fp16: torch's own behaviour, left alone
@@ -380,7 +380,7 @@ def test_torch_amp_custom_fwd_cast_inputs_inside_a_region(engine, monkeypatch):
     bits). The mode engine keeps torch's autocast flag off, which torch's decorator tests, so nothing is cast there:
     one warning names fp16kit's decorators, which do what torch's do (the oracle)."""
     monkeypatch.setattr(_torch_custom_fn, "_WARNED", [])
-    fp16 = lambda: amp.autocast(dtype=torch.float16)  # noqa: E731
+    fp16 = lambda: amp.autocast(dtype=torch.float16)
     cast = _exp_function(torch.amp.custom_fwd, torch.amp.custom_bwd, cast_inputs=torch.float32)
     torch_dtypes, torch_got = _exp_run(cast, lambda: torch.autocast("cpu", dtype=torch.float16))
     ours_dtypes, ours_got = _exp_run(_exp_function(amp.custom_fwd, amp.custom_bwd, cast_inputs=torch.float32), fp16)
