@@ -9,9 +9,10 @@ cache is keyed by tensor, not dtype: a weight cached in fp16 is handed to a bf16
 :func:`install` wraps ``torch.amp.autocast_mode.autocast.__enter__`` / ``__exit__`` (the class behind
 ``torch.autocast``, ``torch.amp.autocast`` and the deprecated ``torch.cpu/cuda.amp.autocast``) so that, on entry, a
 callback from ``autocast_mode`` decides what the torch region does to an enclosing fp16kit region
-(``autocast_mode.torch_region_enter``: it takes over, or changes nothing) and whether it may use torch's cache; on
-exit the enclosing region is restored. Outside fp16kit regions the wrapper costs plain ``torch.autocast`` code one
-Python call and a thread-local read per region entry and exit, nothing per op. Under ``torch.compile`` Dynamo
+(``autocast_mode.torch_region_enter``: it takes over, or changes nothing) and whether it may use torch's cache, or
+re-enters the region around the backward of a ``torch.amp.custom_fwd`` Function whose forward ran in one
+(``_torch_custom_fn``); on exit the enclosing region is restored. Outside fp16kit regions the wrapper costs plain
+``torch.autocast`` code one Python call and a thread-local read per region entry and exit, nothing per op. Under ``torch.compile`` Dynamo
 traces ``torch.autocast`` itself and the callback does nothing.
 """
 

@@ -132,8 +132,8 @@ def test_every_checkpoint_form_every_dtype_pairing(engine):
 def test_recomputation_runs_under_the_forwards_region_not_the_backwards(engine):
     """The state recorded at the checkpointed forward is re-entered, whatever region backward runs in: a forward
     outside every region recomputes outside it when backward is called inside a bf16 region; a forward inside an
-    fp16 region recomputes inside it when backward is called inside ``disable_casts``. The reference is the same
-    forward and backward without checkpointing."""
+    fp16 region recomputes inside it when backward is called inside ``disable_casts`` or a bf16 region. The reference
+    is the same forward and backward without checkpointing."""
 
     def run(form: str, fwd_region, bwd_region) -> list[torch.Tensor]:
         model = _model(torch.float32)
@@ -148,6 +148,9 @@ def test_recomputation_runs_under_the_forwards_region_not_the_backwards(engine):
     cases = {
         "outside/bf16": (contextlib.nullcontext, lambda: amp.autocast(dtype=torch.bfloat16)),
         "fp16/disable_casts": (lambda: amp.autocast(dtype=torch.float16), amp.disable_casts),
+        # the mode engine: autograd runs the recomputation with an empty torch-function mode stack, so the replay
+        # pushes the thread's mode again
+        "fp16/bf16": (lambda: amp.autocast(dtype=torch.float16), lambda: amp.autocast(dtype=torch.bfloat16)),
     }
     for name, (fwd_region, bwd_region) in cases.items():
         ref = run("none", fwd_region, bwd_region)

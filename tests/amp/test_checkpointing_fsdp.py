@@ -1,7 +1,8 @@
 """torch.distributed's activation checkpointing (``apply_activation_checkpointing`` with ``checkpoint_wrapper``)
 composed with FSDP2 (``fully_shard``) under fp16kit's autocast, on 2 gloo processes (``tests/distributed/_spawn.py``):
 the sharded gradients, gathered, equal those of the same FSDP2 model without checkpointing bit for bit, under both
-engines, fp16 and bf16 regions, fp32 and bf16 parameters (docs/autocast.md, "Activation checkpointing"). Slow: two spawned processes.
+engines, fp16 and bf16 regions, fp32 and bf16 parameters (docs/autocast.md, "Activation checkpointing"). Slow: two
+spawned processes.
 """
 
 from __future__ import annotations
