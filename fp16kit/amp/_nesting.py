@@ -12,8 +12,8 @@ callback from ``autocast_mode`` decides what the torch region does to an enclosi
 (``autocast_mode.torch_region_enter``: it takes over, or changes nothing) and whether it may use torch's cache, or
 re-enters the region around the backward of a ``torch.amp.custom_fwd`` Function whose forward ran in one
 (``_torch_custom_fn``); on exit the enclosing region is restored. Outside fp16kit regions the wrapper costs plain
-``torch.autocast`` code one Python call and a thread-local read per region entry and exit, nothing per op. Under ``torch.compile`` Dynamo
-traces ``torch.autocast`` itself and the callback does nothing.
+``torch.autocast`` code one Python call and a thread-local read per region entry and exit, nothing per op. Under
+``torch.compile`` Dynamo traces ``torch.autocast`` itself and the callback does nothing.
 """
 
 from __future__ import annotations
