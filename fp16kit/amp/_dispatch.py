@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import types
 import warnings
@@ -480,10 +481,20 @@ def _wrap_functional() -> None:
 
 
 def _unwrap_functional() -> None:
-    """Put the original functions back (where the attribute is still our wrapper)."""
+    """Put the original functions back (where the attribute is still our wrapper).
+
+    Dynamo resolves the qualified names of torch's functions once and caches which objects are torch functions
+    (``get_torch_obj_rule_map`` in ``torch/_dynamo/trace_rules.py``). Built while the wrappers were installed (a
+    running ``torch.utils.checkpoint`` builds it, for one), the cache no longer knows the originals put back
+    here: Dynamo would trace into them as user code and never hand them to the mode engine's ``TorchFunctionMode``
+    (their rows then missed under ``torch.compile`` after ``set_engine("mode")``). So the cache is cleared."""
     for (owner, name), fn in _WRAPPED.items():
         if getattr(getattr(owner, name, None), "__fp16kit_wrapped__", None) is fn:
             setattr(owner, name, fn)
+    if _WRAPPED:
+        clear = getattr(sys.modules.get("torch._dynamo.trace_rules"), "clear_lru_cache", None)
+        if clear is not None:  # only once Dynamo was imported; a torch without it keeps its cache
+            clear()
     _WRAPPED.clear()
     _FUNCTIONAL_ROWS.clear()
 

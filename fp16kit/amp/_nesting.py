@@ -9,10 +9,11 @@ cache is keyed by tensor, not dtype: a weight cached in fp16 is handed to a bf16
 :func:`install` wraps ``torch.amp.autocast_mode.autocast.__enter__`` / ``__exit__`` (the class behind
 ``torch.autocast``, ``torch.amp.autocast`` and the deprecated ``torch.cpu/cuda.amp.autocast``) so that, on entry, a
 callback from ``autocast_mode`` decides what the torch region does to an enclosing fp16kit region
-(``autocast_mode.torch_region_enter``: it takes over, or changes nothing) and whether it may use torch's cache; on
-exit the enclosing region is restored. Outside fp16kit regions the wrapper costs plain ``torch.autocast`` code one
-Python call and a thread-local read per region entry and exit, nothing per op. Under ``torch.compile`` Dynamo
-traces ``torch.autocast`` itself and the callback does nothing.
+(``autocast_mode.torch_region_enter``: it takes over, or changes nothing) and whether it may use torch's cache, or
+re-enters the region around the backward of a ``torch.amp.custom_fwd`` Function whose forward ran in one
+(``_torch_custom_fn``); on exit the enclosing region is restored. Outside fp16kit regions the wrapper costs plain
+``torch.autocast`` code one Python call and a thread-local read per region entry and exit, nothing per op. Under
+``torch.compile`` Dynamo traces ``torch.autocast`` itself and the callback does nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ _HOOKS: list[tuple[Callable[..., Any], Callable[[Any], None]]] = []
 
 def install(on_enter: Callable[[str, bool, torch.dtype], Any], on_exit: Callable[[Any], None]) -> None:
     """Wrap ``torch.autocast``'s ``__enter__``/``__exit__`` (once). ``on_enter(device, enabled, dtype)`` returns
-    ``(takes_over, cache_off)`` or None; ``on_exit(token)`` undoes it."""
+    a token ``(takes_over, cache_off, ...)`` or None; ``on_exit(token)`` undoes it (also when torch's own
+    ``__enter__`` raises after it)."""
     if _HOOKS:
         return
     from torch.amp import autocast_mode as torch_autocast_mode
@@ -44,14 +46,18 @@ def install(on_enter: Callable[[str, bool, torch.dtype], Any], on_exit: Callable
         token = on_enter(self.device, self._enabled, self.fast_dtype) if hasattr(self, "device") else None
         if token is None:
             return enter(self)
-        if token[1]:
-            cache, self._cache_enabled = self._cache_enabled, False
-            try:
+        try:
+            if token[1]:
+                cache, self._cache_enabled = self._cache_enabled, False
+                try:
+                    out = enter(self)
+                finally:
+                    self._cache_enabled = cache
+            else:
                 out = enter(self)
-            finally:
-                self._cache_enabled = cache
-        else:
-            out = enter(self)
+        except BaseException:
+            on_exit(token)
+            raise
         self._fp16kit_token = token  # torch keeps its own restore state on the instance the same way
         return out
 

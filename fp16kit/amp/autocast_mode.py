@@ -46,11 +46,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _versions
-from . import _bytecode, _dispatch, _nesting, _recompute, policy
+from . import _bytecode, _dispatch, _nesting, _recompute, _torch_custom_fn, policy
 from .policy import Rule
 
 __all__ = [
     "AutocastDisabledWarning",
+    "CompiledCheckpointWarning",
     "autocast",
     "disable_casts",
     "engine",
@@ -456,6 +457,8 @@ class _AutocastMode(TorchFunctionMode):
         guards). A Tensor method Dynamo cannot trace through a mode (zero-argument ``super()``) is replaced by the
         in-graph torch function it forwards to (eager keeps the Python method, which also handles named dims)."""
         name = getattr(func, "__name__", None)
+        if name == "tag_activation_checkpoint":
+            return self._checkpoint_outside_the_graph(func, args, kwargs)
         entry = None if disabled else _compiled_row(name)
         if entry is None:
             redirect = _compiled_redirect(name)
@@ -464,6 +467,27 @@ class _AutocastMode(TorchFunctionMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         args, kwargs = cast_args(self, entry, func, args, kwargs or _NO_KWARGS)  # the general form of the hot path
         return func(*args, **kwargs)
+
+
+    def _checkpoint_outside_the_graph(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        """While Dynamo traces ``torch.utils.checkpoint.checkpoint`` (its higher-order op, dispatched to this mode):
+        a graph break, so the checkpointed call runs eagerly, under this mode, as without ``torch.compile``.
+
+        Why: Dynamo calls a mode's ``__torch_function__`` with the mode popped, as torch does, and then traces the
+        checkpoint's body with the mode stack as it is; pushing the mode again inside the body is a mutation Dynamo
+        refuses in a higher-order op ("HOP: Unsafe side effect"). Traced without the mode, the body's ops would run
+        as called (other dtypes than eager, silently). Eager checkpointing re-enters the region for the
+        recomputation (``_recompute``), so the gradients are eager's, bit for bit; the rest of the function stays
+        compiled. One :class:`CompiledCheckpointWarning` per process says so and names the fix (the dispatcher
+        engine traces checkpointed blocks into the graph); with ``fullgraph=True`` the graph break is Dynamo's
+        error, carrying the same message."""
+        from torch._dynamo.comptime import comptime
+
+        comptime(lambda ctx: _warn_compiled_checkpoint())  # runs while tracing; Dynamo skips warnings.warn itself
+        torch._dynamo.graph_break(msg=_COMPILED_CHECKPOINT)
+        # not reached while tracing (the graph break raises there); run eagerly if Dynamo resumes here
+        with self:
+            return func(*args, **kwargs) if kwargs else func(*args)
 
 
 class _AutocastModeByFn(_AutocastMode):
@@ -560,7 +584,12 @@ class _OwnRegion:
             _tls.own -= 1
 
 
-def torch_region_enter(device: str, enabled: bool, dtype: torch.dtype) -> tuple[bool, bool] | None:
+def _state_inside_a_region() -> tuple[Any, ...] | None:
+    """:func:`region_state` inside a region on this thread, None outside every region."""
+    return None if active_mode() is None else region_state()
+
+
+def torch_region_enter(device: str, enabled: bool, dtype: torch.dtype) -> tuple[Any, ...] | None:
     """Called (by :mod:`fp16kit.amp._nesting`) when a ``torch.autocast(device, dtype, enabled)`` is entered on this
     thread; returns ``(takes_over, cache_off)`` for :func:`torch_region_exit`, or None when it changes nothing here.
 
@@ -568,7 +597,17 @@ def torch_region_enter(device: str, enabled: bool, dtype: torch.dtype) -> tuple[
     over: until it exits, the ops run under torch's autocast alone (torch's table for that device, in its dtype, or
     nothing cast), the same under both engines (docs/autocast.md, "Nesting"). One that enables the region's own dtype
     changes nothing. ``cache_off``: the torch region must not use torch's weight-cast cache, which may hold casts to
-    another dtype (it is keyed by tensor)."""
+    another dtype (it is keyed by tensor).
+
+    The ``torch.autocast`` that ``torch.amp.custom_bwd`` enters around the backward of a Function whose forward ran in
+    a region (``_torch_custom_fn.backward_state``) re-enters that region, like :func:`custom_bwd
+    <fp16kit.amp.custom_bwd>`: ``(False, False, replay)``."""
+    if _torch_custom_fn.recorded():  # False until torch.amp.custom_fwd ran in a region once
+        state = _torch_custom_fn.backward_state(enabled, dtype)
+        if state is not None:
+            region = replay(state)
+            region.__enter__()
+            return (False, False, region)
     dispatch = _engine[0] == "dispatch"
     if not (getattr(_tls, "depth", 0) if dispatch else getattr(_tls, "mode", None)):
         return None  # outside every fp16kit region (plain torch.autocast code): the common case, first
@@ -589,8 +628,11 @@ def torch_region_enter(device: str, enabled: bool, dtype: torch.dtype) -> tuple[
     return (True, False)
 
 
-def torch_region_exit(token: tuple[bool, bool]) -> None:
+def torch_region_exit(token: tuple[Any, ...]) -> None:
     """Undo :func:`torch_region_enter` when that ``torch.autocast`` exits."""
+    if len(token) > 2:  # the region re-entered around torch.amp.custom_bwd's backward
+        token[2].__exit__(None, None, None)
+        return
     if not token[0]:
         return
     if _engine[0] == "dispatch":
@@ -652,6 +694,28 @@ def _torch_autocast_restore(off: tuple[str, ...]) -> None:
 
 class AutocastDisabledWarning(UserWarning):
     """``autocast(device_type, ...)`` disabled itself where ``torch.autocast`` with the same arguments does."""
+
+
+class CompiledCheckpointWarning(UserWarning):
+    """Under the mode engine, ``torch.compile`` runs each checkpointed block eagerly (a graph break)."""
+
+
+_COMPILED_CHECKPOINT = (
+    "fp16kit.amp.autocast with the mode engine (FP16KIT_AUTOCAST_ENGINE=mode): torch.compile traces "
+    "torch.utils.checkpoint's body without torch-function modes, so the cast policy could not apply inside it. "
+    "fp16kit breaks the graph before each checkpoint call instead: the checkpointed block runs eagerly, under the "
+    "region, and its results and gradients are eager's, bit for bit; with fullgraph=True that graph break is an "
+    "error. Fix: use the default dispatcher engine (unset FP16KIT_AUTOCAST_ENGINE, or call "
+    "fp16kit.amp.autocast_mode.set_engine('dispatch') outside every region), which compiles checkpointed blocks "
+    "into the graph with the same bits."
+)
+_COMPILED_CHECKPOINT_WARNED: list[bool] = []
+
+
+def _warn_compiled_checkpoint() -> None:
+    if not _COMPILED_CHECKPOINT_WARNED:
+        _COMPILED_CHECKPOINT_WARNED.append(True)
+        warnings.warn(_COMPILED_CHECKPOINT, CompiledCheckpointWarning, stacklevel=2)
 
 
 def _torch_signature(device_type: Any, dtype: torch.dtype | None, enabled: bool) -> tuple[torch.dtype, bool]:
@@ -755,6 +819,7 @@ class autocast:
         if not _HOOKED and not _is_compiling():
             _recompute.install(region_state, replay)  # checkpoint recomputation re-enters the forward's region
             _nesting.install(torch_region_enter, torch_region_exit)  # torch.autocast inside a region
+            _torch_custom_fn.install(_state_inside_a_region)  # torch.amp.custom_bwd re-enters the forward's region
             _HOOKED.append(True)
         if _engine[0] == "dispatch":
             if self.enabled and torch._C._are_functorch_transforms_active() and _inside_vmap():
@@ -873,7 +938,12 @@ class replay:
             _tls.mode = mode
             self._saved.append((mode, mode, None))
         else:
-            self._saved.append((None, mode, (mode.enabled, mode.dtype, mode.cache_enabled)))
+            # backward called inside a region: the autograd engine runs the node with an empty torch-function mode
+            # stack, so the thread's mode is pushed again for the replay (popped on exit)
+            repush = mode not in torch.overrides._get_current_function_mode_stack()
+            if repush:
+                mode.__enter__()
+            self._saved.append((None, mode, (mode.enabled, mode.dtype, mode.cache_enabled), repush))
         mode.enabled, mode.dtype, mode.cache_enabled = recorded
         return self
 
@@ -884,7 +954,7 @@ class replay:
             _tls.depth = depth
             block.__exit__(*exc)
             return
-        pushed, mode, previous = saved
+        pushed, mode, previous = saved[:3]
         if pushed is not None:
             pushed.cache.clear()
             _tls.mode = None
@@ -892,6 +962,8 @@ class replay:
         elif mode is not None and previous is not None:
             if isinstance(previous, tuple):
                 mode.enabled, mode.dtype, mode.cache_enabled = previous
+                if saved[3]:
+                    mode.__exit__(*exc)
             else:
                 mode.enabled = previous
 

@@ -1,7 +1,8 @@
 """torch.distributed's activation checkpointing (``apply_activation_checkpointing`` with ``checkpoint_wrapper``)
 composed with FSDP2 (``fully_shard``) under fp16kit's autocast, on 2 gloo processes (``tests/distributed/_spawn.py``):
 the sharded gradients, gathered, equal those of the same FSDP2 model without checkpointing bit for bit, under both
-engines, fp16 and bf16 regions (docs/autocast.md, "Activation checkpointing"). Slow: two spawned processes.
+engines, fp16 and bf16 regions, fp32 and bf16 parameters (docs/autocast.md, "Activation checkpointing"). Slow: two
+spawned processes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")]
 
 
-def _grads(engine: str, low: torch.dtype, checkpointing: bool) -> list[torch.Tensor]:
+def _grads(engine: str, pdtype: torch.dtype, low: torch.dtype, checkpointing: bool) -> list[torch.Tensor]:
     from test_checkpointing import Block
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing,
@@ -31,7 +32,7 @@ def _grads(engine: str, low: torch.dtype, checkpointing: bool) -> list[torch.Ten
     from fp16kit.amp import autocast_mode
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Block(), Block(), Block())
+    model = torch.nn.Sequential(Block(), Block(), Block()).to(pdtype)
     if checkpointing:
         apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
                                        check_fn=lambda m: isinstance(m, Block))
@@ -40,7 +41,7 @@ def _grads(engine: str, low: torch.dtype, checkpointing: bool) -> list[torch.Ten
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     torch.manual_seed(1 + dist.get_rank())  # each rank its own batch: the reduce-scatter matters
-    x = torch.randn(4, 16, requires_grad=True)
+    x = torch.randn(4, 16, dtype=pdtype, requires_grad=True)
     with autocast_mode.use_engine(engine):
         with amp.autocast(dtype=low):
             loss = model(x).float().square().mean()
@@ -50,12 +51,13 @@ def _grads(engine: str, low: torch.dtype, checkpointing: bool) -> list[torch.Ten
 
 def _ranks(rank: int, world: int, out_dir: str) -> None:
     for engine in ("dispatch", "mode"):
-        for low in (torch.float16, torch.bfloat16):
-            ref = _grads(engine, low, False)
-            got = _grads(engine, low, True)
-            assert all(t.isfinite().all() for t in ref), (engine, low)
+        for pdtype, low in ((torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                            (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float16)):
+            ref = _grads(engine, pdtype, low, False)
+            got = _grads(engine, pdtype, low, True)
+            assert all(t.isfinite().all() for t in ref), (engine, pdtype, low)
             for i, (a, b) in enumerate(zip(ref, got, strict=True)):
-                assert a.dtype == b.dtype and torch.equal(a, b), (engine, low, i)
+                assert a.dtype == b.dtype and torch.equal(a, b), (engine, pdtype, low, i)
     Path(out_dir, f"ok{rank}").write_text("ok")
 
 

@@ -384,6 +384,33 @@ def test_leaving_the_engine_uninstalls_it():
         assert F.layer_norm(y, (8,)).dtype == torch.float32
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_leaving_the_engine_lets_compiled_code_see_the_originals_again():
+    """Dynamo caches which objects are torch functions by resolving their names once; built while this engine's
+    ``torch.nn.functional`` wrappers are installed (running a checkpoint does), it forgot the originals that
+    uninstalling puts back, and the mode engine's FP32 rows of ``F.cross_entropy``, ``F.interpolate`` & co missed
+    under ``torch.compile`` (the suite under the mode engine failed this way after a dispatcher-engine test)."""
+    from torch._dynamo import trace_rules
+
+    x = torch.randn(4, 5).bfloat16()
+    target = torch.randint(0, 5, (4,))
+    with autocast(dtype=torch.bfloat16):
+        F.cross_entropy(x, target)
+    assert hasattr(F.cross_entropy, "__fp16kit_wrapped__")
+    trace_rules.clear_lru_cache()
+    trace_rules.get_torch_obj_rule_map()  # built now, with the wrappers in torch.nn.functional
+    autocast_mode.set_engine("mode")
+
+    def f(a, b):
+        return F.cross_entropy(a, b), F.interpolate(a[None], scale_factor=2.0)
+
+    with autocast(dtype=torch.bfloat16):
+        eager, compiled = f(x, target), torch.compile(f, backend="aot_eager", fullgraph=True)(x, target)
+    for e, c in zip(eager, compiled, strict=True):
+        assert e.dtype == torch.float32
+        assert_bitwise_equal(c, e)
+
+
 def test_set_engine_refuses_inside_a_region():
     with autocast(dtype=torch.float16), pytest.raises(RuntimeError, match="cannot switch engines"):
         autocast_mode.set_engine("mode")

@@ -1,0 +1,144 @@
+"""``torch.amp.custom_fwd`` / ``custom_bwd`` inside fp16kit regions: the backward re-enters the forward's region.
+
+torch's pair records torch's autocast state for one device type on the Function's ``ctx`` in the forward
+(``custom_fwd`` sets ``ctx._dtype`` and then ``ctx._fwd_used_autocast``) and re-enters it around the backward
+(``custom_bwd``: ``torch.autocast(device_type, enabled=ctx._fwd_used_autocast, dtype=ctx._dtype)``), both in
+``torch/amp/autocast_mode.py``. fp16kit's part of the region (the dispatcher engine's marker, the mode engine's
+``TorchFunctionMode``) is not in that state, so the backward of such a Function ran under torch's table (dispatcher
+engine) or with nothing cast (mode engine) where its forward ran under fp16kit's rows.
+
+:func:`install` makes ``_fwd_used_autocast`` a data descriptor on ``torch.autograd.function.BackwardCFunction``, the
+class of every custom Function's ``ctx``. Setting it (torch's ``custom_fwd``, in the forward) also stores
+``capture()`` on the ctx, when an fp16kit region is active. Reading it while that ctx is the autograd node running
+on this thread (torch's ``custom_bwd``, in the backward, right before it enters ``torch.autocast``) marks the ctx as
+pending; :func:`backward_state` hands the recorded state to the ``torch.autocast`` hook (``_nesting`` ->
+``autocast_mode.torch_region_enter``), which re-enters it around the backward: the backward's ops see the rows, dtype
+and cache setting of the forward's region, as with ``fp16kit.amp.custom_bwd``. Any other code path (a Function
+without torch's decorators, a forward outside every region, the attribute read elsewhere) is left as it was; the
+value read and written is the value torch set. Eager only: under ``torch.compile`` Dynamo traces the ctx
+symbolically, and the decorators' backward runs under torch's state alone (docs/autocast.md, "Decorators").
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["backward_state", "install", "installed", "recorded"]
+
+_NAME = "_fwd_used_autocast"  # what torch's custom_fwd sets on ctx and custom_bwd reads
+_STATE = "_fp16kit_region_state"
+_HOOKS: list[Callable[[], Any]] = []
+_RECORDED: list[bool] = []  # one entry once a ctx recorded a region: until then the torch.autocast hook skips this
+_WARNED: list[bool] = []  # the cast_inputs warning, once per process
+_tls = threading.local()
+
+
+class _FwdUsedAutocast:
+    """The data descriptor installed as ``BackwardCFunction._fwd_used_autocast`` (see the module docstring)."""
+
+    def __get__(self, ctx: Any, owner: type | None = None) -> Any:
+        if ctx is None:
+            return self
+        d = ctx.__dict__
+        try:
+            value = d[_NAME]
+        except KeyError:
+            raise AttributeError(f"{type(ctx).__name__!r} object has no attribute {_NAME!r}") from None
+        if _STATE in d and torch._C._current_autograd_node() is ctx:
+            _tls.pending = ctx  # torch's custom_bwd: it enters torch.autocast next
+        return value
+
+    def __set__(self, ctx: Any, value: Any) -> None:
+        d = ctx.__dict__
+        d[_NAME] = value
+        state = _HOOKS[0]()
+        if state is None:
+            d.pop(_STATE, None)
+            return
+        d[_STATE] = state
+        if not _RECORDED:
+            _RECORDED.append(True)
+        if state[0] == "mode" and not value and not _WARNED:
+            _warn_if_cast_inputs(sys._getframe(1))
+
+
+def _warn_if_cast_inputs(frame: Any) -> None:
+    """Under the mode engine, torch's ``custom_fwd(cast_inputs=...)`` reads torch's own autocast flag, which the mode
+    engine keeps off inside its regions: it neither casts the inputs nor turns casting off. Say so once."""
+    if frame.f_code.co_name != "decorate_fwd" or frame.f_locals.get("cast_inputs") is None:
+        return
+    _WARNED.append(True)
+    warnings.warn(
+        "torch.amp.custom_fwd(cast_inputs=...) inside an fp16kit.amp.autocast region of the mode engine "
+        "(FP16KIT_AUTOCAST_ENGINE=mode): torch's decorator tests torch's own autocast flag, which that engine keeps "
+        "off, so it neither casts the inputs nor disables casting in the forward (the region's rows apply there and "
+        "in the backward). Use fp16kit.amp.custom_fwd(cast_inputs=...) and fp16kit.amp.custom_bwd (same arguments), "
+        "or the default dispatcher engine.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+    def __delete__(self, ctx: Any) -> None:
+        ctx.__dict__.pop(_NAME, None)
+        ctx.__dict__.pop(_STATE, None)
+
+
+def _torch_sets_the_attribute() -> bool:
+    """True when torch's ``custom_fwd``/``custom_bwd`` still record their state under ``_fwd_used_autocast``."""
+    from torch.amp import autocast_mode as torch_autocast_mode
+
+    def names(code: Any) -> set[str]:
+        out = set(code.co_names)
+        for const in code.co_consts:
+            if hasattr(const, "co_names"):
+                out |= names(const)
+        return out
+
+    return all(
+        _NAME in names(getattr(fn, "__code__", None) or compile("", "", "exec"))
+        for fn in (torch_autocast_mode.custom_fwd, torch_autocast_mode.custom_bwd)
+    )
+
+
+def install(capture: Callable[[], Any]) -> bool:
+    """Install the descriptor (once); ``capture()`` returns this thread's region state, or None outside every
+    region. Returns False, installing nothing, when torch's decorators no longer use ``_fwd_used_autocast`` (a torch
+    outside fp16kit's tested range: their backward then runs under torch's state alone, as documented)."""
+    if _HOOKS:
+        return True
+    cls = torch.autograd.function.BackwardCFunction
+    if _NAME in vars(cls) or not _torch_sets_the_attribute():
+        return False
+    _HOOKS.append(capture)
+    setattr(cls, _NAME, _FwdUsedAutocast())
+    return True
+
+
+def installed() -> bool:
+    """True once :func:`install` put the descriptor on ``BackwardCFunction``."""
+    return bool(_HOOKS)
+
+
+def recorded() -> bool:
+    """True once some ctx recorded a region (a cheap test for the ``torch.autocast`` hook)."""
+    return bool(_RECORDED)
+
+
+def backward_state(enabled: bool, dtype: torch.dtype) -> Any:
+    """The region state to re-enter around a ``torch.autocast(enabled, dtype)`` being entered on this thread, or
+    None: not None only when torch's ``custom_bwd`` of a ctx that recorded a region enters it (the ctx is the running
+    autograd node, its ``_fwd_used_autocast`` was just read, and the region's arguments are the ones it recorded)."""
+    ctx = getattr(_tls, "pending", None)
+    if ctx is None:
+        return None
+    _tls.pending = None
+    d = ctx.__dict__
+    if torch._C._current_autograd_node() is not ctx or d.get(_NAME) != enabled or d.get("_dtype") != dtype:
+        return None
+    return d.get(_STATE)
