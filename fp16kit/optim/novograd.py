@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -130,42 +129,17 @@ class FusedNovoGrad(ApexStateOptimizer):
         # -0.0: "no step taken yet"; the first step that is not skipped sets v = n (apex), on the device
         state["exp_avg_sq"] = torch.full((1,), -0.0, dtype=math, device=p.device)
 
-    def _update_group(
-        self,
-        group: dict[str, Any],
-        rows: ApexRows,  # type: ignore[override]
-        step: torch.Tensor,
-        inv_scale64: torch.Tensor,
-        found_inf: torch.Tensor,
-        grad_norm: torch.Tensor | None,
-        verify: bool = False,
+    def _host_update(
+        self, group: dict[str, Any], rows: ApexRows, step: torch.Tensor, inv_scale64: torch.Tensor,
+        found_inf: torch.Tensor, device: torch.device, *, verify: bool = False,
     ) -> None:
-        if not rows.params:
-            return
-        device = rows.params[0].device
         b1, b2 = float(group["betas"][0]), float(group["betas"][1])
         lr64 = F._scalar64("lr", group["lr"], device)
         bc1, bc2 = F._bias_corrections(step, (b1, b2), group["bias_correction"], lr64)
         bc2 = bc2.sqrt()  # apex's NovoGrad divides the norm by sqrt(1 - b2^t)
         beta3 = 1.0 - b1 if group["grad_averaging"] else 1.0
         hp64 = hparams64(lr64, (b1, beta3, float(group["weight_decay"])), device, (bc1, inv_scale64))
-        novograd_update(
-            rows.params,
-            rows.grads,
-            rows.state("exp_avg"),
-            rows.state("exp_avg_sq"),
-            rows.models,
-            hp64,
-            found_inf,
-            new=rows.new,
-            beta2=b2,
-            eps=float(group["eps"]),
-            bc2_sqrt=bc2,
-            norm_type=int(group["norm_type"]),
-            init_zero=bool(group["init_zero"]),
-            reg_inside_moment=self.reg_inside_moment,
-            verify=verify,
-        )
+        self._device_update(group, rows, hp64, found_inf, bc2_sqrt=bc2, verify=verify)
 
     # -- the device-resident step (docs/optim.md, "The step on the device") ---------------------------------
 
@@ -174,13 +148,11 @@ class FusedNovoGrad(ApexStateOptimizer):
         step that creates state, the first, takes the host-vector step), every row in the kernels' groups."""
         if int(group["norm_type"]) != 2 or any(rows.new):
             return False
-        return bool(self._device_update(group, rows, group["lr"], None, plan_only=True))
+        return bool(self._device_update(group, rows, group["lr"], None, bc2_sqrt=None, plan_only=True))
 
     def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
-        lr = group["lr"]
         b1, b2 = float(group["betas"][0]), float(group["betas"][1])
         host = {
-            "lr": 0.0 if isinstance(lr, torch.Tensor) else float(lr),
             "beta1": b1,
             "beta3": 1.0 - b1 if group["grad_averaging"] else 1.0,
             "weight_decay": float(group["weight_decay"]),
@@ -188,19 +160,20 @@ class FusedNovoGrad(ApexStateOptimizer):
             "one_minus_beta2": 1.0 - b2,
             "eps": float(group["eps"]),
         }
-        return dataclasses.replace(base, host=host, lr=F.device_lr(lr, base.step.device),
-                                   bias_correction=bool(group["bias_correction"]))
+        return self._apex_device_step(base, group["lr"], host, bias_correction=bool(group["bias_correction"]))
 
     def _run_device_update(  # type: ignore[override]
         self, group: dict[str, Any], rows: ApexRows, ds: DeviceStep, skip: torch.Tensor, *, verify: bool = False,
         check: StepVerify | None = None,
     ) -> None:
-        self._device_update(group, rows, ds, skip, verify=verify, check=check)
+        self._device_update(group, rows, ds, skip, bc2_sqrt=None, verify=verify, check=check)
 
     def _device_update(self, group: dict[str, Any], rows: ApexRows, hp: Any, found_inf: Any, **kwargs: Any) -> Any:
+        """``novograd_update`` of the group's rows (``kwargs``: ``bc2_sqrt``, a host step's bias correction, and
+        the op's launch options)."""
         return novograd_update(
             rows.params, rows.grads, rows.state("exp_avg"), rows.state("exp_avg_sq"), rows.models, hp, found_inf,
-            new=rows.new, beta2=float(group["betas"][1]), eps=float(group["eps"]), bc2_sqrt=None,
+            new=rows.new, beta2=float(group["betas"][1]), eps=float(group["eps"]),
             norm_type=int(group["norm_type"]), init_zero=bool(group["init_zero"]),
             reg_inside_moment=self.reg_inside_moment, **kwargs,
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -12,7 +11,6 @@ from torch.optim.optimizer import required  # type: ignore[attr-defined]
 from fp16kit.kernels import DeviceStep, sgd_update
 from fp16kit.kernels.optimizers import StepVerify
 
-from . import functional as F
 from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
 
 __all__ = ["FusedSGD"]
@@ -117,26 +115,15 @@ class FusedSGD(ApexStateOptimizer):
                 p, dtype=self._math_dtype(p), memory_format=torch.contiguous_format
             )
 
-    def _update_group(
-        self,
-        group: dict[str, Any],
-        rows: ApexRows,  # type: ignore[override]
-        step: torch.Tensor,
-        inv_scale64: torch.Tensor,
-        found_inf: torch.Tensor,
-        grad_norm: torch.Tensor | None,
-        verify: bool = False,
+    def _host_update(
+        self, group: dict[str, Any], rows: ApexRows, step: torch.Tensor, inv_scale64: torch.Tensor,
+        found_inf: torch.Tensor, device: torch.device, *, verify: bool = False,
     ) -> None:
-        if not rows.params:
-            return
-        device = rows.params[0].device
-        momentum, wd = float(group["momentum"]), float(group["weight_decay"])
         # A buffer created in this step (``_state_for_group``: a new param, or momentum switched on later) has
         # its first use now (apex and torch: buffer = grad).
-        first = list(rows.new) if momentum != 0 else [False] * len(rows.params)
-        hp64 = hparams64(group["lr"], (momentum, 1.0 - float(group["dampening"]), wd), device, (inv_scale64,))
-        bufs = rows.state("momentum_buffer") if momentum != 0 else None
-        modes = {"weight_decay": wd != 0, "wd_after_momentum": self.wd_after_momentum, "nesterov": group["nesterov"]}
+        bufs, first, modes = self._sgd_rows(group, rows)
+        hp = (float(group["momentum"]), 1.0 - float(group["dampening"]), float(group["weight_decay"]))
+        hp64 = hparams64(group["lr"], hp, device, (inv_scale64,))
         sgd_update(rows.params, rows.grads, bufs, rows.models, hp64, found_inf, first_run=first, verify=verify, **modes)
 
     # -- the device-resident step (docs/optim.md, "The step on the device") ---------------------------------
@@ -155,14 +142,12 @@ class FusedSGD(ApexStateOptimizer):
                                plan_only=True, **modes))
 
     def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
-        lr = group["lr"]
         host = {
-            "lr": 0.0 if isinstance(lr, torch.Tensor) else float(lr),
             "momentum": float(group["momentum"]),
             "one_minus_dampening": 1.0 - float(group["dampening"]),
             "weight_decay": float(group["weight_decay"]),
         }
-        return dataclasses.replace(base, host=host, lr=F.device_lr(lr, base.step.device))
+        return self._apex_device_step(base, group["lr"], host)
 
     def _run_device_update(  # type: ignore[override]
         self, group: dict[str, Any], rows: ApexRows, ds: DeviceStep, skip: torch.Tensor, *, verify: bool = False,

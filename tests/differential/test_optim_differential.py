@@ -191,42 +191,30 @@ def _differential(cls, case, options):
 _SETTINGS = settings(max_examples=40, print_blob=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+#: the options FusedAdam and FusedLAMB share, drawn for both
+_ADAM_OPTIONS = {
+    "lr": st.sampled_from([1e-3, 0.1]),
+    "weight_decay": st.sampled_from([0.0, 0.01]),
+    "adam_w_mode": st.booleans(),
+    "bias_correction": st.booleans(),
+}
+
+
 @_SETTINGS
 @given(
     case=tensors_case(),
-    lr=st.sampled_from([1e-3, 0.1]),
-    weight_decay=st.sampled_from([0.0, 0.01]),
-    adam_w_mode=st.booleans(),
     grad_averaging=st.booleans(),
     use_nvlamb=st.booleans(),
     max_grad_norm=st.sampled_from([0.0, 1e4, 0.05]),
-    bias_correction=st.booleans(),
+    **_ADAM_OPTIONS,
 )
-def test_fused_lamb_backends_agree(
-    case, lr, weight_decay, adam_w_mode, grad_averaging, use_nvlamb, max_grad_norm, bias_correction
-):
-    options = {
-        "lr": lr,
-        "weight_decay": weight_decay,
-        "adam_w_mode": adam_w_mode,
-        "grad_averaging": grad_averaging,
-        "use_nvlamb": use_nvlamb,
-        "max_grad_norm": max_grad_norm,
-        "bias_correction": bias_correction,
-    }
+def test_fused_lamb_backends_agree(case, **options):
     _differential(FusedLAMB, case, options)
 
 
 @_SETTINGS
-@given(
-    case=tensors_case(),
-    lr=st.sampled_from([1e-3, 0.1]),
-    weight_decay=st.sampled_from([0.0, 0.01]),
-    adam_w_mode=st.booleans(),
-    bias_correction=st.booleans(),
-)
-def test_fused_adam_backends_agree(case, lr, weight_decay, adam_w_mode, bias_correction):
-    options = {"lr": lr, "weight_decay": weight_decay, "adam_w_mode": adam_w_mode, "bias_correction": bias_correction}
+@given(case=tensors_case(), **_ADAM_OPTIONS)
+def test_fused_adam_backends_agree(case, **options):
     _differential(FusedAdam, case, options)
 
 
