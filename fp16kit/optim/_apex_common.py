@@ -111,6 +111,17 @@ class ApexStateOptimizer(FusedOptimizer):
     #: the writers (``_checkpoint.writer_of``) whose state dicts this class loads; another's is refused
     _accepts: ClassVar[tuple[str, ...]] = ()
 
+    def __init__(
+        self, params: Iterable[Any], defaults: dict[str, Any], *, set_grad_none: bool, master_weights: bool,
+        on_nonfinite: str, capturable: bool,
+    ) -> None:
+        # ``capturable`` is accepted as torch's: the step already captures into a CUDA graph (docs/optim.md, "The
+        # step on the device")
+        self.capturable = bool(capturable)
+        super().__init__(
+            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
+        )
+
     def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
         """Fill a new param's state (besides the master); state tensors use ``_math_dtype(p)``."""
         raise NotImplementedError

@@ -66,10 +66,9 @@ class FusedAdagrad(ApexStateOptimizer):
         defaults = {"lr": lr, "eps": eps, "weight_decay": weight_decay}
         self._check_group(defaults)
         self.adagrad_w_mode = bool(adagrad_w_mode)
-        # accepted as torch's: the step already captures into a CUDA graph (docs/optim.md, "The step on the device")
-        self.capturable = bool(capturable)
         super().__init__(
-            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
+            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite,
+            capturable=capturable,
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:

@@ -100,10 +100,9 @@ class FusedNovoGrad(ApexStateOptimizer):
         self.reg_inside_moment = bool(reg_inside_moment)
         # apex's name for the same switch (0: regularization inside the moment, 1: decoupled)
         self.moment_mode = 0 if reg_inside_moment else 1
-        # accepted as torch's: the step already captures into a CUDA graph (docs/optim.md, "The step on the device")
-        self.capturable = bool(capturable)
         super().__init__(
-            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
+            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite,
+            capturable=capturable,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -86,10 +86,9 @@ class FusedSGD(ApexStateOptimizer):
         self._check_group({**defaults, "lr": 0.0} if lr is required else defaults)
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
-        # accepted as torch's: the step already captures into a CUDA graph (docs/optim.md, "The step on the device")
-        self.capturable = bool(capturable)
         super().__init__(
-            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
+            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite,
+            capturable=capturable,
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ from optim_helpers import (
     clone_params,
     make_params,
     set_grads,
-    snapshot,
+    stepped_groups,
 )
 
 from fp16kit.kernels import use_backend
@@ -44,11 +44,7 @@ def _check_param(opt, p, expected, budget, what):
 
 def sgd_step_and_check(opt) -> None:
     """``opt.step()`` (a FusedSGD) against :func:`sgd_step` from the state before the step."""
-    snap = snapshot(opt, ("momentum_buffer",))
-    opt.step()
-    for group, items in zip(opt.param_groups, snap):
-        if not items["params"]:
-            continue
+    for group, items in stepped_groups(opt, ("momentum_buffer",)):
         hp = {k: group[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
         ref_p, ref_m = sgd_step(
             items["p"], items["g"], items["momentum_buffer"], wd_after_momentum=opt.wd_after_momentum, **hp
@@ -72,11 +68,7 @@ def sgd_step_and_check(opt) -> None:
 
 def adagrad_step_and_check(opt) -> None:
     """``opt.step()`` (a FusedAdagrad) against :func:`adagrad_step` from the state before the step."""
-    snap = snapshot(opt, ("sum",))
-    opt.step()
-    for group, items in zip(opt.param_groups, snap):
-        if not items["params"]:
-            continue
+    for group, items in stepped_groups(opt, ("sum",)):
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         h0 = [torch.zeros_like(p) if h is None else h for p, h in zip(items["p"], items["sum"])]
         ref_p, ref_h = adagrad_step(
@@ -97,11 +89,7 @@ def adagrad_step_and_check(opt) -> None:
 
 def novograd_step_and_check(opt) -> None:
     """``opt.step()`` (a FusedNovoGrad) against :func:`novograd_step` from the state before the step."""
-    snap = snapshot(opt, ("exp_avg", "exp_avg_sq"))
-    opt.step()
-    for group, items in zip(opt.param_groups, snap):
-        if not items["params"]:
-            continue
+    for group, items in stepped_groups(opt, ("exp_avg", "exp_avg_sq")):
         step = int(group["step"].item())
         hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "grad_averaging")}
         hp.update(norm_type=group["norm_type"], init_zero=group["init_zero"])

@@ -101,13 +101,22 @@ def snapshot(opt: torch.optim.Optimizer, keys: tuple[str, ...], inv_scale: float
     return snap
 
 
-def _snapshot(opt: torch.optim.Optimizer, inv_scale: float) -> list[dict[str, list[torch.Tensor]]]:
-    """:func:`snapshot` of the Adam-like moments as ``m`` and ``v``, zeros before the first step."""
-    snap = snapshot(opt, ("exp_avg", "exp_avg_sq"), inv_scale)
-    for items in snap:
-        for key, name in (("exp_avg", "m"), ("exp_avg_sq", "v")):
-            items[name] = [torch.zeros_like(p) if t is None else t for p, t in zip(items["p"], items.pop(key))]
-    return snap
+def stepped_groups(opt: torch.optim.Optimizer, keys: tuple[str, ...], inv_scale: float = 1.0) -> list[tuple]:
+    """``opt.step()``; then ``(group, items)`` per group with grads, ``items`` its :func:`snapshot` from before."""
+    snap = snapshot(opt, keys, inv_scale)
+    opt.step()
+    return [(group, items) for group, items in zip(opt.param_groups, snap) if items["params"]]
+
+
+#: the Adam-like moments (FusedAdam, FusedLAMB)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _moments(items: dict[str, list]) -> dict[str, list]:
+    """A :func:`snapshot` of :data:`MOMENTS` with them as ``m`` and ``v``, zeros before the first step."""
+    for key, name in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+        items[name] = [torch.zeros_like(p) if t is None else t for p, t in zip(items["p"], items.pop(key))]
+    return items
 
 
 def checked_steps(make, step_and_check, shapes, dtype, seed, steps, *, grad_exp: int = 0, zero: str = "none"):
@@ -271,13 +280,10 @@ def check_lamb_lists(
 def lamb_step_and_check(opt, *, inv_scale: float = 1.0) -> None:
     """Run ``opt.step()`` (a FusedLAMB) and check every updated tensor against the float64 reference
     computed from the state just before the step."""
-    snap = _snapshot(opt, inv_scale)
+    groups = [(group, _moments(items)) for group, items in stepped_groups(opt, MOMENTS, inv_scale)]
     maxn = float(opt.defaults["max_grad_norm"])
-    norm = clip_terms([g for items in snap for g in items["g"]], maxn)
-    opt.step()
-    for group, items in zip(opt.param_groups, snap):
-        if not items["params"]:
-            continue
+    norm = clip_terms([g for _, items in groups for g in items["g"]], maxn)  # of the grads of all groups
+    for group, items in groups:
         hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "grad_averaging")}
         hp["step"] = int(group["step"].item())
         targets = [_updated_tensor(opt, p) for p in items["params"]]
@@ -347,11 +353,8 @@ def check_adam_lists(
 
 def adam_step_and_check(opt, *, adam_w_mode: bool, inv_scale: float = 1.0) -> None:
     """Run ``opt.step()`` (a FusedAdam) and check it against the float64 reference from the state before."""
-    snap = _snapshot(opt, inv_scale)
-    opt.step()
-    for group, items in zip(opt.param_groups, snap):
-        if not items["params"]:
-            continue
+    for group, items in stepped_groups(opt, MOMENTS, inv_scale):
+        items = _moments(items)
         hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction")}
         hp["step"] = int(group["step"].item())
         check_adam_lists(
