@@ -122,6 +122,14 @@ class ApexStateOptimizer(FusedOptimizer):
             params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
         )
 
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """``lr`` (:func:`check_lr`), then the subclass's own hyper-parameters (``_check_hparams``)."""
+        check_lr(self._name, group["lr"])
+        self._check_hparams(group)
+
+    def _check_hparams(self, group: dict[str, Any]) -> None:
+        """Check the group's hyper-parameters other than ``lr`` (a clear ``ValueError`` naming the bad one)."""
+
     def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
         """Fill a new param's state (besides the master); state tensors use ``_math_dtype(p)``."""
         raise NotImplementedError

@@ -10,7 +10,7 @@ import torch
 from fp16kit.kernels import DeviceStep, adagrad_update
 from fp16kit.kernels.optimizers import StepVerify
 
-from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
+from ._apex_common import ApexRows, ApexStateOptimizer, check_range, hparams64
 
 __all__ = ["FusedAdagrad"]
 
@@ -71,9 +71,8 @@ class FusedAdagrad(ApexStateOptimizer):
             capturable=capturable,
         )
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def _check_hparams(self, group: dict[str, Any]) -> None:
         fn = self._name
-        check_lr(fn, group["lr"])
         hint = " (e.g. 1e-10; 0 turns never-updated entries into NaN)"
         check_range(fn, "eps", group["eps"], low_open=True, hint=hint)
         check_range(fn, "weight_decay", group["weight_decay"])

@@ -11,7 +11,7 @@ from fp16kit.kernels import DeviceStep, novograd_update
 from fp16kit.kernels.optimizers import StepVerify
 
 from . import functional as F
-from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
+from ._apex_common import ApexRows, ApexStateOptimizer, check_range, hparams64
 from ._sharding import refuse_dtensors
 from ._validate import check_hyperparams
 
@@ -110,9 +110,8 @@ class FusedNovoGrad(ApexStateOptimizer):
         refuse_dtensors(self._name, param_group, _SHARDED_WHY)
         super().add_param_group(param_group)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def _check_hparams(self, group: dict[str, Any]) -> None:
         fn = self._name
-        check_lr(fn, group["lr"])
         check_hyperparams(fn, lr=0.0, betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
         check_range(fn, "eps", group["eps"], low_open=True, hint=" (e.g. 1e-8; 0 turns all-zero gradients into NaN)")
         check_range(fn, "weight_decay", group["weight_decay"])

@@ -11,7 +11,7 @@ from torch.optim.optimizer import required  # type: ignore[attr-defined]
 from fp16kit.kernels import DeviceStep, sgd_update
 from fp16kit.kernels.optimizers import StepVerify
 
-from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
+from ._apex_common import ApexRows, ApexStateOptimizer, check_range, hparams64
 
 __all__ = ["FusedSGD"]
 
@@ -91,9 +91,8 @@ class FusedSGD(ApexStateOptimizer):
             capturable=capturable,
         )
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def _check_hparams(self, group: dict[str, Any]) -> None:
         fn = self._name
-        check_lr(fn, group["lr"])
         momentum = check_range(fn, "momentum", group["momentum"], high=1.0, hint=" (the weight of the old buffer)")
         dampening = check_range(fn, "dampening", group["dampening"], high=1.0, hint=" (the grad gets 1 - dampening)")
         check_range(fn, "weight_decay", group["weight_decay"])

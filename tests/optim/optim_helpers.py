@@ -17,6 +17,7 @@ optimizer's *actual* state before the step (converted to float64), so budgets do
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Sequence
@@ -377,6 +378,15 @@ def bits(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[tor
         out += [t.clone() for t in opt.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
     out += [g["step"].clone() for g in opt.param_groups if isinstance(g.get("step"), torch.Tensor)]
     return out
+
+
+def assert_step_skipped(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], expect=None) -> None:
+    """``opt.step()`` (inside ``expect``, e.g. ``pytest.warns(...)``) leaves every bit of :func:`bits` as it was:
+    params, state tensors and step counters."""
+    before = bits(opt, params)
+    with expect or contextlib.nullcontext():
+        opt.step()
+    assert_same_bits(bits(opt, params), before)
 
 
 def assert_same_bits(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:
