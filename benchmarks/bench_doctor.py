@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from _report import write_report
 from torch.nn import functional as F
 
 from fp16kit import amp, doctor
@@ -128,10 +129,7 @@ def main() -> None:
             f"--{k} {v}" for k, v in (("steps", args.steps), ("threads", args.threads), ("device", args.device))
         ) + "`.",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _report import write_report
 from torch import nn
 
 from fp16kit.amp import GradScaler
@@ -242,10 +243,7 @@ def main() -> None:
         "|---|---|---|---|---|",
         *(unscale_rows(width, args.depth, args.rounds, args.iters, device) for width in widths),
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

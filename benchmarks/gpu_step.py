@@ -303,19 +303,19 @@ def main() -> None:
         for name in ("FusedAdam", "torch AdamW(fused)"):
             lines.append(f"**{name}**\n\n```\n{host_profile(name)[-3500:]}\n```")
 
-    def graphs() -> None:
-        for name in [*MAKERS, "FusedSGD"]:
+    def checks(names, check) -> None:
+        """One line per optimizer: what ``check(name)`` found, or how it failed (the other lines still run)."""
+        for name in names:
             try:
-                lines.append(f"- {name}: {graph_check(name)}")
+                lines.append(f"- {name}: {check(name)}")
             except Exception as e:
                 lines.append(f"- {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
 
+    def graphs() -> None:
+        checks([*MAKERS, "FusedSGD"], graph_check)
+
     def compiled() -> None:
-        for name in ("FusedAdam", "FusedLAMB"):
-            try:
-                lines.append(f"- {name}: {compile_check(name)}")
-            except Exception as e:
-                lines.append(f"- {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+        checks(("FusedAdam", "FusedLAMB"), compile_check)
 
     def agree() -> None:
         for name in ("FusedAdam", "FusedLAMB"):

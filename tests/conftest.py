@@ -56,6 +56,17 @@ def _default_backend(request):
 
 
 @pytest.fixture
+def compiled_triton():
+    """Skips (saying why) unless a CUDA GPU runs the compiled Triton kernels (``TRITON_INTERPRET=0``)."""
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    from fp16kit.kernels import Backend, select_backend
+
+    if select_backend(torch.device("cuda")).backend is not Backend.TRITON:
+        pytest.skip("compiled Triton is not the CUDA backend here: run with TRITON_INTERPRET=0")
+
+
+@pytest.fixture
 def mode_engine():
     """The ``TorchFunctionMode`` engine for one test: for contracts only that engine makes (its own weight cache,
     which re-casts after in-place updates and never grows under ``no_grad``; docs/autocast.md, "Two engines, one

@@ -14,6 +14,7 @@ A subclass names its state (``_state_spec``: key -> ``"param"`` for a tensor sha
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
@@ -109,6 +110,25 @@ class ApexStateOptimizer(FusedOptimizer):
     _state_spec: ClassVar[dict[str, str]] = {}
     #: the writers (``_checkpoint.writer_of``) whose state dicts this class loads; another's is refused
     _accepts: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self, params: Iterable[Any], defaults: dict[str, Any], *, set_grad_none: bool, master_weights: bool,
+        on_nonfinite: str, capturable: bool,
+    ) -> None:
+        # ``capturable`` is accepted as torch's: the step already captures into a CUDA graph (docs/optim.md, "The
+        # step on the device")
+        self.capturable = bool(capturable)
+        super().__init__(
+            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
+        )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """``lr`` (:func:`check_lr`), then the subclass's own hyper-parameters (``_check_hparams``)."""
+        check_lr(self._name, group["lr"])
+        self._check_hparams(group)
+
+    def _check_hparams(self, group: dict[str, Any]) -> None:
+        """Check the group's hyper-parameters other than ``lr`` (a clear ``ValueError`` naming the bad one)."""
 
     def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
         """Fill a new param's state (besides the master); state tensors use ``_math_dtype(p)``."""
@@ -261,6 +281,35 @@ class ApexStateOptimizer(FusedOptimizer):
         finally:
             if not torch.compiler.is_compiling():
                 self._step_cache.pop("apex_rows", None)
+
+    def _update_group(  # type: ignore[override]
+        self,
+        group: dict[str, Any],
+        rows: ApexRows,
+        step: torch.Tensor,
+        inv_scale64: torch.Tensor,
+        found_inf: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+        verify: bool = False,
+    ) -> None:
+        """``FusedOptimizer``'s per-group update (and ``_check_results``'s ``verify=True`` pass): the subclass's
+        ``_host_update`` on the group's rows on ``device``, nothing for a group without grads."""
+        if rows.params:
+            self._host_update(group, rows, step, inv_scale64, found_inf, rows.params[0].device, verify=verify)
+
+    def _host_update(
+        self, group: dict[str, Any], rows: ApexRows, step: torch.Tensor, inv_scale64: torch.Tensor,
+        found_inf: torch.Tensor, device: torch.device, *, verify: bool = False,
+    ) -> None:
+        """One group's update op with float64 hyper-parameters built on the host (``hparams64``)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _apex_device_step(base: DeviceStep, lr: Any, host: dict[str, float], **extra: Any) -> DeviceStep:
+        """``base`` with the update's host constants (``lr`` first: 0.0 for a tensor ``lr``, which the kernel reads
+        from the device) and the device lr."""
+        host = {"lr": 0.0 if isinstance(lr, torch.Tensor) else float(lr), **host}
+        return dataclasses.replace(base, host=host, lr=F.device_lr(lr, base.step.device), **extra)
 
     def _device_ready(self, group: dict[str, Any], rows: ApexRows) -> bool:
         """Do the Triton kernels take every row of this group (the update op planned with ``plan_only``)? A

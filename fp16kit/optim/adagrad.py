@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -11,8 +10,7 @@ import torch
 from fp16kit.kernels import DeviceStep, adagrad_update
 from fp16kit.kernels.optimizers import StepVerify
 
-from . import functional as F
-from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
+from ._apex_common import ApexRows, ApexStateOptimizer, check_range, hparams64
 
 __all__ = ["FusedAdagrad"]
 
@@ -68,15 +66,13 @@ class FusedAdagrad(ApexStateOptimizer):
         defaults = {"lr": lr, "eps": eps, "weight_decay": weight_decay}
         self._check_group(defaults)
         self.adagrad_w_mode = bool(adagrad_w_mode)
-        # accepted as torch's: the step already captures into a CUDA graph (docs/optim.md, "The step on the device")
-        self.capturable = bool(capturable)
         super().__init__(
-            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
+            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite,
+            capturable=capturable,
         )
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def _check_hparams(self, group: dict[str, Any]) -> None:
         fn = self._name
-        check_lr(fn, group["lr"])
         hint = " (e.g. 1e-10; 0 turns never-updated entries into NaN)"
         check_range(fn, "eps", group["eps"], low_open=True, hint=hint)
         check_range(fn, "weight_decay", group["weight_decay"])
@@ -106,24 +102,13 @@ class FusedAdagrad(ApexStateOptimizer):
     def _init_state(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
         state["sum"] = torch.zeros_like(p, dtype=self._math_dtype(p), memory_format=torch.contiguous_format)
 
-    def _update_group(
-        self,
-        group: dict[str, Any],
-        rows: ApexRows,  # type: ignore[override]
-        step: torch.Tensor,
-        inv_scale64: torch.Tensor,
-        found_inf: torch.Tensor,
-        grad_norm: torch.Tensor | None,
-        verify: bool = False,
+    def _host_update(
+        self, group: dict[str, Any], rows: ApexRows, step: torch.Tensor, inv_scale64: torch.Tensor,
+        found_inf: torch.Tensor, device: torch.device, *, verify: bool = False,
     ) -> None:
-        if not rows.params:
-            return
-        device = rows.params[0].device
-        wd = float(group["weight_decay"])
-        hp64 = hparams64(group["lr"], (float(group["eps"]), wd), device, (inv_scale64,))
+        hp64 = hparams64(group["lr"], (float(group["eps"]), float(group["weight_decay"])), device, (inv_scale64,))
         sums = rows.state("sum")
-        modes = {"l2_mode": not self.adagrad_w_mode and wd != 0, "decoupled": self.adagrad_w_mode and wd != 0}
-        adagrad_update(rows.params, rows.grads, sums, rows.models, hp64, found_inf, verify=verify, **modes)
+        adagrad_update(rows.params, rows.grads, sums, rows.models, hp64, found_inf, verify=verify, **self._modes(group))
 
     # -- the device-resident step (docs/optim.md, "The step on the device") ---------------------------------
 
@@ -136,13 +121,8 @@ class FusedAdagrad(ApexStateOptimizer):
                                    plan_only=True, **self._modes(group)))
 
     def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
-        lr = group["lr"]
-        host = {
-            "lr": 0.0 if isinstance(lr, torch.Tensor) else float(lr),
-            "eps": float(group["eps"]),
-            "weight_decay": float(group["weight_decay"]),
-        }
-        return dataclasses.replace(base, host=host, lr=F.device_lr(lr, base.step.device))
+        host = {"eps": float(group["eps"]), "weight_decay": float(group["weight_decay"])}
+        return self._apex_device_step(base, group["lr"], host)
 
     def _run_device_update(  # type: ignore[override]
         self, group: dict[str, Any], rows: ApexRows, ds: DeviceStep, skip: torch.Tensor, *, verify: bool = False,

@@ -69,7 +69,6 @@ class FusedAdam(FusedOptimizer):
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
-        check_hyperparams(self._name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults = {
             "lr": lr,
             "bias_correction": bias_correction,
@@ -77,6 +76,7 @@ class FusedAdam(FusedOptimizer):
             "eps": eps,
             "weight_decay": weight_decay,
         }
+        self._check_group(defaults)
         self.adam_w_mode = bool(adam_w_mode)
         self.capturable = bool(capturable)
         options = {"master_weights": master_weights, "on_nonfinite": on_nonfinite, "process_group": process_group,
@@ -84,9 +84,7 @@ class FusedAdam(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none=set_grad_none, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        check_hyperparams(
-            self._name, lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"]
-        )
+        check_hyperparams(self._name, **{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
 
     def _check_factor(self) -> float:
         return self._SQUARE_GUARD  # v = beta2 * v + (1 - beta2) * g * g, unclipped
@@ -105,47 +103,37 @@ class FusedAdam(FusedOptimizer):
     ) -> None:
         if not rows.params:
             return
-        hp64 = F.adam_hparams(
-            lr=group["lr"],
-            betas=group["betas"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            bias_correction=group["bias_correction"],
-            step=step,
-            inv_scale64=inv_scale64,
-            device=rows.params[0].device,
-        )
+        hp64 = self._hparams64(group, step, inv_scale64, rows.params[0].device)
         weights = self._weights(group)
-        (F if weights is not None else self._updates()).adam_update(
-            rows.params,
-            rows.grads,
-            rows.exp_avgs,
-            rows.exp_avg_sqs,
-            rows.models,
-            hp64,
-            found_inf,
-            weight_decay=float(group["weight_decay"]),
-            adam_w_mode=self.adam_w_mode,
-            step=step,
-            **({} if weights is None else {"weights": weights}),
-            **self._state_kw(),
+        self._run_update(
+            F if weights is not None else self._updates(), group, rows, hp64, found_inf,
+            step=step, **({} if weights is None else {"weights": weights}),
+        )
+
+    def _hparams64(
+        self, group: dict[str, Any], step: torch.Tensor, inv_scale64: torch.Tensor, device: torch.device
+    ) -> torch.Tensor:
+        """The host-vector step's float64 hyper-parameters (``functional.adam_hparams``) of ``group``."""
+        return F.adam_hparams(
+            lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+            bias_correction=group["bias_correction"], step=step, inv_scale64=inv_scale64, device=device,
+        )
+
+    def _run_update(self, ops: Any, group: dict[str, Any], rows: _Rows, hp: Any, found_inf: torch.Tensor,
+                    **kw: Any) -> None:
+        """``ops.adam_update`` (the functional API or the configured update ops) of ``group``'s rows."""
+        ops.adam_update(
+            rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models, hp, found_inf,
+            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, **kw, **self._state_kw(),
         )
 
     def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
         device = base.step.device
 
         def legacy() -> torch.Tensor:
-            return F.adam_hparams(
-                lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                bias_correction=group["bias_correction"], step=base.step + 1,
-                inv_scale64=F.inv_scale_from_grad_scale(base.scale, device), device=device,
-            )
+            return self._hparams64(group, base.step + 1, F.inv_scale_from_grad_scale(base.scale, device), device)
 
         return self._adam_like_step(group, base, legacy)
 
     def _run_device_update(self, group: dict[str, Any], rows: _Rows, ds: DeviceStep, skip: torch.Tensor) -> None:
-        F.adam_update(
-            rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models, ds, skip,
-            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, weights=self._weights(group),
-            **self._state_kw(),
-        )
+        self._run_update(F, group, rows, ds, skip, weights=self._weights(group))

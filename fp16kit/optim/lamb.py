@@ -111,9 +111,6 @@ class FusedLAMB(FusedOptimizer):
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
-        check_hyperparams(
-            self._name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm
-        )
         defaults = {
             "lr": lr,
             "bias_correction": bias_correction,
@@ -123,6 +120,7 @@ class FusedLAMB(FusedOptimizer):
             "grad_averaging": grad_averaging,
             "max_grad_norm": max_grad_norm,
         }
+        self._check_group(defaults)
         self.adam_w_mode = bool(adam_w_mode)
         self.use_nvlamb = bool(use_nvlamb)
         # accepted as torch's and FusedAdam's: every eager step on the Triton backend is already capturable
@@ -133,14 +131,7 @@ class FusedLAMB(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none=set_grad_none, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        check_hyperparams(
-            self._name,
-            lr=group["lr"],
-            betas=group["betas"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            max_grad_norm=group["max_grad_norm"],
-        )
+        check_hyperparams(self._name, **{k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "max_grad_norm")})
 
     def _check_factor(self) -> float:
         # clipping divides every gradient by gnorm / max_grad_norm: what the moments see is then bounded
@@ -160,39 +151,37 @@ class FusedLAMB(FusedOptimizer):
     ) -> None:
         if not rows.params:
             return
-        device = rows.params[0].device
-        hp64 = F.lamb_hparams(
-            lr=group["lr"],
-            betas=group["betas"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            bias_correction=group["bias_correction"],
-            grad_averaging=group["grad_averaging"],
-            step=step,
-            inv_scale64=inv_scale64,
-            clip64=F.clip_factor(grad_norm, float(self.defaults["max_grad_norm"])),
-            device=device,
-        )
+        clip64 = F.clip_factor(grad_norm, float(self.defaults["max_grad_norm"]))
+        hp64 = self._hparams64(group, step, inv_scale64, clip64, rows.params[0].device)
         modes = {"weight_decay": float(group["weight_decay"]), "adam_w_mode": self.adam_w_mode}
         weights = self._weights(group)
         # ZeRO-1 (process_group=, whole params on their owner): the trust-ratio norms are local, so the bf16 modes run
         # the one-process update after the step's all-reduce of the grad norm and flag (defer_lamb says False)
         if _sharding.defer_lamb(self, rows, hp64, **modes, use_nvlamb=self.use_nvlamb, weights=weights):
             return  # sharded params: stages 1 and 2 run after all groups, around one norm all-reduce
-        (F if weights is not None else self._updates()).lamb_update(
-            rows.params,
-            rows.grads,
-            rows.exp_avgs,
-            rows.exp_avg_sqs,
-            rows.models,
-            hp64,
-            found_inf,
-            weight_decay=float(group["weight_decay"]),
-            adam_w_mode=self.adam_w_mode,
-            use_nvlamb=self.use_nvlamb,
-            step=step,
-            **({} if weights is None else {"weights": weights}),
-            **self._state_kw(),
+        self._run_update(
+            F if weights is not None else self._updates(), group, rows, hp64, found_inf,
+            step=step, **({} if weights is None else {"weights": weights}),
+        )
+
+    def _hparams64(
+        self, group: dict[str, Any], step: torch.Tensor, inv_scale64: torch.Tensor, clip64: torch.Tensor,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """The host-vector step's float64 hyper-parameters (``functional.lamb_hparams``) of ``group``."""
+        return F.lamb_hparams(
+            lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+            bias_correction=group["bias_correction"], grad_averaging=group["grad_averaging"], step=step,
+            inv_scale64=inv_scale64, clip64=clip64, device=device,
+        )
+
+    def _run_update(self, ops: Any, group: dict[str, Any], rows: _Rows, hp: Any, found_inf: torch.Tensor,
+                    **kw: Any) -> None:
+        """``ops.lamb_update`` (the functional API or the configured update ops) of ``group``'s rows."""
+        ops.lamb_update(
+            rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models, hp, found_inf,
+            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, use_nvlamb=self.use_nvlamb,
+            **kw, **self._state_kw(),
         )
 
     def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
@@ -200,20 +189,11 @@ class FusedLAMB(FusedOptimizer):
         device = base.step.device
 
         def legacy() -> torch.Tensor:
-            return F.lamb_hparams(
-                lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                bias_correction=group["bias_correction"], grad_averaging=group["grad_averaging"],
-                step=base.step + 1, inv_scale64=F.inv_scale_from_grad_scale(base.scale, device),
-                clip64=F.clip_factor(base.gnorm, max_norm), device=device,
-            )
+            inv_scale64 = F.inv_scale_from_grad_scale(base.scale, device)
+            return self._hparams64(group, base.step + 1, inv_scale64, F.clip_factor(base.gnorm, max_norm), device)
 
         beta3 = 1.0 - float(group["betas"][0]) if group["grad_averaging"] else 1.0
         return self._adam_like_step(group, base, legacy, beta3=beta3, max_grad_norm=max_norm)
 
     def _run_device_update(self, group: dict[str, Any], rows: _Rows, ds: DeviceStep, skip: torch.Tensor) -> None:
-        F.lamb_update(
-            rows.params, rows.grads, rows.exp_avgs, rows.exp_avg_sqs, rows.models, ds, skip,
-            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode, use_nvlamb=self.use_nvlamb,
-            weights=self._weights(group),
-            **self._state_kw(),
-        )
+        self._run_update(F, group, rows, ds, skip, weights=self._weights(group))

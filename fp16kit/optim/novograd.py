@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -12,7 +11,7 @@ from fp16kit.kernels import DeviceStep, novograd_update
 from fp16kit.kernels.optimizers import StepVerify
 
 from . import functional as F
-from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
+from ._apex_common import ApexRows, ApexStateOptimizer, check_range, hparams64
 from ._sharding import refuse_dtensors
 from ._validate import check_hyperparams
 
@@ -101,10 +100,9 @@ class FusedNovoGrad(ApexStateOptimizer):
         self.reg_inside_moment = bool(reg_inside_moment)
         # apex's name for the same switch (0: regularization inside the moment, 1: decoupled)
         self.moment_mode = 0 if reg_inside_moment else 1
-        # accepted as torch's: the step already captures into a CUDA graph (docs/optim.md, "The step on the device")
-        self.capturable = bool(capturable)
         super().__init__(
-            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
+            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite,
+            capturable=capturable,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -112,9 +110,8 @@ class FusedNovoGrad(ApexStateOptimizer):
         refuse_dtensors(self._name, param_group, _SHARDED_WHY)
         super().add_param_group(param_group)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def _check_hparams(self, group: dict[str, Any]) -> None:
         fn = self._name
-        check_lr(fn, group["lr"])
         check_hyperparams(fn, lr=0.0, betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
         check_range(fn, "eps", group["eps"], low_open=True, hint=" (e.g. 1e-8; 0 turns all-zero gradients into NaN)")
         check_range(fn, "weight_decay", group["weight_decay"])
@@ -130,42 +127,17 @@ class FusedNovoGrad(ApexStateOptimizer):
         # -0.0: "no step taken yet"; the first step that is not skipped sets v = n (apex), on the device
         state["exp_avg_sq"] = torch.full((1,), -0.0, dtype=math, device=p.device)
 
-    def _update_group(
-        self,
-        group: dict[str, Any],
-        rows: ApexRows,  # type: ignore[override]
-        step: torch.Tensor,
-        inv_scale64: torch.Tensor,
-        found_inf: torch.Tensor,
-        grad_norm: torch.Tensor | None,
-        verify: bool = False,
+    def _host_update(
+        self, group: dict[str, Any], rows: ApexRows, step: torch.Tensor, inv_scale64: torch.Tensor,
+        found_inf: torch.Tensor, device: torch.device, *, verify: bool = False,
     ) -> None:
-        if not rows.params:
-            return
-        device = rows.params[0].device
         b1, b2 = float(group["betas"][0]), float(group["betas"][1])
         lr64 = F._scalar64("lr", group["lr"], device)
         bc1, bc2 = F._bias_corrections(step, (b1, b2), group["bias_correction"], lr64)
         bc2 = bc2.sqrt()  # apex's NovoGrad divides the norm by sqrt(1 - b2^t)
         beta3 = 1.0 - b1 if group["grad_averaging"] else 1.0
         hp64 = hparams64(lr64, (b1, beta3, float(group["weight_decay"])), device, (bc1, inv_scale64))
-        novograd_update(
-            rows.params,
-            rows.grads,
-            rows.state("exp_avg"),
-            rows.state("exp_avg_sq"),
-            rows.models,
-            hp64,
-            found_inf,
-            new=rows.new,
-            beta2=b2,
-            eps=float(group["eps"]),
-            bc2_sqrt=bc2,
-            norm_type=int(group["norm_type"]),
-            init_zero=bool(group["init_zero"]),
-            reg_inside_moment=self.reg_inside_moment,
-            verify=verify,
-        )
+        self._device_update(group, rows, hp64, found_inf, bc2_sqrt=bc2, verify=verify)
 
     # -- the device-resident step (docs/optim.md, "The step on the device") ---------------------------------
 
@@ -174,13 +146,11 @@ class FusedNovoGrad(ApexStateOptimizer):
         step that creates state, the first, takes the host-vector step), every row in the kernels' groups."""
         if int(group["norm_type"]) != 2 or any(rows.new):
             return False
-        return bool(self._device_update(group, rows, group["lr"], None, plan_only=True))
+        return bool(self._device_update(group, rows, group["lr"], None, bc2_sqrt=None, plan_only=True))
 
     def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
-        lr = group["lr"]
         b1, b2 = float(group["betas"][0]), float(group["betas"][1])
         host = {
-            "lr": 0.0 if isinstance(lr, torch.Tensor) else float(lr),
             "beta1": b1,
             "beta3": 1.0 - b1 if group["grad_averaging"] else 1.0,
             "weight_decay": float(group["weight_decay"]),
@@ -188,19 +158,20 @@ class FusedNovoGrad(ApexStateOptimizer):
             "one_minus_beta2": 1.0 - b2,
             "eps": float(group["eps"]),
         }
-        return dataclasses.replace(base, host=host, lr=F.device_lr(lr, base.step.device),
-                                   bias_correction=bool(group["bias_correction"]))
+        return self._apex_device_step(base, group["lr"], host, bias_correction=bool(group["bias_correction"]))
 
     def _run_device_update(  # type: ignore[override]
         self, group: dict[str, Any], rows: ApexRows, ds: DeviceStep, skip: torch.Tensor, *, verify: bool = False,
         check: StepVerify | None = None,
     ) -> None:
-        self._device_update(group, rows, ds, skip, verify=verify, check=check)
+        self._device_update(group, rows, ds, skip, bc2_sqrt=None, verify=verify, check=check)
 
     def _device_update(self, group: dict[str, Any], rows: ApexRows, hp: Any, found_inf: Any, **kwargs: Any) -> Any:
+        """``novograd_update`` of the group's rows (``kwargs``: ``bc2_sqrt``, a host step's bias correction, and
+        the op's launch options)."""
         return novograd_update(
             rows.params, rows.grads, rows.state("exp_avg"), rows.state("exp_avg_sq"), rows.models, hp, found_inf,
-            new=rows.new, beta2=float(group["betas"][1]), eps=float(group["eps"]), bc2_sqrt=None,
+            new=rows.new, beta2=float(group["betas"][1]), eps=float(group["eps"]),
             norm_type=int(group["norm_type"]), init_zero=bool(group["init_zero"]),
             reg_inside_moment=self.reg_inside_moment, **kwargs,
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -12,8 +11,7 @@ from torch.optim.optimizer import required  # type: ignore[attr-defined]
 from fp16kit.kernels import DeviceStep, sgd_update
 from fp16kit.kernels.optimizers import StepVerify
 
-from . import functional as F
-from ._apex_common import ApexRows, ApexStateOptimizer, check_lr, check_range, hparams64
+from ._apex_common import ApexRows, ApexStateOptimizer, check_range, hparams64
 
 __all__ = ["FusedSGD"]
 
@@ -88,15 +86,13 @@ class FusedSGD(ApexStateOptimizer):
         self._check_group({**defaults, "lr": 0.0} if lr is required else defaults)
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
-        # accepted as torch's: the step already captures into a CUDA graph (docs/optim.md, "The step on the device")
-        self.capturable = bool(capturable)
         super().__init__(
-            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite
+            params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, on_nonfinite=on_nonfinite,
+            capturable=capturable,
         )
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def _check_hparams(self, group: dict[str, Any]) -> None:
         fn = self._name
-        check_lr(fn, group["lr"])
         momentum = check_range(fn, "momentum", group["momentum"], high=1.0, hint=" (the weight of the old buffer)")
         dampening = check_range(fn, "dampening", group["dampening"], high=1.0, hint=" (the grad gets 1 - dampening)")
         check_range(fn, "weight_decay", group["weight_decay"])
@@ -117,26 +113,15 @@ class FusedSGD(ApexStateOptimizer):
                 p, dtype=self._math_dtype(p), memory_format=torch.contiguous_format
             )
 
-    def _update_group(
-        self,
-        group: dict[str, Any],
-        rows: ApexRows,  # type: ignore[override]
-        step: torch.Tensor,
-        inv_scale64: torch.Tensor,
-        found_inf: torch.Tensor,
-        grad_norm: torch.Tensor | None,
-        verify: bool = False,
+    def _host_update(
+        self, group: dict[str, Any], rows: ApexRows, step: torch.Tensor, inv_scale64: torch.Tensor,
+        found_inf: torch.Tensor, device: torch.device, *, verify: bool = False,
     ) -> None:
-        if not rows.params:
-            return
-        device = rows.params[0].device
-        momentum, wd = float(group["momentum"]), float(group["weight_decay"])
         # A buffer created in this step (``_state_for_group``: a new param, or momentum switched on later) has
         # its first use now (apex and torch: buffer = grad).
-        first = list(rows.new) if momentum != 0 else [False] * len(rows.params)
-        hp64 = hparams64(group["lr"], (momentum, 1.0 - float(group["dampening"]), wd), device, (inv_scale64,))
-        bufs = rows.state("momentum_buffer") if momentum != 0 else None
-        modes = {"weight_decay": wd != 0, "wd_after_momentum": self.wd_after_momentum, "nesterov": group["nesterov"]}
+        bufs, first, modes = self._sgd_rows(group, rows)
+        hp = (float(group["momentum"]), 1.0 - float(group["dampening"]), float(group["weight_decay"]))
+        hp64 = hparams64(group["lr"], hp, device, (inv_scale64,))
         sgd_update(rows.params, rows.grads, bufs, rows.models, hp64, found_inf, first_run=first, verify=verify, **modes)
 
     # -- the device-resident step (docs/optim.md, "The step on the device") ---------------------------------
@@ -155,14 +140,12 @@ class FusedSGD(ApexStateOptimizer):
                                plan_only=True, **modes))
 
     def _device_step(self, group: dict[str, Any], base: DeviceStep) -> DeviceStep:
-        lr = group["lr"]
         host = {
-            "lr": 0.0 if isinstance(lr, torch.Tensor) else float(lr),
             "momentum": float(group["momentum"]),
             "one_minus_dampening": 1.0 - float(group["dampening"]),
             "weight_decay": float(group["weight_decay"]),
         }
-        return dataclasses.replace(base, host=host, lr=F.device_lr(lr, base.step.device))
+        return self._apex_device_step(base, group["lr"], host)
 
     def _run_device_update(  # type: ignore[override]
         self, group: dict[str, Any], rows: ApexRows, ds: DeviceStep, skip: torch.Tensor, *, verify: bool = False,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from apex_models import batches, classifier
 from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
@@ -21,13 +22,11 @@ from fp16kit.optim import FusedLAMB
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3))
+    return classifier(nn.LayerNorm)
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)) for _ in range(n)]
+    return batches(n, size=5, seed=1)
 
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, poison: bool) -> torch.Tensor:

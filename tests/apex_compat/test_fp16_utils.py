@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from apex_models import batches, classifier
 from torch import nn
 
 from fp16kit import amp, compat
@@ -17,13 +18,11 @@ from fp16kit import fp16_utils as fu
 
 
 def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    return classifier(nn.BatchNorm1d)
 
 
 def _data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(3)
-    return [(torch.randn(7, 6, generator=g), torch.randint(0, 3, (7,), generator=g)) for _ in range(n)]
+    return batches(n, size=7, seed=3)
 
 
 def test_imagenet_example_import_line_and_to_python_float(tmp_path) -> None:

@@ -173,11 +173,18 @@ def _run(cls, case, options, backend):
     return _written(opt, params), None, before, params
 
 
-def _differential(cls, case, options):
-    runs = {backend: _run(cls, case, options, backend) for backend in BACKENDS}
+def _same_errors(run) -> dict | None:
+    """``run(backend)`` on every backend: each ``(result, error class, ...)``. All must raise the same error class (or
+    none); returns the runs by backend when none raised, None when they all raised."""
+    runs = {backend: run(backend) for backend in BACKENDS}
     errors = {backend: r[1] for backend, r in runs.items()}
     assert len(set(errors.values())) == 1, f"error classes differ: {errors}"
-    if errors["torch"] is not None:
+    return runs if errors["torch"] is None else None
+
+
+def _differential(cls, case, options):
+    runs = _same_errors(lambda backend: _run(cls, case, options, backend))
+    if runs is None:
         return
     got, _, before, params = runs["torch"]
     for backend, (other, *_) in runs.items():
@@ -191,42 +198,30 @@ def _differential(cls, case, options):
 _SETTINGS = settings(max_examples=40, print_blob=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+#: the options FusedAdam and FusedLAMB share, drawn for both
+_ADAM_OPTIONS = {
+    "lr": st.sampled_from([1e-3, 0.1]),
+    "weight_decay": st.sampled_from([0.0, 0.01]),
+    "adam_w_mode": st.booleans(),
+    "bias_correction": st.booleans(),
+}
+
+
 @_SETTINGS
 @given(
     case=tensors_case(),
-    lr=st.sampled_from([1e-3, 0.1]),
-    weight_decay=st.sampled_from([0.0, 0.01]),
-    adam_w_mode=st.booleans(),
     grad_averaging=st.booleans(),
     use_nvlamb=st.booleans(),
     max_grad_norm=st.sampled_from([0.0, 1e4, 0.05]),
-    bias_correction=st.booleans(),
+    **_ADAM_OPTIONS,
 )
-def test_fused_lamb_backends_agree(
-    case, lr, weight_decay, adam_w_mode, grad_averaging, use_nvlamb, max_grad_norm, bias_correction
-):
-    options = {
-        "lr": lr,
-        "weight_decay": weight_decay,
-        "adam_w_mode": adam_w_mode,
-        "grad_averaging": grad_averaging,
-        "use_nvlamb": use_nvlamb,
-        "max_grad_norm": max_grad_norm,
-        "bias_correction": bias_correction,
-    }
+def test_fused_lamb_backends_agree(case, **options):
     _differential(FusedLAMB, case, options)
 
 
 @_SETTINGS
-@given(
-    case=tensors_case(),
-    lr=st.sampled_from([1e-3, 0.1]),
-    weight_decay=st.sampled_from([0.0, 0.01]),
-    adam_w_mode=st.booleans(),
-    bias_correction=st.booleans(),
-)
-def test_fused_adam_backends_agree(case, lr, weight_decay, adam_w_mode, bias_correction):
-    options = {"lr": lr, "weight_decay": weight_decay, "adam_w_mode": adam_w_mode, "bias_correction": bias_correction}
+@given(case=tensors_case(), **_ADAM_OPTIONS)
+def test_fused_adam_backends_agree(case, **options):
     _differential(FusedAdam, case, options)
 
 
@@ -294,10 +289,8 @@ def test_functional_steps_backends_agree(case, kind, lr_tensor, weight_decay, ad
     kw = {"lr": lr, "weight_decay": weight_decay, "adam_w_mode": adam_w_mode}
     if kind == "lamb":
         kw["max_grad_norm"] = 0.05
-    runs = {backend: _functional(fn, backend, case, kw) for backend in BACKENDS}
-    errors = {backend: r[1] for backend, r in runs.items()}
-    assert len(set(errors.values())) == 1, f"error classes differ: {errors}"
-    if errors["torch"] is not None:
+    runs = _same_errors(lambda backend: _functional(fn, backend, case, kw))
+    if runs is None:
         return
     _, _, before, flag = runs["torch"]
     for backend, (got, _, _, other_flag) in runs.items():

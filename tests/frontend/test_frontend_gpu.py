@@ -9,17 +9,8 @@ from frontend_helpers import batch, bits, make_model, roundtrip
 from torch.nn import functional as F
 
 from fp16kit import amp
-from fp16kit.kernels import Backend, select_backend
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _cuda_with_compiled_triton():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if select_backend(torch.device("cuda")).backend is not Backend.TRITON:
-        pytest.skip("compiled Triton is not the CUDA backend here: run with TRITON_INTERPRET=0")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled_triton")]
 
 
 def _cuda_o2(optimizer: str = "fused", seed: int = 0, verbosity: int = 0):

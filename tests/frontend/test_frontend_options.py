@@ -8,70 +8,44 @@ from frontend_helpers import make_model
 
 from fp16kit import amp
 
-O1_TEXT = """\
-Selected optimization level O1:  Insert automatic casts around Pytorch functions and Tensor methods.
 
-Defaults for this optimization level are:
-enabled                : True
-opt_level              : O1
-cast_model_type        : None
-patch_torch_functions  : True
-keep_batchnorm_fp32    : None
-master_weights         : None
-loss_scale             : dynamic
-Processing user overrides (additional kwargs that are not None)...
-After processing overrides, optimization options are:
-enabled                : True
-opt_level              : O1
-cast_model_type        : None
-patch_torch_functions  : True
-keep_batchnorm_fp32    : None
-master_weights         : None
-loss_scale             : dynamic
-"""
+def _options(opt_level: str, cast: str, patch: bool, bn: bool | None, master: bool | None, scale: str) -> str:
+    """apex's listing of one set of optimization options, one ``name : value`` line each."""
+    values = {
+        "enabled": True,
+        "opt_level": opt_level,
+        "cast_model_type": cast,
+        "patch_torch_functions": patch,
+        "keep_batchnorm_fp32": bn,
+        "master_weights": master,
+        "loss_scale": scale,
+    }
+    return "".join(f"{name:<23}: {value}\n" for name, value in values.items())
 
-O2_OVERRIDDEN_TEXT = """\
-Selected optimization level O2:  FP16 training with FP32 batchnorm and FP32 master weights.
 
-Defaults for this optimization level are:
-enabled                : True
-opt_level              : O2
-cast_model_type        : torch.float16
-patch_torch_functions  : False
-keep_batchnorm_fp32    : True
-master_weights         : True
-loss_scale             : dynamic
-Processing user overrides (additional kwargs that are not None)...
-After processing overrides, optimization options are:
-enabled                : True
-opt_level              : O2
-cast_model_type        : torch.float16
-patch_torch_functions  : False
-keep_batchnorm_fp32    : False
-master_weights         : True
-loss_scale             : 128.0
-"""
+_OVERRIDES = "Processing user overrides (additional kwargs that are not None)...\n"
+_AFTER = "After processing overrides, optimization options are:\n"
+_O1 = _options("O1", "None", True, None, None, "dynamic")
+_O3 = _options("O3", "torch.float16", False, False, False, "1.0")
 
-O3_TEXT = """\
-Selected optimization level O3:  Pure FP16 training.
-Defaults for this optimization level are:
-enabled                : True
-opt_level              : O3
-cast_model_type        : torch.float16
-patch_torch_functions  : False
-keep_batchnorm_fp32    : False
-master_weights         : False
-loss_scale             : 1.0
-Processing user overrides (additional kwargs that are not None)...
-After processing overrides, optimization options are:
-enabled                : True
-opt_level              : O3
-cast_model_type        : torch.float16
-patch_torch_functions  : False
-keep_batchnorm_fp32    : False
-master_weights         : False
-loss_scale             : 1.0
-"""
+O1_TEXT = (
+    "Selected optimization level O1:  Insert automatic casts around Pytorch functions and Tensor methods.\n\n"
+    "Defaults for this optimization level are:\n" + _O1 + _OVERRIDES + _AFTER + _O1
+)
+
+O2_OVERRIDDEN_TEXT = (
+    "Selected optimization level O2:  FP16 training with FP32 batchnorm and FP32 master weights.\n\n"
+    "Defaults for this optimization level are:\n"
+    + _options("O2", "torch.float16", False, True, True, "dynamic")
+    + _OVERRIDES
+    + _AFTER
+    + _options("O2", "torch.float16", False, False, True, "128.0")
+)
+
+O3_TEXT = (
+    "Selected optimization level O3:  Pure FP16 training.\n"
+    "Defaults for this optimization level are:\n" + _O3 + _OVERRIDES + _AFTER + _O3
+)
 
 
 def _init(capsys, **kwargs):

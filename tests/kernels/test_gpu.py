@@ -10,19 +10,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from fp16kit.kernels import Backend, copy_, l2norm, select_backend, unscale_and_check
+from fp16kit.kernels import copy_, l2norm, unscale_and_check
 from fp16kit.numerics import assert_bitwise_equal, gamma, reference
 from fp16kit.numerics import strategies as fst
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _compiled_triton():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if select_backend(torch.device("cuda")).backend is not Backend.TRITON:
-        pytest.skip("compiled Triton is not the CUDA backend here: run with TRITON_INTERPRET=0")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled_triton")]
 
 
 @settings(max_examples=40, deadline=None)

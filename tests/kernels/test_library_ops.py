@@ -48,30 +48,13 @@ def _opt_args(dtype, kind, master=True, seed=1):
     v = [torch.rand(n, generator=gen).to(math) * 0.01 for n in sizes]
     step = torch.ones(1)
     inv = torch.full((1,), 0.125, dtype=torch.float64)
+    common = {"lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.01, "bias_correction": True, "step": step,
+              "inv_scale64": inv, "device": torch.device("cpu")}  # fmt: skip
     if kind == "lamb":
-        hp = F.lamb_hparams(
-            lr=1e-2,
-            betas=(0.9, 0.999),
-            eps=1e-6,
-            weight_decay=0.01,
-            bias_correction=True,
-            grad_averaging=True,
-            step=step,
-            inv_scale64=inv,
-            clip64=torch.full((1,), 1.5, dtype=torch.float64),
-            device=torch.device("cpu"),
-        )
+        clip64 = torch.full((1,), 1.5, dtype=torch.float64)
+        hp = F.lamb_hparams(eps=1e-6, grad_averaging=True, clip64=clip64, **common)
     else:
-        hp = F.adam_hparams(
-            lr=1e-2,
-            betas=(0.9, 0.999),
-            eps=1e-8,
-            weight_decay=0.01,
-            bias_correction=True,
-            step=step,
-            inv_scale64=inv,
-            device=torch.device("cpu"),
-        )
+        hp = F.adam_hparams(eps=1e-8, **common)
     return params, grads, m, v, models, hp, step
 
 

@@ -21,7 +21,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from fp16kit.kernels import Backend, _table, copy_, exponent_histogram, l2norm, select_backend, unscale_and_check
+from fp16kit.kernels import _table, copy_, exponent_histogram, l2norm, unscale_and_check
 from fp16kit.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 from fp16kit.optim.functional import adam_step_, lamb_step_
 
@@ -251,13 +251,10 @@ def test_every_launcher_path_rejects_shared_written_memory(fake_kernels, path):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("compiled_triton")
 def test_no_host_sync_on_any_launch_path_cuda(monkeypatch):
     """Cold (every table a miss) and warm steps over > 64 tables and mixed dtypes, under sync debug mode.
     Run on a GPU machine with ``TRITON_INTERPRET=0 pytest -m gpu`` (as tests/kernels/test_gpu.py)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if select_backend(torch.device("cuda")).backend is not Backend.TRITON:
-        pytest.skip("compiled Triton is not the CUDA backend here: run with TRITON_INTERPRET=0")
     monkeypatch.setattr(_table, "_tables", OrderedDict())
     monkeypatch.setattr(_table, "_indices", {})
     dev = torch.device("cuda")

@@ -20,24 +20,7 @@ import torch
 
 from fp16kit.kernels import _plan, _table, copy_, l2norm, lamb_update, unscale_and_check
 
-BACKENDS = [pytest.param("interpreter", marks=pytest.mark.interpreter), "torch"]
-GUARDS = ["torch", "python"]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    return request.param
-
-
-@pytest.fixture(params=GUARDS, autouse=True)
-def guard(request, monkeypatch):
-    if request.param == "python":
-        monkeypatch.setattr(_plan, "make_guard", _plan._PyGuard)
-    elif _plan.make_guard is _plan._PyGuard:
-        pytest.skip("torch's tensor guard is not available in this torch")
-    _plan.clear()
-    yield request.param
-    _plan.clear()
+pytestmark = pytest.mark.usefixtures("plan_guard")  # every test with both guards (conftest.py)
 
 
 def _twice(op, *args, **kwargs) -> None:

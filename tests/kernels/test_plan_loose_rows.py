@@ -14,25 +14,10 @@ import torch
 
 from fp16kit.kernels import _plan, adam_update, lamb_update
 
-BACKENDS = [pytest.param("interpreter", marks=pytest.mark.interpreter), "torch"]
+pytestmark = pytest.mark.usefixtures("plan_guard")  # every test with both guards (conftest.py)
+
 HP = torch.tensor([0.1, 0.9, 0.999, 0.1, 1e-3, 1e-6, 0.0, 0.1, 1e-3, 1.0, 1.0], dtype=torch.float64)
 KW = {"weight_decay": 0.0, "adam_w_mode": True, "use_nvlamb": False}
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    return request.param
-
-
-@pytest.fixture(params=["torch", "python"], autouse=True)
-def guard(request, monkeypatch):
-    if request.param == "python":
-        monkeypatch.setattr(_plan, "make_guard", _plan._PyGuard)
-    elif _plan.make_guard is _plan._PyGuard:
-        pytest.skip("torch's tensor guard is not available in this torch")
-    _plan.clear()
-    yield
-    _plan.clear()
 
 
 def _small_under_interpreter(backend: str, n: int) -> None:

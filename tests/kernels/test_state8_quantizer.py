@@ -85,23 +85,25 @@ def test_ties_and_neighbours_torch(signed, picks, scale_exp):
     _check(_midpoint_blocks(signed, picks, scale_exp), signed, triton=False)
 
 
+#: fp32 values across the whole exponent range (subnormals to near the top), some of them edge values
+_VALUES = fst.float_tensors(torch.float32, max_numel=1100, exponent_range=(-150, 120), edge_fraction=0.05)
+
+
+def _check_values(x, signed, triton):
+    _check(x if signed else x.abs(), signed, triton=triton)  # an unsigned state holds magnitudes only
+
+
 @settings(max_examples=200, deadline=None)
-@given(signed=st.booleans(),
-       x=fst.float_tensors(torch.float32, max_numel=1100, exponent_range=(-150, 120), edge_fraction=0.05))
+@given(signed=st.booleans(), x=_VALUES)
 def test_torch_matches_spec(signed, x):
-    if not signed:
-        x = x.abs()
-    _check(x, signed, triton=False)
+    _check_values(x, signed, triton=False)
 
 
 @pytest.mark.interpreter
 @settings(max_examples=40, deadline=None)
-@given(signed=st.booleans(),
-       x=fst.float_tensors(torch.float32, max_numel=1100, exponent_range=(-150, 120), edge_fraction=0.05))
+@given(signed=st.booleans(), x=_VALUES)
 def test_triton_matches_torch_and_spec(signed, x):
-    if not signed:
-        x = x.abs()
-    _check(x, signed, triton=True)
+    _check_values(x, signed, triton=True)
 
 
 @pytest.mark.interpreter

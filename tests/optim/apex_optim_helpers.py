@@ -13,32 +13,25 @@ from __future__ import annotations
 import math
 
 import torch
-from optim_helpers import U32, K, _stored_budget, _updated_tensor, assert_within
+from optim_helpers import (
+    U32,
+    K,
+    _stored_budget,
+    _updated_tensor,
+    assert_within,
+    clone_params,
+    make_params,
+    set_grads,
+    stepped_groups,
+)
 
-from fp16kit.numerics import gamma
+from fp16kit.kernels import use_backend
+from fp16kit.numerics import gamma, ulp
 from fp16kit.numerics.reference import adagrad_step, novograd_step, sgd_step
 
 F64 = torch.float64
 #: absolute floor of every fp32 budget: results in fp32's subnormal range are rounded to multiples of 2^-149
 FLOOR = K * 2.0**-149
-
-
-def _snapshot(opt: torch.optim.Optimizer, keys: tuple[str, ...]) -> list[dict]:
-    """float64 copies of (updated tensor, grad, state[key] or None) per group, params with grads only."""
-    snap = []
-    for group in opt.param_groups:
-        items: dict[str, list] = {"params": [], "p": [], "g": [], **{k: [] for k in keys}}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = opt.state.get(p, {})
-            items["params"].append(p)
-            items["p"].append(_updated_tensor(opt, p).detach().to(F64, copy=True))
-            items["g"].append(p.grad.detach().to(F64, copy=True))
-            for k in keys:
-                items[k].append(state[k].to(F64, copy=True) if state.get(k) is not None else None)
-        snap.append(items)
-    return snap
 
 
 def _check_param(opt, p, expected, budget, what):
@@ -51,11 +44,7 @@ def _check_param(opt, p, expected, budget, what):
 
 def sgd_step_and_check(opt) -> None:
     """``opt.step()`` (a FusedSGD) against :func:`sgd_step` from the state before the step."""
-    snap = _snapshot(opt, ("momentum_buffer",))
-    opt.step()
-    for group, items in zip(opt.param_groups, snap):
-        if not items["params"]:
-            continue
+    for group, items in stepped_groups(opt, ("momentum_buffer",)):
         hp = {k: group[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
         ref_p, ref_m = sgd_step(
             items["p"], items["g"], items["momentum_buffer"], wd_after_momentum=opt.wd_after_momentum, **hp
@@ -79,11 +68,7 @@ def sgd_step_and_check(opt) -> None:
 
 def adagrad_step_and_check(opt) -> None:
     """``opt.step()`` (a FusedAdagrad) against :func:`adagrad_step` from the state before the step."""
-    snap = _snapshot(opt, ("sum",))
-    opt.step()
-    for group, items in zip(opt.param_groups, snap):
-        if not items["params"]:
-            continue
+    for group, items in stepped_groups(opt, ("sum",)):
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         h0 = [torch.zeros_like(p) if h is None else h for p, h in zip(items["p"], items["sum"])]
         ref_p, ref_h = adagrad_step(
@@ -104,11 +89,7 @@ def adagrad_step_and_check(opt) -> None:
 
 def novograd_step_and_check(opt) -> None:
     """``opt.step()`` (a FusedNovoGrad) against :func:`novograd_step` from the state before the step."""
-    snap = _snapshot(opt, ("exp_avg", "exp_avg_sq"))
-    opt.step()
-    for group, items in zip(opt.param_groups, snap):
-        if not items["params"]:
-            continue
+    for group, items in stepped_groups(opt, ("exp_avg", "exp_avg_sq")):
         step = int(group["step"].item())
         hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "grad_averaging")}
         hp.update(norm_type=group["norm_type"], init_zero=group["init_zero"])
@@ -144,6 +125,36 @@ def novograd_step_and_check(opt) -> None:
             # squares below fp32's smallest subnormal vanish from the norm: sqrt(n 2^-149) absolute at most
             lost = math.sqrt(g.numel() * 2.0**-149)
             assert_within(opt.state[p]["exp_avg_sq"], v, rel * v.abs() + U32 * v.abs() + lost, f"exp_avg_sq {i}")
+
+
+def step_both_backends(make, step_and_check, dtype: torch.dtype, seed: int, steps: int = 2) -> dict:
+    """The same params (tensors of 4100 elements span two chunks) stepped by ``make``'s optimizer on the default
+    backend (the Triton kernels; the interpreter without a GPU) and on the torch fallback, every step of both
+    checked against the reference by ``step_and_check``. Returns the two optimizers and param lists
+    (``opt``, ``params``; ``fb``, ``twin``) and the fallback's params and grads in float64 just before its last
+    step (``before``, ``grads``)."""
+    params = make_params([(300,), (4100,), (3, 7)], dtype, seed)
+    twin = clone_params(params)
+    opt, fb = make(params), make(twin)
+    for k in range(steps):
+        before, grads = [q.detach().double() for q in twin], [q.grad.double() for q in twin]
+        step_and_check(opt)
+        with use_backend("torch"):
+            step_and_check(fb)
+        set_grads(params, 10 + k)
+        set_grads(twin, 10 + k)
+    return {"opt": opt, "params": params, "fb": fb, "twin": twin, "before": before, "grads": grads}
+
+
+def assert_backends_agree(run: dict, dtype: torch.dtype, budget) -> None:
+    """Each param of :func:`step_both_backends`'s kernel run within ``budget(i, q64)`` of the fallback's (``q64``:
+    its float64 value), plus an ulp of ``dtype`` when stored in fp16/bf16 (the two may round to neighbours)."""
+    for i, (p, q) in enumerate(zip(run["params"], run["twin"])):
+        q64 = q.detach().double()
+        b = budget(i, q64)
+        if dtype != torch.float32:
+            b = b + ulp(q64, dtype)
+        assert_within(p, q64, b, f"param {i}: kernel vs fallback")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -196,7 +207,7 @@ def check_nonfinite_grad_skips(make, dtype: torch.dtype = torch.float16) -> None
     """A NaN or inf gradient skips the whole step (params, every state tensor, step counters keep their bits)
     and warns; so does a ``found_inf`` set by a caller."""
     import pytest
-    from optim_helpers import assert_same_bits, bits, make_params, set_grads
+    from optim_helpers import assert_step_skipped, make_params, set_grads
 
     params = make_params([(5,), (2, 3)], dtype, 1)
     opt = make(params)
@@ -204,15 +215,10 @@ def check_nonfinite_grad_skips(make, dtype: torch.dtype = torch.float16) -> None
     for bad in (float("nan"), float("inf")):
         set_grads(params, 2)
         params[1].grad[1, 2] = bad
-        before = bits(opt, params)
-        with pytest.warns(RuntimeWarning, match="skipped"):
-            opt.step()
-        assert_same_bits(bits(opt, params), before)
+        assert_step_skipped(opt, params, pytest.warns(RuntimeWarning, match="skipped"))
     set_grads(params, 3)
     opt.found_inf, opt.grad_scale = torch.ones(1), None
-    before = bits(opt, params)
-    opt.step()
-    assert_same_bits(bits(opt, params), before)
+    assert_step_skipped(opt, params)
 
 
 def check_grad_scaler(make, scaler_kind: str) -> None:
@@ -277,31 +283,41 @@ def check_amp_o2(make) -> None:
         assert torch.equal(m.to(p.dtype), p.detach())
 
 
-def check_state_dict_round_trip(make, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Save after 2 steps, run 2 more; a fresh optimizer loaded from the checkpoint runs the same 2 steps bit
-    for bit. A checkpoint of other params (wrong shapes) is refused with a clear error."""
+def check_state_dict_round_trip(
+    make,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    shapes: tuple = ((6,), (2, 5)),
+    seed: int = 4,
+    steps: int = 2,
+    grad_seeds: tuple[int, int] = (0, 10),
+):
+    """Save after ``steps`` steps, run ``steps`` more; a fresh optimizer loaded from the checkpoint (with the
+    saved params and the grads of the save) runs the same steps bit for bit. A checkpoint of other params (wrong
+    shapes) is refused with a clear error, and so is one holding a NaN. Returns the resumed optimizer and params."""
     import pytest
     from optim_helpers import assert_same_bits, bits, clone_params, deep_state, make_params, set_grads
 
-    params = make_params([(6,), (2, 5)], dtype, 4)
+    params = make_params(list(shapes), dtype, seed)
     opt = make(params)
-    for k in range(2):
+    for k in range(steps):
         opt.step()
-        set_grads(params, k)
+        set_grads(params, grad_seeds[0] + k)
     saved, saved_params = deep_state(opt), [p.detach().clone() for p in params]
-    for k in range(2):
+    for k in range(steps):
         opt.step()
-        set_grads(params, 10 + k)
+        set_grads(params, grad_seeds[1] + k)
+    # resume: fresh params with the saved values, a fresh optimizer, the saved state
     resumed = clone_params(params)
     with torch.no_grad():
         for q, s in zip(resumed, saved_params):
             q.copy_(s)
     opt2 = make(resumed)
     opt2.load_state_dict(saved)
-    set_grads(resumed, 1)
-    for k in range(2):
+    set_grads(resumed, grad_seeds[0] + steps - 1)
+    for k in range(steps):
         opt2.step()
-        set_grads(resumed, 10 + k)
+        set_grads(resumed, grad_seeds[1] + k)
     assert_same_bits(bits(opt2, resumed), bits(opt, params))
     other = make_params([(3,), (2, 5)], dtype, 5)
     opt3 = make(other)
@@ -318,6 +334,7 @@ def check_state_dict_round_trip(make, dtype: torch.dtype = torch.bfloat16) -> No
     with pytest.raises(ValueError, match="inf or NaN"):
         opt4.load_state_dict(corrupt)
     assert not opt4.state, "a refused checkpoint must leave no state behind"
+    return opt2, resumed
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -17,11 +17,15 @@ optimizer's *actual* state before the step (converted to float64), so budgets do
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Sequence
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fp16kit.numerics import gamma, ulp, unit_roundoff
 from fp16kit.numerics.reference import adam_step, global_grad_norm, lamb_step
@@ -79,11 +83,12 @@ def _updated_tensor(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor
     return state.get("master", p)
 
 
-def _snapshot(opt: torch.optim.Optimizer, inv_scale: float) -> list[dict[str, list[torch.Tensor]]]:
-    """float64 copies of (updated tensor, unscaled grad, m, v) per group, params with grads only."""
+def snapshot(opt: torch.optim.Optimizer, keys: tuple[str, ...], inv_scale: float = 1.0) -> list[dict[str, list]]:
+    """float64 copies per group, params with grads only: ``params``, ``p`` (the updated tensor), ``g`` (the grad
+    times ``inv_scale``) and, per state key, ``state[key]`` (None where the param has none yet)."""
     snap = []
     for group in opt.param_groups:
-        items = {"p": [], "g": [], "m": [], "v": [], "params": []}
+        items: dict[str, list] = {"params": [], "p": [], "g": [], **{k: [] for k in keys}}
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -91,10 +96,63 @@ def _snapshot(opt: torch.optim.Optimizer, inv_scale: float) -> list[dict[str, li
             items["params"].append(p)
             items["p"].append(_updated_tensor(opt, p).detach().to(F64, copy=True))
             items["g"].append(p.grad.detach().to(F64) * inv_scale)
-            items["m"].append(state["exp_avg"].to(F64, copy=True) if state else torch.zeros_like(p, dtype=F64))
-            items["v"].append(state["exp_avg_sq"].to(F64, copy=True) if state else torch.zeros_like(p, dtype=F64))
+            for k in keys:
+                items[k].append(state[k].to(F64, copy=True) if state.get(k) is not None else None)
         snap.append(items)
     return snap
+
+
+def stepped_groups(opt: torch.optim.Optimizer, keys: tuple[str, ...], inv_scale: float = 1.0) -> list[tuple]:
+    """``opt.step()``; then ``(group, items)`` per group with grads, ``items`` its :func:`snapshot` from before."""
+    snap = snapshot(opt, keys, inv_scale)
+    opt.step()
+    return [(group, items) for group, items in zip(opt.param_groups, snap) if items["params"]]
+
+
+#: the Adam-like moments (FusedAdam, FusedLAMB)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _moments(items: dict[str, list]) -> dict[str, list]:
+    """A :func:`snapshot` of :data:`MOMENTS` with them as ``m`` and ``v``, zeros before the first step."""
+    for key, name in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+        items[name] = [torch.zeros_like(p) if t is None else t for p, t in zip(items["p"], items.pop(key))]
+    return items
+
+
+def checked_steps(make, step_and_check, shapes, dtype, seed, steps, *, grad_exp: int = 0, zero: str = "none"):
+    """``steps`` steps of ``make(params)``, each through ``step_and_check``, on :func:`make_params` whose grads
+    are scaled by ``2**grad_exp``; ``zero`` ("none", "param", "grad", "both") zeroes tensor 0's param and/or
+    its grad (at every step). Returns ``(opt, params)``."""
+    zp = (0,) if zero in ("param", "both") else ()
+    zg = (0,) if zero in ("grad", "both") else ()
+    params = make_params(shapes, dtype, seed, grad_scale=2.0**grad_exp, zero_params=zp, zero_grads=zg)
+    opt = make(params)
+    for k in range(steps):
+        step_and_check(opt)
+        set_grads(params, seed + k + 1, scale=2.0**grad_exp)
+        if zg:
+            params[0].grad.zero_()
+    return opt, params
+
+
+def reference_tests(run, shapes, config: dict, examples: int, interpreter_examples: int):
+    """The two Hypothesis tests of an optimizer against its float64 reference: ``run(shapes, steps=..., **config)``
+    on the default backend (1 to 3 steps, ``examples`` cases) and on the Triton interpreter (2 steps, marked
+    ``interpreter``). A test file binds them to its own ``test_matches_reference_*`` names."""
+
+    @settings(max_examples=examples, deadline=None)
+    @given(shapes=shapes, steps=st.integers(1, 3), **config)
+    def torch_backend(shapes, steps, **kw):
+        run(shapes, steps=steps, **kw)
+
+    @pytest.mark.interpreter
+    @settings(max_examples=interpreter_examples, deadline=None)
+    @given(shapes=shapes, **config)
+    def triton_interpreter(shapes, **kw):
+        run(shapes, steps=2, **kw)
+
+    return torch_backend, triton_interpreter
 
 
 def assert_within(actual: torch.Tensor, expected: torch.Tensor, budget: torch.Tensor, what: str) -> None:
@@ -223,13 +281,10 @@ def check_lamb_lists(
 def lamb_step_and_check(opt, *, inv_scale: float = 1.0) -> None:
     """Run ``opt.step()`` (a FusedLAMB) and check every updated tensor against the float64 reference
     computed from the state just before the step."""
-    snap = _snapshot(opt, inv_scale)
+    groups = [(group, _moments(items)) for group, items in stepped_groups(opt, MOMENTS, inv_scale)]
     maxn = float(opt.defaults["max_grad_norm"])
-    norm = clip_terms([g for items in snap for g in items["g"]], maxn)
-    opt.step()
-    for group, items in zip(opt.param_groups, snap):
-        if not items["params"]:
-            continue
+    norm = clip_terms([g for _, items in groups for g in items["g"]], maxn)  # of the grads of all groups
+    for group, items in groups:
         hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "grad_averaging")}
         hp["step"] = int(group["step"].item())
         targets = [_updated_tensor(opt, p) for p in items["params"]]
@@ -299,11 +354,8 @@ def check_adam_lists(
 
 def adam_step_and_check(opt, *, adam_w_mode: bool, inv_scale: float = 1.0) -> None:
     """Run ``opt.step()`` (a FusedAdam) and check it against the float64 reference from the state before."""
-    snap = _snapshot(opt, inv_scale)
-    opt.step()
-    for group, items in zip(opt.param_groups, snap):
-        if not items["params"]:
-            continue
+    for group, items in stepped_groups(opt, MOMENTS, inv_scale):
+        items = _moments(items)
         hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction")}
         hp["step"] = int(group["step"].item())
         check_adam_lists(
@@ -326,6 +378,15 @@ def bits(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[tor
         out += [t.clone() for t in opt.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
     out += [g["step"].clone() for g in opt.param_groups if isinstance(g.get("step"), torch.Tensor)]
     return out
+
+
+def assert_step_skipped(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], expect=None) -> None:
+    """``opt.step()`` (inside ``expect``, e.g. ``pytest.warns(...)``) leaves every bit of :func:`bits` as it was:
+    params, state tensors and step counters."""
+    before = bits(opt, params)
+    with expect or contextlib.nullcontext():
+        opt.step()
+    assert_same_bits(bits(opt, params), before)
 
 
 def assert_same_bits(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:

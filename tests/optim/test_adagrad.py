@@ -6,6 +6,8 @@ Tolerances: ``apex_optim_helpers.adagrad_step_and_check`` budgets; against torch
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from apex_optim_helpers import (
@@ -13,19 +15,20 @@ from apex_optim_helpers import (
     APEX_HP_DEVICE_VERIFY,
     APEX_HP_LEGACY,
     adagrad_step_and_check,
+    assert_backends_agree,
     check_amp_o2,
     check_edge_values,
     check_grad_scaler,
     check_nonfinite_grad_skips,
     check_state_dict_round_trip,
     compile_for_sm90,
+    step_both_backends,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from optim_helpers import U32, K, assert_within, clone_params, make_params, set_grads
+from optim_helpers import U32, K, assert_within, checked_steps, clone_params, make_params, reference_tests, set_grads
 
 from fp16kit.kernels import use_backend
-from fp16kit.numerics import ulp
 from fp16kit.optim import FusedAdagrad
 
 SHAPES = st.lists(st.sampled_from([(1,), (7,), (3, 5), (2, 3, 4), (64,)]), min_size=1, max_size=3)
@@ -42,31 +45,14 @@ CONFIG = {
 }
 
 
-def _run_reference_check(shapes, dtype, seed, lr, eps, weight_decay, adagrad_w_mode, master, grad_exp, zero, steps):
-    zp = (0,) if zero in ("param", "both") else ()
-    zg = (0,) if zero in ("grad", "both") else ()
-    params = make_params(shapes, dtype, seed, grad_scale=2.0**grad_exp, zero_params=zp, zero_grads=zg)
-    opt = FusedAdagrad(
-        params, lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode, master_weights=master
-    )
-    for k in range(steps):
-        adagrad_step_and_check(opt)
-        set_grads(params, seed + k + 1, scale=2.0**grad_exp)
-        if zg:
-            params[0].grad.zero_()
+def _run_reference_check(shapes, seed, dtype, master, grad_exp, zero, steps, **hp):
+    make = partial(FusedAdagrad, master_weights=master, **hp)
+    checked_steps(make, adagrad_step_and_check, shapes, dtype, seed, steps, grad_exp=grad_exp, zero=zero)
 
 
-@settings(max_examples=40, deadline=None)
-@given(shapes=SHAPES, steps=st.integers(1, 3), **CONFIG)
-def test_matches_reference_torch_backend(shapes, steps, **kw):
-    _run_reference_check(shapes, steps=steps, **kw)
-
-
-@pytest.mark.interpreter
-@settings(max_examples=6, deadline=None)
-@given(shapes=SHAPES, **CONFIG)
-def test_matches_reference_triton_interpreter(shapes, **kw):
-    _run_reference_check(shapes, steps=2, **kw)
+test_matches_reference_torch_backend, test_matches_reference_triton_interpreter = reference_tests(
+    _run_reference_check, SHAPES, CONFIG, examples=40, interpreter_examples=6
+)
 
 
 @pytest.mark.interpreter
@@ -83,22 +69,9 @@ def test_backends_agree(dtype, kw):
     against each other. Not bit for bit: torch's CPU sqrt is not correctly rounded (measured: 0.7% of fp32
     inputs differ by 1 ulp from the rounded float64 sqrt), the kernel's ``sqrt_rn`` is. |u| <= 1 + wd|p|
     (``h >= g^2``), so one ulp in u and one rounding of p give at most ``2 u (|p| + lr (1 + wd |p|))``."""
-    params = make_params([(300,), (4100,), (3, 7)], dtype, 2)
-    twin = clone_params(params)
-    opt, fb = FusedAdagrad(params, lr=0.1, **kw), FusedAdagrad(twin, lr=0.1, **kw)
-    for k in range(2):
-        adagrad_step_and_check(opt)
-        with use_backend("torch"):
-            adagrad_step_and_check(fb)
-        set_grads(params, 10 + k)
-        set_grads(twin, 10 + k)
+    run = step_both_backends(lambda ps: FusedAdagrad(ps, lr=0.1, **kw), adagrad_step_and_check, dtype, 2)
     wd = kw.get("weight_decay", 0.0)
-    for i, (p, q) in enumerate(zip(params, twin)):
-        q64 = q.detach().double()
-        budget = 2 * U32 * (q64.abs() + 0.1 * (1 + wd * q64.abs()))
-        if dtype != torch.float32:  # stored in fp16/bf16: the two may round to neighbouring values
-            budget = budget + ulp(q64, dtype)
-        assert_within(p, q64, budget, f"param {i}: kernel vs fallback")
+    assert_backends_agree(run, dtype, lambda i, q64: 2 * U32 * (q64.abs() + 0.1 * (1 + wd * q64.abs())))
 
 
 @settings(max_examples=25, deadline=None)

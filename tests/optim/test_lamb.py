@@ -7,16 +7,19 @@ checked at every step from the optimizer's actual state.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import pytest
 import torch
+from apex_optim_helpers import check_grad_scaler, check_state_dict_round_trip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optim_helpers import (
     assert_same_bits,
+    assert_step_skipped,
     bits,
+    checked_steps,
     clone_params,
-    deep_state,
     lamb_step_and_check,
     make_params,
     set_grads,
@@ -49,43 +52,9 @@ SHAPES = st.lists(
     zero=st.sampled_from(["none", "param", "grad", "both"]),
     steps=st.integers(1, 4),
 )
-def test_matches_reference(
-    shapes,
-    dtype,
-    seed,
-    lr,
-    weight_decay,
-    adam_w_mode,
-    use_nvlamb,
-    grad_averaging,
-    bias_correction,
-    betas,
-    eps,
-    max_grad_norm,
-    grad_exp,
-    zero,
-    steps,
-):
-    zp = (0,) if zero in ("param", "both") else ()
-    zg = (0,) if zero in ("grad", "both") else ()
-    params = make_params(shapes, dtype, seed, grad_scale=2.0**grad_exp, zero_params=zp, zero_grads=zg)
-    opt = FusedLAMB(
-        params,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        adam_w_mode=adam_w_mode,
-        use_nvlamb=use_nvlamb,
-        grad_averaging=grad_averaging,
-        bias_correction=bias_correction,
-        max_grad_norm=max_grad_norm,
-    )
-    for k in range(steps):
-        lamb_step_and_check(opt)
-        set_grads(params, seed + k + 1, scale=2.0**grad_exp)
-        if zg:
-            params[0].grad.zero_()
+def test_matches_reference(shapes, dtype, seed, grad_exp, zero, steps, **hp):
+    make = partial(FusedLAMB, **hp)
+    checked_steps(make, lamb_step_and_check, shapes, dtype, seed, steps, grad_exp=grad_exp, zero=zero)
 
 
 @settings(max_examples=10, deadline=None)
@@ -187,10 +156,7 @@ def test_nonfinite_grad_skips_and_warns(bad, dtype):
     opt = FusedLAMB(params, lr=0.01)
     opt.step()
     params[1].grad[2] = bad
-    before = bits(opt, params)
-    with pytest.warns(RuntimeWarning, match="step was skipped"):
-        opt.step()
-    assert_same_bits(bits(opt, params), before)
+    assert_step_skipped(opt, params, pytest.warns(RuntimeWarning, match="step was skipped"))
 
 
 def test_nonfinite_policies():
@@ -198,15 +164,11 @@ def test_nonfinite_policies():
     opt = FusedLAMB(params, on_nonfinite="raise")
     opt.step()
     params[0].grad[0] = float("nan")
-    before = bits(opt, params)
-    with pytest.raises(RuntimeError, match="inf or NaN"):
-        opt.step()
-    assert_same_bits(bits(opt, params), before)
+    assert_step_skipped(opt, params, pytest.raises(RuntimeError, match="inf or NaN"))
     opt.on_nonfinite = "skip"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        opt.step()
-    assert_same_bits(bits(opt, params), before)
+        assert_step_skipped(opt, params)
 
 
 def test_found_inf_from_caller_skips_everything():
@@ -245,48 +207,16 @@ def test_found_inf_raised_by_norm_pass():
     opt = FusedLAMB(params)
     opt.step()
     params[0].grad[3] = float("inf")
-    before = bits(opt, params)
     opt.grad_scale, opt.found_inf = torch.full((1,), 8.0), torch.zeros(1)
-    opt.step()
+    assert_step_skipped(opt, params)
     assert float(opt.found_inf) == 1.0
-    assert_same_bits(bits(opt, params), before)
-
-
-def _model(seed, dtype=torch.float32):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(dtype)
 
 
 @pytest.mark.parametrize("scaler_kind", ["torch", "fp16kit"])
 def test_with_grad_scaler(scaler_kind):
     """Scaled training through a GradScaler equals unscaled training bit for bit (power-of-two scale), and an
     inf gradient skips the step (step counter included) while the scaler backs off."""
-    if scaler_kind == "torch":
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    else:
-        from fp16kit.amp import GradScaler
-
-        scaler = GradScaler("cpu", init_scale=2.0**10)
-    ref, mod = _model(0), _model(0)
-    o_ref, o_mod = FusedLAMB(ref.parameters(), lr=0.01), FusedLAMB(mod.parameters(), lr=0.01)
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-    for _ in range(3):
-        o_ref.zero_grad()
-        ref(x).square().sum().backward()
-        o_ref.step()
-        o_mod.zero_grad()
-        scaler.scale(mod(x).square().sum()).backward()
-        scaler.step(o_mod)
-        scaler.update()
-    assert_same_bits([p.detach() for p in ref.parameters()], [p.detach() for p in mod.parameters()])
-    o_mod.zero_grad()
-    scaler.scale(mod(x).square().sum()).backward()
-    next(mod.parameters()).grad[0, 0] = float("inf")
-    before = bits(o_mod, list(mod.parameters()))
-    scaler.step(o_mod)
-    scaler.update()
-    assert_same_bits(bits(o_mod, list(mod.parameters())), before)
-    assert float(scaler.get_scale()) == 2.0**9
+    check_grad_scaler(lambda ps: FusedLAMB(ps, lr=0.01), scaler_kind)
 
 
 # ---------------------------------------------------------------------------------------- master weights
@@ -324,28 +254,13 @@ def test_master_weights_ignored_for_fp32_params():
 @pytest.mark.parametrize("master", [False, True])
 def test_state_dict_round_trip_is_bit_identical(master):
     dtype = torch.float16 if master else torch.float32
-    params = make_params([(7,), (3, 2)], dtype, 10)
-    opt = FusedLAMB([{"params": params[:1]}, {"params": params[1:], "lr": 0.003}], lr=0.01, master_weights=master)
-    for k in range(3):
-        opt.step()
-        set_grads(params, 200 + k)
-    saved_params = [p.detach().clone() for p in params]
-    saved = deep_state(opt)
-    for k in range(3):
-        opt.step()
-        set_grads(params, 300 + k)
-    # resume: fresh params with the saved values, a fresh optimizer, the saved state
-    resumed = clone_params(params)
-    with torch.no_grad():
-        for q, s in zip(resumed, saved_params):
-            q.copy_(s)
-    opt2 = FusedLAMB([{"params": resumed[:1]}, {"params": resumed[1:], "lr": 0.003}], lr=0.01, master_weights=master)
-    opt2.load_state_dict(saved)
-    set_grads(resumed, 202)
-    for k in range(3):
-        opt2.step()
-        set_grads(resumed, 300 + k)
-    assert_same_bits(bits(opt2, resumed), bits(opt, params))
+
+    def make(ps):
+        return FusedLAMB([{"params": ps[:1]}, {"params": ps[1:], "lr": 0.003}], lr=0.01, master_weights=master)
+
+    opt2, resumed = check_state_dict_round_trip(
+        make, dtype, shapes=((7,), (3, 2)), seed=10, steps=3, grad_seeds=(200, 300)
+    )
     assert opt2.state[resumed[0]]["exp_avg"].dtype == torch.float32
 
 

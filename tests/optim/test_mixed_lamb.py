@@ -5,12 +5,22 @@ against FusedLAMB(master_weights=True), and for its own contracts: device lr/ste
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from apex_optim_helpers import check_amp_o2, check_grad_scaler, check_nonfinite_grad_skips, check_state_dict_round_trip
-from hypothesis import given, settings
 from hypothesis import strategies as st
-from optim_helpers import assert_same_bits, bits, clone_params, lamb_step_and_check, make_params, set_grads
+from optim_helpers import (
+    assert_same_bits,
+    bits,
+    checked_steps,
+    clone_params,
+    lamb_step_and_check,
+    make_params,
+    reference_tests,
+    set_grads,
+)
 
 from fp16kit.optim import FusedLAMB, FusedMixedPrecisionLamb
 
@@ -28,34 +38,23 @@ CONFIG = {
 
 
 def _run(shapes, dtype, reduced, seed, lr, weight_decay, max_grad_norm, start, grad_exp, steps):
-    params = make_params(shapes, dtype, seed, grad_scale=2.0**grad_exp)
-    opt = FusedMixedPrecisionLamb(
-        params,
+    make = partial(
+        FusedMixedPrecisionLamb,
         lr=lr,
         step=start,
         weight_decay=weight_decay,
         max_grad_norm=max_grad_norm,
         reduced_precision_dtype=reduced,
     )
-    for k in range(steps):
-        lamb_step_and_check(opt)
-        set_grads(params, seed + k + 1, scale=2.0**grad_exp)
+    opt, params = checked_steps(make, lamb_step_and_check, shapes, dtype, seed, steps, grad_exp=grad_exp)
     assert int(opt.param_groups[0]["step"].item()) == start + steps
     for p in params:
         assert ("master" in opt.state[p]) == (p.dtype == reduced)
 
 
-@settings(max_examples=20, deadline=None)
-@given(shapes=SHAPES, steps=st.integers(1, 3), **CONFIG)
-def test_matches_reference_torch_backend(shapes, steps, **kw):
-    _run(shapes, steps=steps, **kw)
-
-
-@pytest.mark.interpreter
-@settings(max_examples=4, deadline=None)
-@given(shapes=SHAPES, **CONFIG)
-def test_matches_reference_triton_interpreter(shapes, **kw):
-    _run(shapes, steps=2, **kw)
+test_matches_reference_torch_backend, test_matches_reference_triton_interpreter = reference_tests(
+    _run, SHAPES, CONFIG, examples=20, interpreter_examples=4
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -7,12 +7,15 @@ Tolerances: ``apex_optim_helpers.novograd_step_and_check`` budgets (fp32 chains;
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from apex_optim_helpers import (
     APEX_HP_DEVICE,
     APEX_HP_DEVICE_VERIFY,
     APEX_HP_LEGACY,
+    assert_backends_agree,
     check_amp_o2,
     check_edge_values,
     check_grad_scaler,
@@ -20,13 +23,12 @@ from apex_optim_helpers import (
     check_state_dict_round_trip,
     compile_for_sm90,
     novograd_step_and_check,
+    step_both_backends,
 )
-from hypothesis import given, settings
 from hypothesis import strategies as st
-from optim_helpers import U32, assert_within, clone_params, make_params, set_grads
+from optim_helpers import U32, assert_within, checked_steps, clone_params, make_params, reference_tests
 
 from fp16kit.kernels import use_backend
-from fp16kit.numerics import ulp
 from fp16kit.optim import FusedNovoGrad
 
 SHAPES = st.lists(st.sampled_from([(1,), (7,), (3, 5), (2, 3, 4), (64,)]), min_size=1, max_size=3)
@@ -49,28 +51,13 @@ CONFIG = {
 
 
 def _run_reference_check(shapes, seed, dtype, master, grad_exp, zero, steps, **hp):
-    zp = (0,) if zero in ("param", "both") else ()
-    zg = (0,) if zero in ("grad", "both") else ()
-    params = make_params(shapes, dtype, seed, grad_scale=2.0**grad_exp, zero_params=zp, zero_grads=zg)
-    opt = FusedNovoGrad(params, master_weights=master, **hp)
-    for k in range(steps):
-        novograd_step_and_check(opt)
-        set_grads(params, seed + k + 1, scale=2.0**grad_exp)
-        if zg:
-            params[0].grad.zero_()
+    make = partial(FusedNovoGrad, master_weights=master, **hp)
+    checked_steps(make, novograd_step_and_check, shapes, dtype, seed, steps, grad_exp=grad_exp, zero=zero)
 
 
-@settings(max_examples=50, deadline=None)
-@given(shapes=SHAPES, steps=st.integers(1, 3), **CONFIG)
-def test_matches_reference_torch_backend(shapes, steps, **kw):
-    _run_reference_check(shapes, steps=steps, **kw)
-
-
-@pytest.mark.interpreter
-@settings(max_examples=8, deadline=None)
-@given(shapes=SHAPES, **CONFIG)
-def test_matches_reference_triton_interpreter(shapes, **kw):
-    _run_reference_check(shapes, steps=2, **kw)
+test_matches_reference_torch_backend, test_matches_reference_triton_interpreter = reference_tests(
+    _run_reference_check, SHAPES, CONFIG, examples=50, interpreter_examples=8
+)
 
 
 @pytest.mark.interpreter
@@ -86,24 +73,15 @@ def test_backends_agree(dtype, kw):
     """Triton kernels (interpreter: per-tensor norms across two chunks and two programs, then the update) and
     the torch fallback on the same inputs, each against the reference, then against each other: the per-tensor
     norms may differ by a few fp32 roundings (summation order), which moves each update by a few ulp."""
-    params = make_params([(300,), (4100,), (3, 7)], dtype, 3)
-    twin = clone_params(params)
-    opt, fb = FusedNovoGrad(params, lr=0.01, **kw), FusedNovoGrad(twin, lr=0.01, **kw)
-    for k in range(2):
-        before = [q.detach().double() for q in twin]
-        novograd_step_and_check(opt)
-        with use_backend("torch"):
-            novograd_step_and_check(fb)
-        set_grads(params, 10 + k)
-        set_grads(twin, 10 + k)
-    for i, (p, q) in enumerate(zip(params, twin)):
-        q64 = q.detach().double()
-        update = (q64 - before[i]).abs()  # the fallback's last update: norms off by 1e-6 move it by 1e-6 of it
-        budget = 4 * U32 * q64.abs() + 1e-6 * update
-        if dtype != torch.float32:
-            budget = budget + ulp(q64, dtype)
-        assert_within(p, q64, budget, f"param {i}: kernel vs fallback")
-        v1, v2 = opt.state[p]["exp_avg_sq"].double(), fb.state[q]["exp_avg_sq"].double()
+    run = step_both_backends(lambda ps: FusedNovoGrad(ps, lr=0.01, **kw), novograd_step_and_check, dtype, 3)
+
+    def budget(i, q64):
+        update = (q64 - run["before"][i]).abs()  # the fallback's last update: norms off by 1e-6 move it by 1e-6 of it
+        return 4 * U32 * q64.abs() + 1e-6 * update
+
+    assert_backends_agree(run, dtype, budget)
+    for i, (p, q) in enumerate(zip(run["params"], run["twin"])):
+        v1, v2 = run["opt"].state[p]["exp_avg_sq"].double(), run["fb"].state[q]["exp_avg_sq"].double()
         assert_within(v1, v2, 1e-6 * v2.abs(), f"exp_avg_sq {i}: kernel vs fallback")
 
 

@@ -7,12 +7,15 @@ Against torch both sides are fp32 implementations within that budget of the exac
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from apex_optim_helpers import (
     APEX_HP_DEVICE,
     APEX_HP_DEVICE_VERIFY,
     APEX_HP_LEGACY,
+    assert_backends_agree,
     check_amp_o2,
     check_edge_values,
     check_grad_scaler,
@@ -20,13 +23,13 @@ from apex_optim_helpers import (
     check_state_dict_round_trip,
     compile_for_sm90,
     sgd_step_and_check,
+    step_both_backends,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from optim_helpers import U32, K, assert_within, clone_params, make_params, set_grads
+from optim_helpers import U32, K, assert_within, checked_steps, clone_params, make_params, reference_tests, set_grads
 
 from fp16kit.kernels import use_backend
-from fp16kit.numerics import ulp
 from fp16kit.optim import FusedSGD
 
 SHAPES = st.lists(st.sampled_from([(1,), (7,), (3, 5), (2, 3, 4), (64,)]), min_size=1, max_size=3)
@@ -45,53 +48,15 @@ CONFIG = {
 }
 
 
-def _run_reference_check(
-    shapes,
-    dtype,
-    seed,
-    lr,
-    momentum,
-    dampening,
-    nesterov,
-    weight_decay,
-    wd_after_momentum,
-    master,
-    grad_exp,
-    zero,
-    steps,
-):
+def _run_reference_check(shapes, seed, dtype, master, grad_exp, zero, steps, momentum, dampening, nesterov, **hp):
     nesterov = nesterov and momentum > 0 and dampening == 0
-    zp = (0,) if zero in ("param", "both") else ()
-    zg = (0,) if zero in ("grad", "both") else ()
-    params = make_params(shapes, dtype, seed, grad_scale=2.0**grad_exp, zero_params=zp, zero_grads=zg)
-    opt = FusedSGD(
-        params,
-        lr=lr,
-        momentum=momentum,
-        dampening=dampening,
-        nesterov=nesterov,
-        weight_decay=weight_decay,
-        wd_after_momentum=wd_after_momentum,
-        master_weights=master,
-    )
-    for k in range(steps):
-        sgd_step_and_check(opt)
-        set_grads(params, seed + k + 1, scale=2.0**grad_exp)
-        if zg:
-            params[0].grad.zero_()
+    make = partial(FusedSGD, momentum=momentum, dampening=dampening, nesterov=nesterov, master_weights=master, **hp)
+    checked_steps(make, sgd_step_and_check, shapes, dtype, seed, steps, grad_exp=grad_exp, zero=zero)
 
 
-@settings(max_examples=40, deadline=None)
-@given(shapes=SHAPES, steps=st.integers(1, 3), **CONFIG)
-def test_matches_reference_torch_backend(shapes, steps, **kw):
-    _run_reference_check(shapes, steps=steps, **kw)
-
-
-@pytest.mark.interpreter
-@settings(max_examples=6, deadline=None)
-@given(shapes=SHAPES, **CONFIG)
-def test_matches_reference_triton_interpreter(shapes, **kw):
-    _run_reference_check(shapes, steps=2, **kw)
+test_matches_reference_torch_backend, test_matches_reference_triton_interpreter = reference_tests(
+    _run_reference_check, SHAPES, CONFIG, examples=40, interpreter_examples=6
+)
 
 
 @pytest.mark.interpreter
@@ -108,26 +73,16 @@ def test_backends_agree(dtype, kw):
     then against each other (tensors of 4100 elements span two chunks). The host fallback uses torch's fused
     ``x + alpha * y`` (one rounding or two, as the CPU kernel vectorizes), the kernel a multiply and an add: the
     results differ by at most a rounding of the update and one of p (plus an ulp of a 16-bit store)."""
-    params = make_params([(300,), (4100,), (3, 7)], dtype, 1)
-    twin = clone_params(params)
-    opt, fb = FusedSGD(params, lr=0.1, **kw), FusedSGD(twin, lr=0.1, **kw)
-    for k in range(2):
-        grads = [q.grad.double() for q in twin]
-        sgd_step_and_check(opt)
-        with use_backend("torch"):
-            sgd_step_and_check(fb)
-        set_grads(params, 10 + k)
-        set_grads(twin, 10 + k)
+    run = step_both_backends(lambda ps: FusedSGD(ps, lr=0.1, **kw), sgd_step_and_check, dtype, 1)
     wd = kw.get("weight_decay", 0.0)
-    for i, (p, q) in enumerate(zip(params, twin)):
-        q64 = q.detach().double()
-        m = fb.state[q]["momentum_buffer"].double().abs()
+
+    def budget(i, q64):
+        m = run["fb"].state[run["twin"][i]]["momentum_buffer"].double().abs()
         # magnitudes that enter the last update (its terms may cancel): roundings are relative to them
-        mag = grads[i].abs() + wd * q64.abs() + 2 * m
-        budget = 4 * U32 * (q64.abs() + 0.1 * mag)
-        if dtype != torch.float32:
-            budget = budget + ulp(q64, dtype)
-        assert_within(p, q64, budget, f"param {i}: kernel vs fallback")
+        mag = run["grads"][i].abs() + wd * q64.abs() + 2 * m
+        return 4 * U32 * (q64.abs() + 0.1 * mag)
+
+    assert_backends_agree(run, dtype, budget)
 
 
 @settings(max_examples=25, deadline=None)

@@ -16,18 +16,14 @@ from collections.abc import Sequence
 
 import torch
 
+from ._per_tensor import f64, per_tensor
+
 __all__ = ["adam_step", "global_grad_norm", "lamb_clip_factor", "lamb_step"]
-
-F64 = torch.float64
-
-
-def _f64(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.detach().to(F64) for t in tensors]
 
 
 def global_grad_norm(grads: Sequence[torch.Tensor]) -> float:
     """``sqrt(sum of g*g over every element of every tensor)`` in float64 (NaN/inf propagate)."""
-    total = sum(float((g.detach().to(F64) ** 2).sum()) for g in grads)
+    total = sum(float((g ** 2).sum()) for g in f64(grads))
     return math.sqrt(total)
 
 
@@ -82,8 +78,8 @@ def lamb_step(
     bc1, bc2 = (1 - b1**step, 1 - b2**step) if bias_correction else (1.0, 1.0)
     beta3 = 1 - b1 if grad_averaging else 1.0
     wd = weight_decay
-    new_p, new_m, new_v = [], [], []
-    for p, g, m, v in zip(_f64(params), _f64(grads), _f64(exp_avgs), _f64(exp_avg_sqs)):
+
+    def one(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> tuple:
         g = g / clip
         if not adam_w_mode and wd != 0:
             g = g + wd * p
@@ -95,10 +91,9 @@ def lamb_step(
         pn = float(torch.linalg.vector_norm(p))
         un = float(torch.linalg.vector_norm(u))
         ratio = lr * pn / un if (use_nvlamb or wd != 0) and pn != 0 and un != 0 else lr
-        new_p.append(p - ratio * u)
-        new_m.append(m)
-        new_v.append(v)
-    return new_p, new_m, new_v
+        return p - ratio * u, m, v
+
+    return per_tensor(one, (f64(params), f64(grads), f64(exp_avgs), f64(exp_avg_sqs)), outputs=3)
 
 
 def adam_step(
@@ -131,16 +126,14 @@ def adam_step(
     b1, b2 = betas
     bc1, bc2 = (1 - b1**step, 1 - b2**step) if bias_correction else (1.0, 1.0)
     wd = weight_decay
-    new_p, new_m, new_v = [], [], []
-    for p, g, m, v in zip(_f64(params), _f64(grads), _f64(exp_avgs), _f64(exp_avg_sqs)):
+
+    def one(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> tuple:
         if not adam_w_mode and wd != 0:
             g = g + wd * p
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
         if adam_w_mode and wd != 0:
             p = p * (1 - lr * wd)
-        p = p - (lr / bc1) * m / (torch.sqrt(v) / math.sqrt(bc2) + eps)
-        new_p.append(p)
-        new_m.append(m)
-        new_v.append(v)
-    return new_p, new_m, new_v
+        return p - (lr / bc1) * m / (torch.sqrt(v) / math.sqrt(bc2) + eps), m, v
+
+    return per_tensor(one, (f64(params), f64(grads), f64(exp_avgs), f64(exp_avg_sqs)), outputs=3)

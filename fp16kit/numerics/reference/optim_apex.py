@@ -14,13 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ._per_tensor import F64, f64, per_tensor
+
 __all__ = ["adagrad_step", "larc_grads", "novograd_step", "sgd_step"]
-
-F64 = torch.float64
-
-
-def _f64(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.detach().to(F64) for t in tensors]
 
 
 def sgd_step(
@@ -47,9 +43,8 @@ def sgd_step(
         if wd != 0 and wd_after_momentum: g = g + wd * p
         p = p - lr * g
     """
-    new_p: list[torch.Tensor] = []
-    new_m: list[torch.Tensor | None] = []
-    for p, g, m in zip(_f64(params), _f64(grads), momentum_buffers):
+
+    def one(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None) -> tuple:
         if weight_decay != 0 and not wd_after_momentum:
             g = g + weight_decay * p
         buf = None
@@ -58,9 +53,9 @@ def sgd_step(
             g = g + momentum * buf if nesterov else buf
         if weight_decay != 0 and wd_after_momentum:
             g = g + weight_decay * p
-        new_p.append(p - lr * g)
-        new_m.append(buf)
-    return new_p, new_m
+        return p - lr * g, buf
+
+    return per_tensor(one, (f64(params), f64(grads), momentum_buffers), outputs=2)
 
 
 def adagrad_step(
@@ -83,17 +78,17 @@ def adagrad_step(
         if adagrad_w_mode: u = u + wd * p                       # decoupled decay
         p = p - lr * u
     """
-    new_p, new_h = [], []
-    for p, g, h in zip(_f64(params), _f64(grads), _f64(sums)):
+
+    def one(p: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> tuple:
         if not adagrad_w_mode:
             g = g + weight_decay * p
         h = h + g * g
         u = g / (torch.sqrt(h) + eps)
         if adagrad_w_mode:
             u = u + weight_decay * p
-        new_p.append(p - lr * u)
-        new_h.append(h)
-    return new_p, new_h
+        return p - lr * u, h
+
+    return per_tensor(one, (f64(params), f64(grads), f64(sums)), outputs=2)
 
 
 def _grad_norm(g: torch.Tensor, norm_type: int) -> float:
@@ -133,8 +128,8 @@ def novograd_step(
     b1, b2 = betas
     bc1, bc2 = (1 - b1**step, math.sqrt(1 - b2**step)) if bias_correction else (1.0, 1.0)
     beta3 = 1 - b1 if grad_averaging else 1.0
-    new_p, new_m, new_v = [], [], []
-    for p, g, m, v in zip(_f64(params), _f64(grads), _f64(exp_avgs), norms):
+
+    def one(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: float | None) -> tuple:
         n = _grad_norm(g, norm_type)
         if v is None:
             v = 0.0 if init_zero else n
@@ -147,10 +142,9 @@ def novograd_step(
         else:
             m = b1 * m + beta3 * g
             u = (m / bc1) / denom + weight_decay * p
-        new_p.append(p - lr * u)
-        new_m.append(m)
-        new_v.append(v)
-    return new_p, new_m, new_v
+        return p - lr * u, m, v
+
+    return per_tensor(one, (f64(params), f64(grads), f64(exp_avgs), norms), outputs=3)
 
 
 def larc_grads(
@@ -171,13 +165,14 @@ def larc_grads(
         if clip: a = min(a / lr, 1)
         g = (g + wd * p) * a
     """
-    out = []
-    for p, g in zip(_f64(params), _f64(grads)):
+
+    def one(p: torch.Tensor, g: torch.Tensor) -> tuple:
         pn, gn = float(torch.linalg.vector_norm(p)), float(torch.linalg.vector_norm(g))
         if pn != 0 and gn != 0:
             a = trust_coefficient * pn / (gn + pn * weight_decay + eps)
             if clip:
                 a = min(a / lr, 1.0)
             g = (g + weight_decay * p) * a
-        out.append(g)
-    return out
+        return (g,)
+
+    return per_tensor(one, (f64(params), f64(grads)), outputs=1)[0]
