@@ -32,10 +32,11 @@ The float64 references: ``fp16kit/numerics/reference/kernels.py`` (unscale, l2no
 optimizers), ``histogram.py``, ``state8.py``, ``bf16_weights.py``.
 
 May import: torch, triton, numpy and ``fp16kit._versions``; nothing else of fp16kit. Inside (pinned by
-``tests/test_layering.py``): the public modules above import the sides and the engine; ``triton/`` and
-``fallback/`` import the engine (and ``state8/``, ``bf16_weights/``), never each other's operations or the public
-modules; the engine imports only ``backend.py``. Other packages of fp16kit import the names of this module (and the
-public modules ``ops``, ``optimizers``, ``histogram``, ``found_inf``, ``library``), never the folders.
+``tests/test_layering.py``): the public modules above import the folders; ``triton/`` imports the engine, ``state8/``
+and ``bf16_weights/``; ``state8/`` and ``bf16_weights/`` import the engine and ``fallback/``; ``fallback/`` imports only
+the engine, which imports only ``backend.py`` (and ``fp16kit._versions``); no folder imports the public ops (``ops``,
+``optimizers``, ``histogram``, ``library``, ``found_inf``). Other packages of fp16kit import the names of this module
+(and the public modules ``ops``, ``optimizers``, ``histogram``, ``found_inf``, ``library``), never the folders.
 """
 
 from . import library  # registers the fp16kit:: dispatcher ops (torch.ops.fp16kit.*)
