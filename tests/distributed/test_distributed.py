@@ -1,7 +1,7 @@
 """fp16kit on torch.distributed: FSDP2 (DTensor), ZeRO-1, sharded loss scaling, sharded checkpoints.
 
 One spawned job per world size (2 and 4 processes, gloo on 127.0.0.1, a hard timeout) runs every check in
-``engine/checks.py`` and saves each rank's results; the tests below only read them (process start-up dominates the
+``_checks.py`` and saves each rank's results; the tests below only read them (process start-up dominates the
 cost, so everything shares one start).
 
 The ulp budget for sharded LAMB vs one process (same gradients; u = 2^-24, fp32 unit roundoff). The two

@@ -11,7 +11,7 @@ threads by OpenMP (one parallel region per stage). It needs a C++ compiler and n
     fp16kit.kernels.fallback.lamb_native.enable()
 
 Only contiguous fp32 params/grads/moments without a model copy take it; everything else (and every call
-when it is not enabled, not built yet, or failed to build) goes to the torch path (``fallback/step.py``,
+when it is not enabled, not built yet, or failed to build) goes to the torch path (``fallback/lamb.py``,
 itself fast on the CPU: torch's fused Adam kernel does LAMB's stage 1). A set ``found_inf`` is read directly:
 CPU tensors have no queue to drain.
 
