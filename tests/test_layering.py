@@ -25,6 +25,14 @@ def _modules() -> list[Path]:
     return [*files, ROOT / "amp_C.py", ROOT / "multi_tensor_apply.py"]
 
 
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module ``from <dots><module> import ...`` names, written in a module of ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _kernel_imports(source: str, package: str) -> list[tuple[int, str]]:
     """``(line, dotted target)`` of every import in ``source`` (a module of ``package``) that reaches into
     ``fp16kit.kernels``, absolute or relative."""
@@ -33,11 +41,7 @@ def _kernel_imports(source: str, package: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.startswith("fp16kit.kernels")]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = _absolute(node, package)
             if module == "fp16kit.kernels":
                 found += [(node.lineno, f"{module}.{a.name}") for a in node.names]
             elif module.startswith("fp16kit.kernels."):
@@ -162,11 +166,7 @@ def module_imports(name: str) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = _absolute(node, package)
             for a in node.names:
                 found.add(f"{module}.{a.name}" if f"{module}.{a.name}" in MODULES else module)
     return {m for m in found if m in MODULES and m != name and not name.startswith(m + ".")}

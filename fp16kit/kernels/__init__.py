@@ -28,8 +28,8 @@ The map (``fp16kit/kernels/``)::
     bf16_weights/  bf16 weights without fp32 masters (split halves, stochastic rounding): modes.py holds the
                    rule, the device functions and the torch twin; reference fp16kit/numerics/reference/bf16_weights.py
 
-The float64 references: ``fp16kit/numerics/reference/kernels.py`` (unscale, l2norm, copy), ``optim.py`` (the
-optimizers), ``histogram.py``, ``state8.py``, ``bf16_weights.py``.
+The float64 references: ``fp16kit/numerics/reference/kernels.py`` (unscale, l2norm, copy), ``optim.py`` (LAMB, Adam, the
+check-and-norm pass), ``optim_apex.py`` (SGD, Adagrad, NovoGrad), ``histogram.py``, ``state8.py``, ``bf16_weights.py``.
 
 May import: torch, triton, numpy and ``fp16kit._versions``; nothing else of fp16kit. Inside (pinned by
 ``tests/test_layering.py``): the public modules above import the folders; ``triton/`` imports the engine, ``state8/``

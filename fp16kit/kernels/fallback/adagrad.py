@@ -1,7 +1,15 @@
 """Torch twin of the Adagrad kernel (``fp16kit/kernels/triton/adagrad.py``): the same contract and math.
 
-The float64 reference is ``fp16kit/numerics/reference/optim.py``; the step around the rule is
+The float64 reference is ``fp16kit/numerics/reference/optim_apex.py``; the step around the rule is
 ``fp16kit/kernels/fallback/apex_step.py``'s.
+
+Per element, in the kernel's order (``g`` the unscaled grad, ``h`` the sum of squares)::
+
+    if l2_mode:    g = g + wd * p
+    h = h + g * g
+    u = g / (sqrt(h) + eps)
+    if decoupled:  u = u + wd * p
+    p = p + (-lr) * u
 """
 
 from __future__ import annotations

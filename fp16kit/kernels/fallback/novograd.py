@@ -1,8 +1,16 @@
 """Torch twin of the NovoGrad kernel (``fp16kit/kernels/triton/novograd.py``): the same contract and math.
 
-The float64 reference is ``fp16kit/numerics/reference/optim.py``; the step around the rule is
+The float64 reference is ``fp16kit/numerics/reference/optim_apex.py``; the step around the rule is
 ``fp16kit/kernels/fallback/apex_step.py``'s. ``per_tensor_norms`` is the twin of its norms' and max norms'
 kernels.
+
+Per element, in the kernel's order (``g`` the unscaled grad, ``d`` its tensor's ``v / bc2 + eps``)::
+
+    if reg_inside_moment:  g = g / d + wd * p
+    m = beta1 * m + beta3 * g
+    u = m / bc1
+    if not reg_inside_moment:  u = u / d + wd * p
+    p = p + (-lr) * u
 """
 
 from __future__ import annotations

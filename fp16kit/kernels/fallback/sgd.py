@@ -1,7 +1,15 @@
 """Torch twin of the SGD kernel (``fp16kit/kernels/triton/sgd.py``): the same contract and math.
 
-The float64 reference is ``fp16kit/numerics/reference/optim.py``; the step around the rule is
+The float64 reference is ``fp16kit/numerics/reference/optim_apex.py``; the step around the rule is
 ``fp16kit/kernels/fallback/apex_step.py``'s.
+
+Per element, in the kernel's order (``g`` the unscaled grad, ``m`` the momentum buffer)::
+
+    if weight_decay and not wd_after_momentum:  g = g + wd * p
+    m = g on the first step, else momentum * m + (1 - dampening) * g
+    g = g + momentum * m if nesterov else m
+    if weight_decay and wd_after_momentum:      g = g + wd * p
+    p = p + (-lr) * g
 """
 
 from __future__ import annotations
