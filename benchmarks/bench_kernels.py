@@ -155,7 +155,9 @@ HOST_SIZES = (40, 400, 4000)
 
 def _host_cases(n: int) -> dict[str, dict[str, Callable[[], object]]]:
     """{case: {implementation: callable}} on ``n`` tiny CPU tensors (the first implementation is fp16kit's)."""
-    from fp16kit.kernels import _plan, _table, ops, optimizers
+    from fp16kit.kernels import ops, optimizers
+    from fp16kit.kernels.engine import plan as _plan
+    from fp16kit.kernels.engine import table as _table
 
     g32 = [torch.ones(4) for _ in range(n)]
     g16 = [torch.ones(4, dtype=torch.float16) for _ in range(n)]

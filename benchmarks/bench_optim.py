@@ -158,7 +158,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def _foreach(step: Callable[[], object]) -> None:
-    from fp16kit.kernels.optim_fallback import foreach_only
+    from fp16kit.kernels.fallback.step import foreach_only
 
     with foreach_only():
         step()
@@ -244,7 +244,7 @@ def cpu_section(rounds: int, quick: bool, native: bool) -> list[str]:
     lines = ["## CPU", ""]
     native_ok = False
     if native:
-        from fp16kit.kernels import cpu_native as _cpu_native
+        from fp16kit.kernels.fallback import lamb_native as _cpu_native
 
         t0 = time.perf_counter()
         native_ok = _cpu_native.enable()
@@ -296,7 +296,7 @@ def cpu_section(rounds: int, quick: bool, native: bool) -> list[str]:
             with use_backend("torch"):
                 times = interleaved(steps, rounds, lambda: None)
                 if native_ok and not master:
-                    from fp16kit.kernels import cpu_native as _cpu_native
+                    from fp16kit.kernels.fallback import lamb_native as _cpu_native
 
                     _cpu_native.enable(False)
                     times["fp16kit FusedLAMB (torch path, native off)"] = interleaved(

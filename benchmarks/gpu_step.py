@@ -85,7 +85,7 @@ def profile_step(name: str, scaler: bool) -> tuple[int, int, int]:
 
 #: Host-time variants of fp16kit's device step: (label, optimizer, replay steady steps, bound launches): the
 #: steady-state replay (fp16kit/optim/_base.py) and Triton's C launcher called with arguments bound once
-#: (fp16kit/kernels/_launch.py, FP16KIT_BOUND_LAUNCH=1) against the full path every step took before them.
+#: (fp16kit/kernels/engine/launch.py, FP16KIT_BOUND_LAUNCH=1) against the full path every step took before them.
 HOST_VARIANTS = [
     ("FusedAdam, full path", "FusedAdam", False, False),
     ("FusedAdam, replay", "FusedAdam", True, False),

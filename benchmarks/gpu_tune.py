@@ -15,7 +15,20 @@ from pathlib import Path
 import torch
 import triton.testing
 
-from fp16kit.kernels import _table, adam_kernel, l2norm_kernel, lamb_kernel, unscale_and_check, unscale_kernel
+from fp16kit.kernels import unscale_and_check
+from fp16kit.kernels.engine import table as _table
+from fp16kit.kernels.triton import (
+    adam as adam_kernel,
+)
+from fp16kit.kernels.triton import (
+    l2norm as l2norm_kernel,
+)
+from fp16kit.kernels.triton import (
+    lamb as lamb_kernel,
+)
+from fp16kit.kernels.triton import (
+    unscale as unscale_kernel,
+)
 from fp16kit.optim import FusedAdam, FusedLAMB
 
 KERNEL_MODULES = (adam_kernel, lamb_kernel, l2norm_kernel, unscale_kernel)

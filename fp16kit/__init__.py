@@ -6,6 +6,9 @@
 format facts, Hypothesis strategies and ulp assertions used to test them.
 Importing fp16kit needs neither a GPU nor Triton nor Hypothesis. It warns once when torch or Triton is outside
 the tested range (``fp16kit._versions``, docs/compat.md).
+
+May import: ``fp16kit._versions`` at import time; the subpackages load lazily on first use. The import directions
+between the subpackages are the table of ``tests/test_layering.py``.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ _K = "fp16kit/kernels/"
 #: name -> (file, functions ("name" or "Class.name"), the pytest arguments of the tests that cover them: node ids,
 #: fastest first; each subset runs in well under a minute unmutated on an idle core)
 TARGETS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
-    "state8": (_K + "state8.py", (
+    "state8": (_K + "state8/rule.py", (
         "_host_book", "book", "num_blocks", "_offset", "_host_lut", "_lut", "_high_halves", "_codes", "_quotients",
         "quantize", "quantize_into", "dequantize", "uses_state8", "_align16", "new_state", "absmax_of",
         "check_room", "to_state8", "from_state8"), (
@@ -64,7 +64,7 @@ TARGETS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         _S8 + "test_step_is_the_fp32_rule_on_dequantized_state_then_the_spec_quantizer",
         _S8 + "test_checkpoints_round_trip_and_convert", _S8 + "test_bad_checkpoints_and_arguments_are_named",
         "tests/test_mutation_kills.py")),
-    "state8_fallback": (_K + "optim_fallback_state8.py", (
+    "state8_fallback": (_K + "state8/fallback.py", (
         "_dequantized", "_requantize", "adam8_", "_adam_chunk", "_cpu_rows", "_picker", "_chunk", "lamb8_stage1",
         "_lamb8_direction_cpu", "lamb8_"), (
         _S8 + "test_step_is_the_fp32_rule_on_dequantized_state_then_the_spec_quantizer",
@@ -75,13 +75,13 @@ TARGETS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         _CPU8 + "test_cpu_path_is_the_masked_sequence_bit_for_bit[adam_l2-dtype0]",
         _CPU8 + "test_cpu_path_is_the_masked_sequence_bit_for_bit[lamb_l2_nvlamb-dtype1]",
         "tests/test_mutation_kills.py")),
-    "state8_triton": (_K + "_state8.py", (
+    "state8_triton": (_K + "state8/triton.py", (
         "_search", "quantize_block", "dequantize_block", "_block_span", "_absmax_pointer", "_load_moment",
         "_store_moment", "load_state", "store_state"), (
         _Q + "test_triton_ties_every_midpoint",
         _S8 + "test_triton_matches_torch_bit_for_bit[dtype0-adam]",
         _S8 + "test_triton_matches_torch_bit_for_bit[dtype1-lamb]")),
-    "bf16_weights": (_K + "_bf16_weights.py", (
+    "bf16_weights": (_K + "bf16_weights/modes.py", (
         "Bf16Weights.offset", "Bf16Weights.epilogue", "epilogue_mode", "launch_arguments", "row_table", "low_rows",
         "split_halves", "join_halves", "_mul_hi_lo", "philox_uint32", "_philox_rounds", "stochastic_round",
         "stochastic_round_list", "_local_index", "round_with_bits", "fallback_step", "widen", "epilogue_rows",
@@ -96,18 +96,18 @@ TARGETS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         _BF + "test_fp32_params_beside_bf16_ones_are_updated_directly",
         _BF + "test_stochastic_update_of_shards_with_offsets_equals_the_whole_update",
         "-m", "not interpreter and not gpu", "tests/test_mutation_kills.py")),
-    "bf16_triton": (_K + "_bf16_weights.py", (
+    "bf16_triton": (_K + "bf16_weights/modes.py", (
         "load_master", "rng_step", "_split_bits", "_stochastic_bits", "store_weights"), (
         _BF + "test_triton_device_functions_equal_the_torch_twins",
         _BF + "test_split_equals_fp32_masters_bit_for_bit_triton[host-vector-plain-adam]",
         _BF + "test_stochastic_step_is_the_rule_applied_to_the_fp32_result[adam-triton]")),
-    "rounding": (_K + "_rounding.py", ("round_to", "to_fp32"), (
+    "rounding": (_K + "engine/rounding.py", ("round_to", "to_fp32"), (
         _BF + "test_triton_device_functions_equal_the_torch_twins",
         _S8 + "test_triton_matches_torch_bit_for_bit[dtype1-adam]",
         "tests/test_mutation_kills.py::test_the_kernels_write_nan_as_the_canonical_bf16_nan",
         "tests/test_mutation_kills.py::test_the_kernels_round_exact_ties_to_even_as_torch_does",
         "tests/test_mutation_kills.py::test_the_kernels_round_to_fp16_as_torch_does")),
-    "step_scalars": (_K + "_step_scalars.py", (
+    "step_scalars": (_K + "engine/step_scalars.py", (
         "DeviceStep.hp64", "DeviceStep.arguments", "split3_cached", "split3", "join3", "pow_int", "finish_ticket",
         "next_step", "bias_correction64", "lr64", "inv_scale64", "advance_step"), (
         "tests/kernels/test_step_scalars.py", _DS + "test_skipped_step_does_not_advance_and_counts",

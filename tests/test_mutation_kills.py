@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp16kit.kernels import Bf16Weights, DeviceStep, copy_, step_check, use_backend
-from fp16kit.kernels._bf16_weights import (
+from fp16kit.kernels.bf16_weights.modes import (
     PLAIN,
     SPLIT,
     STOCHASTIC,
@@ -33,7 +33,7 @@ def _on_both_backends(run):
     return out
 
 
-# fp16kit/kernels/_bf16_weights.py:116:4:return_none, :116:71:const_int (epilogue_mode)
+# fp16kit/kernels/bf16_weights/modes.py:116:4:return_none, :116:71:const_int (epilogue_mode)
 def test_epilogue_constexprs_and_launch_arguments_of_each_mode():
     bf, fp = [torch.zeros(3, dtype=torch.bfloat16)], [torch.zeros(3)]
     assert epilogue_mode(None, bf, True) == PLAIN.value
@@ -59,7 +59,7 @@ def test_epilogue_constexprs_and_launch_arguments_of_each_mode():
     assert Bf16Weights("stochastic", offsets=(0, 4096)).offset(1) == 4096 and Bf16Weights("split").offset(3) == 0
 
 
-# fp16kit/kernels/_step_scalars.py:75:54:const_bool, :75:74:const_bool (the legacy layout's constexprs)
+# fp16kit/kernels/engine/step_scalars.py:75:54:const_bool, :75:74:const_bool (the legacy layout's constexprs)
 def test_a_host_vector_gives_placeholders_and_every_device_flag_off():
     hp = torch.zeros(11)
     ptr, scalars, flags = DeviceStep.arguments(hp, None, ("lr", "beta1"))
@@ -98,7 +98,7 @@ def test_a_compiled_step_never_takes_the_device_path(monkeypatch):
     assert opt._on_device(cpu) is False
 
 
-# fp16kit/kernels/_bf16_weights.py:293:65:const_int (stochastic_round)
+# fp16kit/kernels/bf16_weights/modes.py:293:65:const_int (stochastic_round)
 def test_stochastic_round_of_one_tensor_is_the_list_rule():
     x = torch.linspace(-3, 3, 37)
     step = torch.tensor([4.0])
@@ -187,7 +187,7 @@ def test_a_kernel_step_bumps_the_version_of_both_moments():
     assert m._version > before[0] and v._version > before[1]
 
 
-# fp16kit/kernels/_rounding.py:30:35:const_int (round_to: torch's canonical bf16 NaN)
+# fp16kit/kernels/engine/rounding.py:30:35:const_int (round_to: torch's canonical bf16 NaN)
 @pytest.mark.interpreter
 def test_the_kernels_write_nan_as_the_canonical_bf16_nan():
     dst = torch.zeros(3, dtype=torch.bfloat16)
@@ -195,7 +195,7 @@ def test_the_kernels_write_nan_as_the_canonical_bf16_nan():
     assert dst.view(torch.int16).tolist() == [0x7FC0, 0x3F80, 0x7FC0]
 
 
-# fp16kit/kernels/_bf16_weights.py:316:61:binop_RShift, :316:70:const_int (stochastic_round_list: which bits)
+# fp16kit/kernels/bf16_weights/modes.py:316:61:binop_RShift, :316:70:const_int (stochastic_round_list: which bits)
 def test_each_element_takes_its_documented_sixteen_random_bits():
     n, seed, row, stream, step = 21, 5, 3, 2, torch.tensor([9.0])
     x = torch.linspace(-2, 2, n)
@@ -208,7 +208,7 @@ def test_each_element_takes_its_documented_sixteen_random_bits():
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-# fp16kit/kernels/_rounding.py:29:19:binop_Add, :29:26:const_int (round_to: ties go to the even mantissa)
+# fp16kit/kernels/engine/rounding.py:29:19:binop_Add, :29:26:const_int (round_to: ties go to the even mantissa)
 @pytest.mark.interpreter
 def test_the_kernels_round_exact_ties_to_even_as_torch_does():
     ties = [1 + 2.0**-8, 1 + 3 * 2.0**-8, 2 + 2.0**-7, 1.5 + 2.0**-8, 1.0 + 2.0**-9, 3 * 2.0**-135]
@@ -218,7 +218,7 @@ def test_the_kernels_round_exact_ties_to_even_as_torch_does():
     assert torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
 
 
-# fp16kit/kernels/_step_scalars.py:175:8:return_none (inv_scale64: a GradScaler's scale read on the device)
+# fp16kit/kernels/engine/step_scalars.py:175:8:return_none (inv_scale64: a GradScaler's scale read on the device)
 @pytest.mark.interpreter
 def test_a_device_step_unscales_by_the_handed_over_scale_like_the_host_step():
     def run():
@@ -247,7 +247,7 @@ def test_each_overridden_op_is_named_by_the_best_ranked_callable_of_its_row():
     assert several  # some op is reached by callables of different ranks (the rule is exercised)
 
 
-# fp16kit/kernels/_step_scalars.py:159:27:const_float_x2 (bias_correction64 without bias correction)
+# fp16kit/kernels/engine/step_scalars.py:159:27:const_float_x2 (bias_correction64 without bias correction)
 @pytest.mark.interpreter
 def test_a_device_step_without_bias_correction_equals_the_host_step():
     def run():
@@ -310,7 +310,7 @@ def test_the_cuda_kernels_live_rows_are_dropped_when_the_row_is_restored():
             _dispatch.uninstall()
 
 
-# fp16kit/kernels/_rounding.py:33:8:return_none (round_to: fp16 outputs use Triton's own cast)
+# fp16kit/kernels/engine/rounding.py:33:8:return_none (round_to: fp16 outputs use Triton's own cast)
 @pytest.mark.interpreter
 def test_the_kernels_round_to_fp16_as_torch_does():
     src = torch.tensor([1 + 2.0**-11, 1 + 3 * 2.0**-11, 70000.0, 2.0**-25, -0.1, float("nan")])

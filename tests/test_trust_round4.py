@@ -535,15 +535,15 @@ def test_item7g_state_bits_8_with_only_small_tensors_warns_once_naming_the_thres
 def test_item7e_cpu_scratch_stays_within_the_documented_bound(monkeypatch):
     """docs/optim.md ("Transient and process-wide memory"): the CPU fallback's fp32 scratch buffers hold at most
     ``65536 + 2 * max(65536, N_max) + max(65536, N_small)`` elements, whatever the model's size."""
-    from fp16kit.kernels import optim_fallback
+    from fp16kit.kernels.fallback import scratch as fb_scratch
 
-    monkeypatch.setattr(optim_fallback, "_scratch", {})
-    monkeypatch.setattr(optim_fallback, "_views", {})
+    monkeypatch.setattr(fb_scratch, "_scratch", {})
+    monkeypatch.setattr(fb_scratch, "_views", {})
     sizes = [200_000, 70_000, 5000, 300, 300]
     params = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in sizes]
     opt = FusedLAMB(params, lr=0.01, master_weights=True)
     for p in params:
         p.grad = torch.randn(p.shape).bfloat16()
     opt.step()
-    held = sum(t.numel() for t in optim_fallback._scratch.values())
+    held = sum(t.numel() for t in fb_scratch._scratch.values())
     assert 0 < held <= 65536 + 2 * max(65536, max(sizes)) + max(65536, sum(n for n in sizes if n < 16384))

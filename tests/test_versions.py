@@ -178,7 +178,7 @@ def test_interpreted_kernels_loop_over_programs_on_this_triton():
     import triton
     import triton.language as tl
 
-    import fp16kit.kernels._chunks  # noqa: F401  (every kernel module imports it: it applies the patch)
+    import fp16kit.kernels.engine.chunks  # noqa: F401  (every kernel module imports it: it applies the patch)
 
     @triton.jit
     def strided_copy(src, dst, n):

@@ -17,6 +17,9 @@ torch style::
 
 Names resolve lazily to the module that defines them (one job per module), so importing
 ``fp16kit.amp`` is cheap and each part can be used alone.
+
+May import: ``fp16kit.kernels`` (its public names), ``fp16kit.optim``, ``fp16kit.amp_C``, ``fp16kit.distributed``,
+``fp16kit.numerics``, ``fp16kit._versions``, ``fp16kit._lazy``; never the demo, the doctor or the integrations.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ Two tasks (``--task``):
   apex opt levels O0-O3 and O2 in bf16. Needs scikit-learn and matplotlib.
 
 Both come with the ``demo`` extra: ``pip install "fp16kit[demo]"``.
+
+May import: ``fp16kit.amp``, ``fp16kit.optim``, ``fp16kit.doctor``, ``fp16kit.kernels``, ``fp16kit.numerics`` (an
+application of the library: nothing of the library imports the demo, except the command lines).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ holds one local shard. fp16kit's kernels run on those local shards (``local``). 
 shards: the *shard group* (``shard_group``). ZeRO-1 (``ZeroRedundancyOptimizer``) partitions whole
 parameters instead; there the group is given explicitly (``process_group=``) and only the model-wide
 sums (global norm, inf flag) are combined. See ``docs/distributed.md``.
+
+May import: torch and ``fp16kit._versions`` / ``fp16kit._lazy`` only (the optimizers and amp build on it).
 """
 
 from __future__ import annotations

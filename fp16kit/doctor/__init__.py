@@ -17,6 +17,9 @@ The histograms are accumulated on the device by ``fp16kit.kernels.exponent_histo
 back to the host until ``report()``. What a step is, what is sampled: ``fp16kit/doctor/_watch.py``; the
 classification and its rounding rule: ``fp16kit/doctor/_report.py``; how to read the picture:
 ``docs/doctor.md``.
+
+May import: ``fp16kit.kernels`` (``exponent_histogram``), ``fp16kit.amp``, ``fp16kit.numerics``; its command line
+(``fp16kit/doctor/cli.py``, an entry point like ``fp16kit/__main__.py``) may also run the demo.
 """
 
 from ._report import (

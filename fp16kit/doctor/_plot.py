@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ._report import CLASSES, format_limits
+from ._classes import CLASSES, format_limits
 
 if TYPE_CHECKING:
     from ._report import Report

@@ -55,11 +55,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..numerics.formats import format_of
+from ._classes import CLASSES, format_limits
 
 __all__ = ["CLASSES", "NOISE_BINADES", "Entry", "FormatReport", "Report", "classify", "format_limits", "keep_fp32"]
-
-CLASSES = ("flush", "subnormal", "normal", "overflow")
 
 #: Exponent range of the accumulated (unscaled) histograms: an fp32 value's exponent (-149..127) minus a
 #: scale exponent (an fp32 scale is 2^-149 .. 2^127).
@@ -70,12 +68,6 @@ _SCALE_MIN_EXP, _SCALE_MAX_EXP = -149, 127  # powers of two an fp32 loss scale c
 #: a parameter gradient this many binades below another gradient of its module is rounding noise (see above)
 NOISE_BINADES = 12
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-
-def format_limits(dtype: torch.dtype) -> tuple[int, int, int]:
-    """``(sub, norm, top)``: exponents of the smallest subnormal, the smallest normal and the largest binade."""
-    fmt = format_of(dtype)
-    return int(math.log2(fmt.min_subnormal)), fmt.min_exponent, math.floor(math.log2(fmt.max))
 
 
 def check_report_args(dtype: torch.dtype, keep: float, fp32_threshold: float) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._report import CLASSES
+from ._classes import CLASSES
 
 if TYPE_CHECKING:
     from ._report import FormatReport, Report

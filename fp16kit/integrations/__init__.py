@@ -14,6 +14,9 @@ Torch-style mixed precision (``Trainer(fp16=True / bf16=True)``, ``Accelerator(m
 integration: pass fp16kit's optimizers and it works (docs/trainer.md). Importing this package imports neither
 transformers, accelerate nor lightning (``integrations.transformers`` imports transformers,
 ``integrations.lightning`` lightning; ``integrations.accelerate`` needs only the accelerator object it is given).
+
+May import: ``fp16kit.amp``, ``fp16kit.optim`` and the frameworks they integrate with; nothing of fp16kit
+imports the integrations.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_flag
+from .engine.checks import check_flag
 
 __all__ = [
     "CHECKS_INF_ATTR",

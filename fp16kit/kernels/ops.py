@@ -14,13 +14,16 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _plan, fallback
-from ._checks import check_flag, check_scalar_tensor, check_tensor_list, resolve_inputs
-from ._table import index_tensor, playing
+from .engine import plan as _plan
+from .engine.checks import check_flag, check_scalar_tensor, check_tensor_list, resolve_inputs
+from .engine.table import index_tensor, playing
+from .fallback import copy as fb_copy
+from .fallback import l2norm as fb_l2norm
+from .fallback import unscale as fb_unscale
 
 __all__ = ["copy_", "forget_autocast_casts", "l2norm", "unscale_and_check"]
 
-# The rows of each op, for the planner (fp16kit/kernels/_plan.py): validation, grouping and the cache.
+# The rows of each op, for the planner (fp16kit/kernels/engine/plan.py): validation, grouping and the cache.
 _UNSCALE = _plan.Spec("unscale_and_check", ("tensors",), written=(0,), key_rows=(0,))
 _UNSCALE_OUT = _plan.Spec("unscale_and_check", ("tensors", "out"), written=(1,), key_rows=(0, 1))
 _L2NORM = _plan.Spec("l2norm", ("tensors",), written=(), key_rows=(0,))
@@ -147,10 +150,10 @@ def unscale_and_check(
     if not plan.kernel and not with_norm and len(plan.rest) == 1 and not plan.neg_inputs:
         direct = plan.rest[0].memo.get("direct")
         if direct is None:
-            in_place = fallback.in_place_pairs(inputs, outputs)
-            direct = plan.rest[0].memo["direct"] = fallback.fused_unscale_mode(inputs, outputs, in_place)
+            in_place = fb_unscale.in_place_pairs(inputs, outputs)
+            direct = plan.rest[0].memo["direct"] = fb_unscale.fused_unscale_mode(inputs, outputs, in_place)
         if direct:  # the common torch-backend call: torch's own fused op, nothing else per tensor
-            fallback.fused_unscale_(inputs, outputs, direct == "widen", _scale32(inv_scale, device), found_inf)
+            fb_unscale.fused_unscale_(inputs, outputs, direct == "widen", _scale32(inv_scale, device), found_inf)
             _bump([found_inf, *outputs])  # torch's fused unscale bumps no version (it writes behind autograd)
             return
     if plan.neg_inputs:  # resolved into temporaries (new addresses every call): no recorded tables for them
@@ -159,7 +162,7 @@ def unscale_and_check(
     flag = found_inf.reshape(1)
     partials = []
     if plan.kernel:
-        from .unscale_kernel import launch_unscale
+        from .triton.unscale import launch_unscale
 
         for g in plan.kernel:
             with playing(None if plan.neg_inputs else g.tape):
@@ -170,10 +173,10 @@ def unscale_and_check(
         ins, outs = g.pick(inputs), g.pick(outputs)
         in_place = g.memo.get("in_place")
         if in_place is None or plan.neg_inputs:
-            in_place = fallback.in_place_pairs(ins, outs)
+            in_place = fb_unscale.in_place_pairs(ins, outs)
             if not plan.neg_inputs:
                 g.memo["in_place"] = in_place
-        p = fallback.unscale(ins, outs, scale, flag, with_norm, in_place=in_place)
+        p = fb_unscale.unscale(ins, outs, scale, flag, with_norm, in_place=in_place)
         if p is not None:
             partials.append(p)
     if sq_norm is not None and partials:
@@ -243,17 +246,17 @@ def l2norm(
 
     sumsq = torch.zeros(len(tensors), dtype=torch.float64, device=device)
     if plan.kernel:
-        from .l2norm_kernel import launch_sumsq, segment_sums
+        from .triton.l2norm import launch_sumsq, segment_sums
 
         for g in plan.kernel:
             with playing(g.tape):
                 partials, table = launch_sumsq(g.pick(tensors), scale, flag)
             _scatter(sumsq, g, segment_sums(partials, table))
     for g in plan.rest:
-        ys = fallback.scaled(g.pick(tensors), scale)
-        _scatter(sumsq, g, fallback.sumsq_per_tensor(ys))
+        ys = fb_unscale.scaled(g.pick(tensors), scale)
+        _scatter(sumsq, g, fb_l2norm.sumsq_per_tensor(ys))
         if flag is not None:
-            fallback.flag_nonfinite_(ys, flag)  # ys are our own temporaries
+            fb_unscale.flag_nonfinite_(ys, flag)  # ys are our own temporaries
     if found_inf is not None:
         _bump([found_inf])
     total = sumsq.sum().sqrt().float()
@@ -289,7 +292,7 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
         return
     srcs = resolve_inputs(list(src)) if plan.neg_inputs else src
     if plan.kernel:
-        from .copy_kernel import launch_copy
+        from .triton.copy import launch_copy
 
         for g in plan.kernel:
             dsts = g.pick(dst)
@@ -297,5 +300,5 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
                 launch_copy(dsts, g.pick(srcs))
             _bump(dsts)
     for g in plan.rest:
-        fallback.copy_(g.pick(dst), g.pick(srcs))  # torch's _foreach_copy_ bumps the destinations itself
+        fb_copy.copy_(g.pick(dst), g.pick(srcs))  # torch's _foreach_copy_ bumps the destinations itself
     forget_autocast_casts()

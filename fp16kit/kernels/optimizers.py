@@ -32,12 +32,23 @@ from typing import Any
 
 import torch
 
-from . import _bf16_weights, _launch, _plan, cpu_native, optim_fallback, optim_fallback_apex
-from ._bf16_weights import Bf16Weights, join_halves, split_halves, stochastic_round
-from ._results import StepVerify
-from ._step_scalars import DeviceStep
-from ._table import playing
 from .backend import Backend, select_backend
+from .bf16_weights import modes as _bf16_weights
+from .bf16_weights.modes import Bf16Weights, join_halves, split_halves, stochastic_round
+from .engine import launch as _launch
+from .engine import plan as _plan
+from .engine.results import StepVerify
+from .engine.step_scalars import DeviceStep
+from .engine.table import playing
+from .fallback import adagrad as fb_adagrad
+from .fallback import adam as fb_adam
+from .fallback import apex_step as fb_apex_step
+from .fallback import l2norm as fb_l2norm
+from .fallback import lamb as fb_lamb
+from .fallback import lamb_native as cpu_native
+from .fallback import novograd as fb_novograd
+from .fallback import sgd as fb_sgd
+from .fallback import step as fb_step
 from .ops import _L2NORM, l2norm
 
 __all__ = [
@@ -149,7 +160,7 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
     any inf/NaN among the unscaled values: the check pass before an optimizer update.
 
     Triton backends: :func:`fp16kit.kernels.l2norm` (one read of the grads). Torch backend: the native CPU pass
-    when enabled (``cpu_native.takes_grads``), else ``optim_fallback.check_and_norm`` (``torch._foreach_norm``),
+    when enabled (``cpu_native.takes_grads``), else ``fb_l2norm.check_and_norm`` (``torch._foreach_norm``),
     which unlike ``l2norm``'s fallback materializes no scaled copy. Empty tensors add nothing.
     """
     grads = [g for g in grads if g.numel()]
@@ -159,7 +170,7 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
         return l2norm(grads, pre_scale=inv_scale64.float(), found_inf=found_inf)
     if cpu_native.takes_grads(grads):
         return cpu_native.check_and_norm(grads, inv_scale64, found_inf)
-    return optim_fallback.check_and_norm(grads, inv_scale64, found_inf)
+    return fb_l2norm.check_and_norm(grads, inv_scale64, found_inf)
 
 
 def step_check(
@@ -184,7 +195,7 @@ def step_check(
     plan = _plan.plan(_L2NORM, (grads,))  # empty grads are left out of every group (they add nothing)
     if plan.rest or len(plan.kernel) != 1:
         return False
-    from .l2norm_kernel import launch_step_check
+    from .triton.l2norm import launch_step_check
 
     (g,) = plan.kernel
     with playing(g.tape):
@@ -230,9 +241,9 @@ def _lamb_or_adam(
             device_step.step.add_((flag == 0).to(device_step.step.dtype))
     if plan.kernel:
         if kind == "lamb":
-            from .lamb_kernel import launch_lamb as launch
+            from .triton.lamb import launch_lamb as launch
         else:
-            from .adam_kernel import launch_adam as launch
+            from .triton.adam import launch_adam as launch
         last = len(plan.kernel) - 1
         hp32 = hp64.float() if device_step is None else None
         for i, g in enumerate(plan.kernel):
@@ -246,15 +257,15 @@ def _lamb_or_adam(
             with playing(g.tape):
                 launch(*lists, chosen, hp, flag, **modes, state8=state8, **epilogue)
             # Done whether or not ``found_inf`` skipped the write on the device: a spurious bump is harmless.
-            optim_fallback.bump_versions(lists[0], lists[2], lists[3], chosen or [])
-    step_fn = optim_fallback.lamb_ if kind == "lamb" else optim_fallback.adam_
+            fb_step.bump_versions(lists[0], lists[2], lists[3], chosen or [])
+    step_fn = fb_lamb.lamb_ if kind == "lamb" else fb_adam.adam_
     for g in plan.rest:
         p = g.pick(params)
         hp = hp64 if p[0].dtype == F64 else hp64.float()
         lists = (p, g.pick(grads), g.pick(exp_avgs), g.pick(exp_avg_sqs))
         chosen = _models_of(g, models, with_models, len(p))
         if state8:  # the kernels' rounding sequence for every row, 8-bit or not: one result per backend
-            from . import optim_fallback_state8 as fb8
+            from .state8 import fallback as fb8
 
             fn8 = fb8.lamb8_ if kind == "lamb" else fb8.adam8_
             if weights is not None:
@@ -264,9 +275,9 @@ def _lamb_or_adam(
             continue
         if weights is None and kind == "lamb" and cpu_native.takes(*lists, chosen):
             cpu_native.lamb_(*lists, hp, flag, **modes)
-            optim_fallback.bump_versions(lists[0], lists[2], lists[3], [])
+            fb_step.bump_versions(lists[0], lists[2], lists[3], [])
             continue
-        fused = None if step is None else optim_fallback.FusedAdamArgs(step, hp64, g.memo if weights is None else None)
+        fused = None if step is None else fb_step.FusedAdamArgs(step, hp64, g.memo if weights is None else None)
         if weights is not None:
             _bf16_weights.fallback_step(step_fn, lists, chosen, hp, flag, modes, fused, weights, g.idx)
             continue
@@ -358,7 +369,7 @@ def check_state8(
 ) -> None:
     """The 8-bit layout the kernels rely on: a param that ``uses_state8`` has 8-bit moments made by ``to_state8``
     (codes with room for their absmax), any other fp32/fp64 moments; else ``ValueError`` naming the position."""
-    from .state8 import SMALL_NUMEL, check_room, uses_state8
+    from .state8.rule import SMALL_NUMEL, check_room, uses_state8
 
     for i, (p, m, v) in enumerate(zip(params, exp_avgs, exp_avg_sqs)):
         want = torch.uint8 if uses_state8(p) else (F64 if p.dtype == F64 else torch.float32)
@@ -450,7 +461,7 @@ def _lists(staged: LambStaged, g: _plan.Group) -> tuple[list, ...]:
 
 def _kernel_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes: dict) -> tuple:
     """``launch_lamb``'s first half (``lamb_kernel.launch_lamb_stage1``): ``(table, p_sumsq, u_sumsq)``."""
-    from .lamb_kernel import launch_lamb_stage1
+    from .triton.lamb import launch_lamb_stage1
 
     params, grads, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
     with playing(g.tape):
@@ -467,17 +478,17 @@ def _kernel_stage2(
 ) -> None:
     """``launch_lamb``'s second half (``lamb_kernel.launch_lamb_stage2``) with the completed (all-reduced)
     per-tensor sums."""
-    from .lamb_kernel import launch_lamb_stage2
+    from .triton.lamb import launch_lamb_stage2
 
     params, _, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
     models = None if models[0] is None else models
     launch_lamb_stage2(table, params, models, staged.hp64.float(), flag, u_sumsq, p_sumsq, decoupled=decoupled,
                        trust=trust, state8=staged.state8, weights=staged.weights, row_idx=_row_idx(g, staged.weights))
-    optim_fallback.bump_versions(params, exp_avgs, exp_avg_sqs, [] if models is None else models)
+    fb_step.bump_versions(params, exp_avgs, exp_avg_sqs, [] if models is None else models)
 
 
 def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes: dict) -> tuple:
-    """Stage 1 in torch ops (the math of ``optim_fallback.lamb_``), keeping ``u`` for stage 2.
+    """Stage 1 in torch ops (the math of ``fb_lamb.lamb_``), keeping ``u`` for stage 2.
 
     CPU (the skip read on the host, no queue to drain): nothing at all when skipped, else m, v updated in
     place with host-number hyper-parameters, as the kernel's stage 1 writes them. Elsewhere: m, v computed
@@ -490,18 +501,18 @@ def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes:
         params = _bf16_weights.widen(staged.weights, params, models)[1]
     if staged.state8:
         # 8-bit moments: committed here (the state tensors stand in as "new" m, v for stage 2's masked commit)
-        from .optim_fallback_state8 import lamb8_stage1
+        from .state8.fallback import lamb8_stage1
 
         p, u = lamb8_stage1(params, grads, exp_avgs, exp_avg_sqs, hp, flag, **modes)
         sums[0] = torch.stack(torch._foreach_norm(p)).to(F64).square()
         sums[1] = torch.stack(torch._foreach_norm(u)).to(F64).square()
         return hp, flag.reshape(()) != 0, p, list(exp_avgs), list(exp_avg_sqs), u, sums
-    skip = optim_fallback._skip(flag, None)
+    skip = fb_step._skip(flag, None)
     if skip is True:
         return hp, skip, None, None, None, None, sums
     scalars = hp.tolist()[1:] if skip is False else hp.unbind()[1:]
     p = [t.to(hp.dtype) for t in params]  # may alias the params: only out-of-place ops on it here
-    m, v, u = optim_fallback.lamb_direction(
+    m, v, u = fb_lamb.lamb_direction(
         p, grads, exp_avgs, exp_avg_sqs, scalars, modes["l2_mode"], modes["decoupled"], in_place=skip is False
     )
     sums[0] = torch.stack(torch._foreach_norm(p)).to(F64).square()
@@ -527,9 +538,9 @@ def _torch_stage2(
         _torch_stage2_bf16(staged.weights, g, params, exp_avgs, exp_avg_sqs, models, p, m, v, u, skip)
     elif skip is False:
         torch._foreach_sub_(p, u)
-        optim_fallback._write_params(params, models, p, False)
+        fb_step._write_params(params, models, p, False)
     else:
-        optim_fallback._finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, u, skip)
+        fb_step._finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, u, skip)
 
 
 def _torch_stage2_bf16(
@@ -545,11 +556,11 @@ def _torch_stage2_bf16(
         new = p
     else:
         new = torch._foreach_sub(p, u)
-        optim_fallback._commit(exp_avgs, m, skip)
-        optim_fallback._commit(exp_avg_sqs, v, skip)
+        fb_step._commit(exp_avgs, m, skip)
+        fb_step._commit(exp_avg_sqs, v, skip)
     written = set(mine)
     plain = [i for i in range(len(params)) if i not in written and params[i] is not new[i]]
-    optim_fallback._commit([params[i] for i in plain], [new[i] for i in plain], skip)
+    fb_step._commit([params[i] for i in plain], [new[i] for i in plain], skip)
     _bf16_weights.write_back(weights, params, models, new, mine, g.idx, skip)
 
 
@@ -605,7 +616,7 @@ def sgd_update(
     modes = {"weight_decay": weight_decay, "wd_after_momentum": wd_after_momentum, "nesterov": nesterov,
              "verify": verify}
     if plan.kernel:
-        from .sgd_kernel import launch_sgd
+        from .triton.sgd import launch_sgd
 
         for g, hp in _kernel_hps(plan, hp64):
             p = g.pick(params)
@@ -615,7 +626,7 @@ def sgd_update(
                            first_run=first_run[g.idx[0]], check=check, **modes)
     for g in plan.rest:
         p = g.pick(params)
-        optim_fallback_apex.sgd_(
+        fb_sgd.sgd_(
             p, g.pick(grads), None if bufs is None else g.pick(bufs), _models_of(g, models, with_models, len(p)),
             hp64 if p[0].dtype == F64 else hp64.float(), flag, first_run=first_run[g.idx[0]], **modes,
         )
@@ -646,7 +657,7 @@ def adagrad_update(
     flag = found_inf.reshape(1)
     modes = {"l2_mode": l2_mode, "decoupled": decoupled, "verify": verify}
     if plan.kernel:
-        from .adagrad_kernel import launch_adagrad
+        from .triton.adagrad import launch_adagrad
 
         for g, hp in _kernel_hps(plan, hp64):
             p = g.pick(params)
@@ -657,7 +668,7 @@ def adagrad_update(
     for g in plan.rest:
         p = g.pick(params)
         hp = hp64 if p[0].dtype == F64 else hp64.float()
-        optim_fallback_apex.adagrad_(
+        fb_adagrad.adagrad_(
             p, g.pick(grads), g.pick(sums), _models_of(g, models, with_models, len(p)), hp, flag, **modes
         )
 
@@ -709,7 +720,7 @@ def novograd_update(
         return not plan.rest
     flag = found_inf.reshape(1)
     if isinstance(hp64, DeviceStep):
-        from .novograd_kernel import launch_novograd
+        from .triton.novograd import launch_novograd
 
         for g, hp in _kernel_hps(plan, hp64):
             p = g.pick(params)
@@ -735,18 +746,18 @@ def novograd_update(
         v = v.to(math)
         denoms = v.to(F64) / bc2_sqrt + eps
         if verify:
-            optim_fallback_apex.raise_if_nonfinite([(v, math)], hp64[0], flag)
+            fb_apex_step.raise_if_nonfinite([(v, math)], hp64[0], flag)
         else:
             torch._foreach_copy_(vs, list(torch.where(flag != 0, v_old.to(math), v).split(1)))
         chosen = _models_of(g, models, with_models, len(p))
         if kernel:
-            from .novograd_kernel import launch_novograd
+            from .triton.novograd import launch_novograd
 
             with playing(g.tape):
                 launch_novograd(p, gs, g.pick(exp_avgs), _kernel_models(chosen), hp64.float(), denoms.float(), flag,
                                 reg_inside_moment=reg_inside_moment, verify=verify)
         else:
-            optim_fallback_apex.novograd_(p, gs, g.pick(exp_avgs), chosen, hp64.to(math), denoms.to(math), flag,
+            fb_novograd.novograd_(p, gs, g.pick(exp_avgs), chosen, hp64.to(math), denoms.to(math), flag,
                                           reg_inside_moment=reg_inside_moment, verify=verify)
 
 
@@ -755,9 +766,9 @@ def _novograd_norms(
 ) -> torch.Tensor:
     """Per-tensor norms of the unscaled grads (one multi-tensor pass), as a float64 [N] vector."""
     if not kernel:
-        return optim_fallback_apex.per_tensor_norms(grads, norm_type, inv64, F64)
+        return fb_novograd.per_tensor_norms(grads, norm_type, inv64, F64)
     if norm_type == 2:
         return l2norm(grads, per_tensor=True, pre_scale=inv64.float())[1].to(F64)
-    from .novograd_kernel import absmax_per_tensor
+    from .triton.novograd import absmax_per_tensor
 
     return absmax_per_tensor(grads, inv64.float()).to(F64)

@@ -10,6 +10,9 @@ Public, so users can test their own numeric code the way fp16kit tests its kerne
   :func:`assert_close_within` underneath), ``assert_bitwise_equal``, ``assert_nonfinite_agree``; strict about
   shape, dtype and device.
 - :mod:`~fp16kit.numerics.strategies`: Hypothesis strategies (needs ``fp16kit[testing]``; imported on use).
+
+May import: numpy, torch and hypothesis only: the references and formats are written independently of the
+kernels they check.
 """
 
 from __future__ import annotations

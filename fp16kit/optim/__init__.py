@@ -1,6 +1,9 @@
 """fp16kit.optim: FusedLAMB (apex-exact) and FusedAdam on multi-tensor Triton kernels.
 
 Names resolve lazily to their defining module.
+
+May import: ``fp16kit.kernels`` (its public names), ``fp16kit.distributed``, ``fp16kit.numerics``,
+``fp16kit._versions``, ``fp16kit._lazy``; never ``fp16kit.amp`` (amp drives the optimizers, not the other way round).
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@
 says which apex option maps to what). ``SyncBatchNorm`` synchronizes the batch statistics over the process
 group, and unlike ``torch.nn.SyncBatchNorm`` it also trains on CPU tensors (gloo), so a distributed script
 can be tested without a GPU. ``LARC`` is ``fp16kit.optim.LARC``. Names resolve lazily.
+
+May import: ``fp16kit.distributed``, ``fp16kit._versions``, ``fp16kit._lazy``, and ``fp16kit.optim`` (its LARC, loaded
+on first use).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Backend-differential tests of the optimizer steps (issue 9, item 1): the torch fallback
 (``use_backend("torch")``), the same fallback with the device-side masked commits it uses off-CPU
-(``optim_fallback.masked_commits``), and the Triton kernels under the interpreter (``use_backend("auto")``
+(``fb_step.masked_commits``), and the Triton kernels under the interpreter (``use_backend("auto")``
 with ``TRITON_INTERPRET=1``, CPU tensors) take one step from the same inputs and must agree.
 
 Hypothesis drives FusedLAMB and FusedAdam (state injected through ``load_state_dict``, so any step counter and
@@ -30,7 +30,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fp16kit.kernels import optim_fallback, use_backend
+from fp16kit.kernels import use_backend
+from fp16kit.kernels.fallback import step as fb_step
 from fp16kit.optim import FusedAdam, FusedLAMB, adam_step_, lamb_step_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "optim"))
@@ -133,7 +134,7 @@ def _backend(name):
     (device-side ``torch.where`` commits); "auto": the Triton kernels (interpreter)."""
     with use_backend("torch" if name == "masked" else name):
         if name == "masked":
-            with optim_fallback.masked_commits():
+            with fb_step.masked_commits():
                 yield
         else:
             yield

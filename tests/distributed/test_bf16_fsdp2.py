@@ -141,7 +141,7 @@ def _stochastic_vs_one_process(mesh, cls, cfg: dict) -> list[bool]:
 def _stochastic_lamb_draws(mesh) -> list[bool]:
     """Stochastic FusedLAMB with the trust ratio: a ``True`` run given the stochastic run's params and moments before
     each step computes the same fp32 values; the stochastic params are those rounded with the one-process bits."""
-    from fp16kit.kernels._bf16_weights import stochastic_round_list
+    from fp16kit.kernels.bf16_weights.modes import stochastic_round_list
     from fp16kit.optim import FusedLAMB
 
     sto, mst = _fsdp_params(mesh), _fsdp_params(mesh)

@@ -16,8 +16,9 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fp16kit.kernels import histogram_kernel as hk
-from fp16kit.kernels.histogram import _FORMATS, MIN_EXP, NUM_BINS, ZERO_BIN
+from fp16kit.kernels.engine.histogram_bins import _FORMATS
+from fp16kit.kernels.histogram import MIN_EXP, NUM_BINS, ZERO_BIN
+from fp16kit.kernels.triton import histogram as hk
 
 SIGNATURE = {"ptrs": "*i64", "numels": "*i64", "chunk_tensor": "*i64", "chunk_start": "*i64", "num_chunks": "i32",
              "rows_ptr": "*i64", "out_ptr": "*i64"}

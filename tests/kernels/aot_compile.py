@@ -26,32 +26,48 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fp16kit.kernels import (
-    _table,
-    adagrad_kernel,
-    adam_kernel,
-    copy_kernel,
-    histogram_kernel,
-    l2norm_kernel,
-    lamb_kernel,
-    novograd_kernel,
-    sgd_kernel,
-    unscale_kernel,
+from fp16kit.kernels.engine import table as _table
+from fp16kit.kernels.engine.chunks import chunk_span, load_chunk, row_pointer, store_chunk
+from fp16kit.kernels.triton import (
+    adagrad as adagrad_kernel,
 )
-from fp16kit.kernels._chunks import chunk_span, load_chunk, row_pointer, store_chunk
+from fp16kit.kernels.triton import (
+    adam as adam_kernel,
+)
+from fp16kit.kernels.triton import (
+    copy as copy_kernel,
+)
+from fp16kit.kernels.triton import (
+    histogram as histogram_kernel,
+)
+from fp16kit.kernels.triton import (
+    l2norm as l2norm_kernel,
+)
+from fp16kit.kernels.triton import (
+    lamb as lamb_kernel,
+)
+from fp16kit.kernels.triton import (
+    novograd as novograd_kernel,
+)
+from fp16kit.kernels.triton import (
+    sgd as sgd_kernel,
+)
+from fp16kit.kernels.triton import (
+    unscale as unscale_kernel,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "doctor"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aot_histogram  # (the histogram kernel's signature and constexprs, shared with its own test)
 
 INT_ARGS = {"num_tensors", "num_chunks", "stream"}
-#: the bf16 write epilogues (fp16kit/kernels/_bf16_weights.py): the 63-bit stochastic-rounding key, the row table
+#: the bf16 write epilogues (fp16kit/kernels/bf16_weights/modes.py): the 63-bit stochastic-rounding key, the row table
 I64_ARGS = {"seed"}
 #: Kernels outside the multi-tensor convention (all pointers fp32 unless named): their own signatures.
 HISTOGRAM_SIG = {**aot_histogram.SIGNATURE}
 I64_PTRS = {"ptrs", "numels", "chunk_start", "counts_ptr", "first_ptr", "row_idx_ptr"}
 I32_PTRS = {"chunk_tensor"}
-#: the device-resident step's counters (fp16kit/kernels/_step_scalars.py)
+#: the device-resident step's counters (fp16kit/kernels/engine/step_scalars.py)
 I32_STEP = {"ticket_ptr", "done_ptr", "bad_ptr"}
 I64_STEP = {"chunk_counts", "first_chunk", "count_ptr", "nonfinite_count_ptr", "result_count_ptr", "v_ptrs"}
 #: the legacy layout (a float32 hp vector) and the device-derived one
@@ -59,7 +75,7 @@ HP_LEGACY = dict(HP_DEVICE=False, LR_TENSOR=False, HAS_SCALE=False, BIAS_CORRECT
 HP_ON_DEVICE = dict(HP_DEVICE=True, LR_TENSOR=False, HAS_SCALE=True, BIAS_CORRECTION=True, ADVANCE=True)
 #: the plain write epilogue (no bf16 mode), for the Adam kernel and LAMB stage 2 (stage 1 has WEIGHTS only)
 PLAIN = dict(WEIGHTS=0, ROW_IDX=False)
-#: the SGD/Adagrad/NovoGrad kernels' device-step switches (fp16kit/kernels/_results.py), off
+#: the SGD/Adagrad/NovoGrad kernels' device-step switches (fp16kit/kernels/engine/results.py), off
 APEX_LEGACY = dict(**HP_LEGACY, OWN_FLAG=False, FIRST=False, COUNT=False)
 SUMSQ_PLAIN = dict(FINISH=False, NORM=True, OWN_FLAG=False, COUNT=False, SCALE_IS_GRAD_SCALE=False)
 
@@ -95,7 +111,7 @@ F16, BF16, F32 = tl.float16, tl.bfloat16, tl.float32
 #: and norm partials are float64 (docs/kernels.md, "Norm range").
 F64_SCALE = {"inv_scale_ptr": "*fp64", "pre_scale_ptr": "*fp64"}
 F64_PARTIALS = {"partials_ptr": "*fp64", "out_ptr": "*fp64"}
-#: the optimizer-step kernels are compiled with the chunk size the GPU uses (fp16kit/kernels/_table.py)
+#: the optimizer-step kernels are compiled with the chunk size the GPU uses (fp16kit/kernels/engine/table.py)
 SB = _table.STEP_BLOCK_GPU
 CASES = {
     "unscale fp32 in place, aligned": (unscale_kernel._unscale_kernel,
@@ -177,7 +193,7 @@ CASES = {
         lamb_kernel._lamb_stage2_kernel,
         dict(P_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=False, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
              WEIGHTS=2, ROW_IDX=True, **HP_LEGACY)),
-    # 8-bit moments (state_bits=8): the QSTATE epilogue of the same kernels (fp16kit/kernels/_state8.py)
+    # 8-bit moments (state_bits=8): the QSTATE epilogue of the same kernels (fp16kit/kernels/state8/triton.py)
     "adam 8-bit moments on the device (fp32)": (
         adam_kernel._adam_kernel,
         dict(QSTATE=True, P_DTYPE=F32, G_DTYPE=F32, MODEL_DTYPE=F32, HAS_MODEL=False, L2_MODE=False, DECOUPLED=True,
@@ -379,7 +395,7 @@ def main() -> None:
     for name, (fn, constexprs, *overrides) in CASES.items():
         if any(p.name == "QSTATE" for p in fn.params):  # the Adam/LAMB kernels: fp32 moments unless a case says
             constexprs = {"QSTATE": False, **constexprs}
-        # ... and the plain write epilogue unless a case names a bf16 mode (fp16kit/kernels/_bf16_weights.py)
+        # ... and the plain write epilogue unless a case names a bf16 mode (fp16kit/kernels/bf16_weights/modes.py)
         constexprs = {**{k: v for k, v in PLAIN.items() if any(p.name == k for p in fn.params)}, **constexprs}
         try:
             options = launch_options(fn, constexprs)

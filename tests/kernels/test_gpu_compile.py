@@ -70,7 +70,7 @@ FMA = {
     "exponent histogram fp32": 0,
     "exponent histogram fp16": 0,
     "exponent histogram bf16": 0,
-    # the device-resident step (fp16kit/kernels/_step_scalars.py): float64 scalar math, no contraction either
+    # the device-resident step (fp16kit/kernels/engine/step_scalars.py): float64 scalar math, no contraction either
     "step check fp16, finished on the device": 0,
     "lamb stage 1 on the device (fp32, decoupled)": 0,
     "lamb stage 2 on the device (fp32 masters -> fp16 model)": 0,
@@ -79,7 +79,7 @@ FMA = {
     "adagrad update on the device (fp32)": 0,
     "novograd update on the device (fp32 masters -> bf16 model)": 0,
     "novograd norms, moments, denominators on the device": 0,
-    # the bf16 write epilogues (fp16kit/kernels/_bf16_weights.py): integer bit arithmetic and Philox, no FMA
+    # the bf16 write epilogues (fp16kit/kernels/bf16_weights/modes.py): integer bit arithmetic and Philox, no FMA
     "adam on the device, bf16 split": 0,
     "adam on the device, bf16 stochastic": 0,
     "lamb stage 1 on the device, bf16 split": 0,

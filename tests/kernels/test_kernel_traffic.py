@@ -50,7 +50,7 @@ ARCHS = (90, 80)
 KNOWN_SPILLS = {
     ("lamb2 bf16 m8 host", 90): "LAMB stage 2 with 8-bit moments and bf16 params (host vector) at 8 warps: ptxas "
     "(Triton 3.9, --regAllocOptLevel=2) allocates 64 registers and spills 4 B; at 16 warps it uses 48 and no spill "
-    "(a `_lamb_stage2_kernel_state8` LAUNCH entry in fp16kit/kernels/lamb_kernel.py would fix it)",
+    "(a `_lamb_stage2_kernel_state8` LAUNCH entry in fp16kit/kernels/triton/lamb.py would fix it)",
 }
 MAX_REGISTERS = 128
 

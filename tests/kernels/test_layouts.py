@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp16kit.kernels import _table, copy_, l2norm, unscale_and_check
+from fp16kit.kernels import copy_, l2norm, unscale_and_check
+from fp16kit.kernels.engine import table as _table
 from fp16kit.numerics import assert_bitwise_equal, reference
 from fp16kit.numerics import strategies as fst
 
@@ -269,7 +270,7 @@ def test_address_table_rejects_rows_that_would_leave_a_tensor():
 def test_adam_launcher_with_a_truncated_moment_raises_instead_of_writing_past_it():
     """The raw-address optimizer kernels go through the same table: a short ``exp_avg`` is an error, not a write
     past its end (the optimizer's own load_state_dict checks are fp16kit.optim's; this is the last line)."""
-    from fp16kit.kernels.adam_kernel import launch_adam
+    from fp16kit.kernels.triton.adam import launch_adam
 
     p, g, v = torch.zeros(5000), torch.ones(5000), torch.zeros(5000)
     guard = torch.zeros(6000)

@@ -4,7 +4,7 @@ Every tensor of a call is a view into a larger buffer, with guard elements befor
 sentinel. After the call every guard element must still hold the sentinel bit for bit (no write past a view),
 and the results must match the float64 reference (a read past a view would pull the sentinel, a large finite
 value, into the output or the norm). Sizes sit around the 4096-element chunk boundary, where an off-by-one in
-``_chunks.py``'s full-chunk test (``start + BLOCK <= n``) writes one element past a tensor; views are placed
+``engine/chunks.py``'s full-chunk test (``start + BLOCK <= n``) writes one element past a tensor; views are placed
 16-byte aligned (the vectorized, unmasked full-chunk path) and misaligned.
 """
 

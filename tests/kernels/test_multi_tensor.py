@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp16kit.kernels import _table, copy_, copy_kernel, l2norm, l2norm_kernel, unscale_and_check, unscale_kernel
+from fp16kit.kernels import copy_, l2norm, unscale_and_check
+from fp16kit.kernels.engine import table as _table
+from fp16kit.kernels.triton import copy as copy_kernel
+from fp16kit.kernels.triton import l2norm as l2norm_kernel
+from fp16kit.kernels.triton import unscale as unscale_kernel
 
 pytestmark = pytest.mark.interpreter
 

@@ -21,7 +21,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from fp16kit.kernels import _table, copy_, exponent_histogram, l2norm, unscale_and_check
+from fp16kit.kernels import Backend, copy_, exponent_histogram, l2norm, select_backend, unscale_and_check
+from fp16kit.kernels.engine import table as _table
 from fp16kit.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 from fp16kit.optim.functional import adam_step_, lamb_step_
 
@@ -53,7 +54,7 @@ def fake_kernels(monkeypatch) -> list[tuple[str, dict]]:
     """Every kernel of every module replaced by a recorder; fresh table caches. Returns the launch log."""
     launches: list[tuple[str, dict]] = []
     for name in MODULES:
-        module = importlib.import_module(f"fp16kit.kernels.{name}_kernel")
+        module = importlib.import_module(f"fp16kit.kernels.triton.{name}")
         for kernel in {key.removesuffix("_state8") for key in module.LAUNCH}:  # a _state8 key: a variant's options
             monkeypatch.setattr(module, kernel, _Recorder(kernel, launches))
     monkeypatch.setattr(_table, "_tables", OrderedDict())
@@ -120,7 +121,7 @@ def test_every_launch_passes_its_pinned_options(fake_kernels):
     _every_launch_path()
     pinned: dict[str, set[int]] = {}
     for name in MODULES:
-        for key, options in importlib.import_module(f"fp16kit.kernels.{name}_kernel").LAUNCH.items():
+        for key, options in importlib.import_module(f"fp16kit.kernels.triton.{name}").LAUNCH.items():
             assert options.get("enable_fp_fusion") is False, key
             # "<kernel>_state8": the same kernel's launch options with 8-bit moments (its QSTATE epilogue)
             pinned.setdefault(key.removesuffix("_state8"), set()).add(options["num_warps"])

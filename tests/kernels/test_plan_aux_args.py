@@ -1,4 +1,4 @@
-"""``unscale_and_check``'s flag, scale and norm accumulator on a cached plan (fp16kit/kernels/_plan.py, ``aux``):
+"""``unscale_and_check``'s flag, scale and norm accumulator on a cached plan (fp16kit/kernels/engine/plan.py, ``aux``):
 they are checked with the lists on a miss only, and the hit's guard pins their dtype, shape and device. So after
 the plan is cached and armed, a flag or scale of another kind must still get the same error as on a first call;
 and the torch backend's direct path (torch's fused unscale, nothing else per tensor) must give the bits, flags
@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp16kit.kernels import _plan, fallback, unscale_and_check
+from fp16kit.kernels import unscale_and_check
+from fp16kit.kernels.engine import plan as _plan
+from fp16kit.kernels.fallback import unscale as fb_unscale
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +87,7 @@ def test_scale_and_norm_kinds_alternate_on_one_list():
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
 @pytest.mark.parametrize("inv", [2.0**-3, 4.0])
 def test_direct_path_matches_the_fallback(dtype, out_dtype, inv):
-    """Bits, flag and versions of the direct path (cached plan, one fallback group) against ``fallback.unscale``,
+    """Bits, flag and versions of the direct path (cached plan, one fallback group) against ``fb_unscale.unscale``,
     with a scale above 1 that overflows a finite value (only a check of the written values catches it)."""
     big = torch.finfo(dtype).max
     x = torch.tensor([1.0, -3.5, 1e-3, big / 2], dtype=dtype)
@@ -100,7 +102,7 @@ def test_direct_path_matches_the_fallback(dtype, out_dtype, inv):
         unscale_and_check(grads, inv, found, out=outs)
         assert all(t._version > v for t, v in zip([found, *dst], versions))
         ref_found = torch.zeros(1)
-        fallback.unscale(ref_in, ref_out, torch.full((1,), inv, dtype=torch.float64), ref_found, False)
+        fb_unscale.unscale(ref_in, ref_out, torch.full((1,), inv, dtype=torch.float64), ref_found, False)
         assert torch.equal(found, ref_found)
         assert found.item() == float(not all(bool(t.isfinite().all()) for t in ref_out))  # flagged iff written inf
         for got, want in zip(dst, ref_out):

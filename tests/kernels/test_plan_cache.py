@@ -1,4 +1,4 @@
-"""The plan cache (fp16kit/kernels/_plan.py): a repeated call plans nothing and builds no table; everything a user
+"""The plan cache (fp16kit/kernels/engine/plan.py): a repeated call plans nothing and builds no table; everything a user
 can change on a tensor without changing its identity invalidates the plan.
 
 Each invalidation test changes a tensor *in place of the same Python object* (``.data =``, ``resize_``,
@@ -18,7 +18,9 @@ import weakref
 import pytest
 import torch
 
-from fp16kit.kernels import _plan, _table, copy_, l2norm, lamb_update, unscale_and_check
+from fp16kit.kernels import copy_, l2norm, lamb_update, unscale_and_check
+from fp16kit.kernels.engine import plan as _plan
+from fp16kit.kernels.engine import table as _table
 
 pytestmark = pytest.mark.usefixtures("plan_guard")  # every test with both guards (conftest.py)
 

@@ -1,4 +1,5 @@
-"""Loose rows (fp16kit/kernels/_plan.py, ``Spec.loose``): an optimizer's grads are not part of the plan cache's key,
+"""Loose rows (fp16kit/kernels/engine/plan.py, ``Spec.loose``): an optimizer's
+grads are not part of the plan cache's key,
 so a step with new grad tensors (``zero_grad(set_to_none=True)`` + backward) reuses the validated plan, and a hit
 re-checks the one address-dependent fact of the validation: no grad overlaps a written tensor (params, moments,
 model copies). These tests put a grad *into* a param's memory, give it another shape or dtype after the plan is
@@ -12,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp16kit.kernels import _plan, adam_update, lamb_update
+from fp16kit.kernels import adam_update, lamb_update
+from fp16kit.kernels.engine import plan as _plan
 
 pytestmark = pytest.mark.usefixtures("plan_guard")  # every test with both guards (conftest.py)
 

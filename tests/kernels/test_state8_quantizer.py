@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp16kit.kernels import _state8 as kq
-from fp16kit.kernels import state8 as q
+from fp16kit.kernels.state8 import rule as q
+from fp16kit.kernels.state8 import triton as kq
 from fp16kit.numerics import strategies as fst
 from fp16kit.numerics.reference import state8 as ref
 

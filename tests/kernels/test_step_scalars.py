@@ -1,4 +1,4 @@
-"""The device step's scalar arithmetic (``fp16kit/kernels/_step_scalars.py``) against exact references.
+"""The device step's scalar arithmetic (``fp16kit/kernels/engine/step_scalars.py``) against exact references.
 
 * ``split3``/``join3``: a Python float (float64) travels as three float32 launch arguments whose float64 sum is the
   value exactly, in the documented magnitude range [2**-77, 2**127] (and 0); on the host and through a kernel.
@@ -21,7 +21,7 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp16kit.kernels._step_scalars import join3, pow_int, split3
+from fp16kit.kernels.engine.step_scalars import join3, pow_int, split3
 
 IN_RANGE = st.floats(min_value=2.0**-77, max_value=2.0**127, allow_nan=False, allow_infinity=False)
 EDGES = [0.0, 2.0**-77, 2.0**127, 1e-3, 0.999, 1 / 3, 1.0 - 2.0**-53, 3.4028234663852886e38, 1e-8]

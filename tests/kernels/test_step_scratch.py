@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp16kit.kernels import step_check
-from fp16kit.kernels._table import chunk_table
+from fp16kit.kernels.engine.table import chunk_table
 from fp16kit.optim import FusedAdam, FusedLAMB
 
 

@@ -357,7 +357,7 @@ def _updated(run: Run, p: torch.Tensor) -> torch.Tensor:
     if "master" in st:
         return st["master"]
     if "master_low" in st:
-        from fp16kit.kernels._bf16_weights import join_halves
+        from fp16kit.kernels.bf16_weights.modes import join_halves
 
         return join_halves(p.detach(), st["master_low"])
     return p.detach()

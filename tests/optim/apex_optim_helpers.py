@@ -346,7 +346,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, {kernels_dir!r})
 import aot_compile
 import triton.language as tl
-from fp16kit.kernels import {module}
+from fp16kit.kernels.triton import {module}
 cases = {cases}
 aot_compile.CASES = {{
     name: (getattr({module}, fn), {{k: getattr(tl, v) if v in ("float16", "bfloat16", "float32") else v
@@ -357,7 +357,7 @@ aot_compile.main()
 """
 
 #: The device-step constexprs of the SGD/Adagrad kernels: the host-vector layout, the update of a device step,
-#: and its check-and-verify launch (fp16kit/kernels/_results.py).
+#: and its check-and-verify launch (fp16kit/kernels/engine/results.py).
 APEX_HP_LEGACY = {"HP_DEVICE": False, "LR_TENSOR": False, "HAS_SCALE": False, "BIAS_CORRECTION": False,
                   "ADVANCE": False, "OWN_FLAG": False, "FIRST": False, "COUNT": False}
 APEX_HP_DEVICE = {**APEX_HP_LEGACY, "HP_DEVICE": True, "HAS_SCALE": True, "ADVANCE": True}
@@ -366,7 +366,7 @@ APEX_HP_DEVICE_VERIFY = {**APEX_HP_LEGACY, "HP_DEVICE": True, "LR_TENSOR": True,
 
 
 def compile_for_sm90(module: str, cases: dict[str, tuple]) -> dict:
-    """Compile ``fp16kit.kernels.<module>`` kernels for sm_90 with ``tests/kernels/aot_compile.py`` in a
+    """Compile ``fp16kit.kernels.triton.<module>`` kernels for sm_90 with ``tests/kernels/aot_compile.py`` in a
     subprocess (Triton's interpreter mode is process-wide); ``cases``: name -> (kernel name, constexprs with
     dtypes as ``"float16"``..., and optionally a third entry: argument types that differ from aot_compile's naming
     conventions, e.g. ``{"partials_ptr": "*fp64"}``). Returns aot_compile's JSON: per case ``ok`` and the

@@ -162,7 +162,7 @@ def test_bad_input(kwargs, exc, match):
 def test_kernel_compiles_for_sm90_with_vector_memory_ops():
     """No GPU needed: the Adagrad kernel compiles for sm_90, and full chunks use 16-byte loads and stores."""
     result = compile_for_sm90(
-        "adagrad_kernel",
+        "adagrad",
         {
             "adagrad fp16, L2": (
                 "_adagrad_kernel",

@@ -20,14 +20,14 @@ from test_device_step import BUDGET, counting
 
 from fp16kit.amp import GradScaler
 from fp16kit.kernels import join_halves, split_halves, stochastic_round, use_backend
-from fp16kit.kernels._bf16_weights import (
+from fp16kit.kernels.bf16_weights.modes import (
     _split_bits,
     _stochastic_bits,
     philox_uint32,
     round_with_bits,
     stochastic_round_list,
 )
-from fp16kit.kernels.optim_fallback import masked_commits
+from fp16kit.kernels.fallback.step import masked_commits
 from fp16kit.numerics.reference.bf16_weights import split_master, stochastic_round_bf16
 from fp16kit.optim import FusedAdam, FusedLAMB, FusedSGD
 
@@ -599,7 +599,7 @@ def test_staged_lamb_with_the_bf16_epilogues(backend, masked, skip):
     with ``stochastic_round_list``'s bits for the rows' positions and offsets. An fp32 param among the bf16 ones (the
     kernel groups are then not the whole list). A set ``found_inf`` writes nothing."""
     from fp16kit.kernels import Bf16Weights, lamb_stage1, lamb_stage2
-    from fp16kit.kernels._bf16_weights import low_rows
+    from fp16kit.kernels.bf16_weights.modes import low_rows
     from fp16kit.optim import functional as F
 
     gen = torch.Generator().manual_seed(21)
@@ -666,8 +666,8 @@ def test_staged_lamb_split_with_8bit_moments(backend, masked):
     with bf16 model copies and the same 8-bit moments (codes and absmax too). Tensors of 4096 elements and more are
     8-bit, a smaller one keeps fp32 moments."""
     from fp16kit.kernels import Bf16Weights, lamb_stage1, lamb_stage2
-    from fp16kit.kernels._bf16_weights import low_rows
-    from fp16kit.kernels.state8 import to_state8, uses_state8
+    from fp16kit.kernels.bf16_weights.modes import low_rows
+    from fp16kit.kernels.state8.rule import to_state8, uses_state8
     from fp16kit.optim import functional as F
 
     gen = torch.Generator().manual_seed(5)

@@ -1,11 +1,12 @@
-"""The fast default CPU path of FusedLAMB/FusedAdam (issue 10, item 5; ``fp16kit/kernels/optim_fallback.py``).
+"""The fast default CPU path of FusedLAMB/FusedAdam (issue 10, item 5; ``fp16kit/kernels/fallback/step.py``).
 
 On the torch backend, CPU rows of contiguous fp32/fp64 params and moments run Adam's elementwise math (and LAMB's
 stage 1) in torch's fused CPU Adam kernel. These tests check that the path is taken where its math is ours and
 only there, that its results stay inside the float64-reference budgets of ``optim_helpers.py`` (loss scale,
 clipping, bf16 grads with masters, non-contiguous grads, several batches), that the grads are never written
 (torch's kernel writes unscaled grads back when given ``grad_scale``; we never give it one), and that the
-one-read global norm (``optim_fallback._max_norms``) decides the flag and the norm exactly as the two-read one did,
+one-read global norm (``fallback/l2norm.py``, ``_max_norms``)
+decides the flag and the norm exactly as the two-read one did,
 edge values included; the CPU check-and-norm (BLAS dot sums of squares, host-side verdicts, float64 repair) and
 the trust-ratio norms against the float64 references.
 """
@@ -23,8 +24,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from optim_helpers import adam_step_and_check, lamb_step_and_check, make_params, set_grads
 
-from fp16kit.kernels import cpu_native as _cpu_native
-from fp16kit.kernels import optim_fallback, use_backend
+from fp16kit.kernels import use_backend
+from fp16kit.kernels.fallback import adam as fb_adam
+from fp16kit.kernels.fallback import l2norm as fb_l2norm
+from fp16kit.kernels.fallback import lamb_native as _cpu_native
+from fp16kit.kernels.fallback import scratch as fb_scratch
+from fp16kit.kernels.fallback import step as fb_step
 from fp16kit.numerics import reference
 from fp16kit.numerics.formats import gamma
 from fp16kit.optim import FusedAdam, FusedLAMB
@@ -111,7 +116,7 @@ def test_matches_reference_through_the_fast_path(
     """LAMB and Adam through the kernel, within the float64-reference budgets: loss scale (not a power of two
     too), clipping active (grad_scale 100) or not, bf16 grads of fp32 masters, non-contiguous grads, and
     batches of a few elements so that lists span several batches and scratch views."""
-    monkeypatch.setattr(optim_fallback, "_BATCH", 128)
+    monkeypatch.setattr(fb_scratch, "_BATCH", 128)
     dtype = torch.bfloat16 if master else torch.float32
     for cls in (FusedLAMB, FusedAdam):
         params = make_params(shapes, dtype, seed)
@@ -141,7 +146,7 @@ def test_tensors_split_into_batches_with_hostile_layouts(cls, master, monkeypatc
     """Tensors larger than a batch run in flat pieces (stage 1 piece by piece, LAMB's update once the last
     piece is in): with non-contiguous grads and model params (transposed), within the float64-reference budgets,
     model copies bit for bit ``round(master)``; and through the kernel."""
-    monkeypatch.setattr(optim_fallback, "_BATCH", 128)
+    monkeypatch.setattr(fb_scratch, "_BATCH", 128)
     dtype = torch.bfloat16 if master else torch.float32
     params = make_params([(300,), (40, 9), (7,), (130,)], dtype, 11)
     params[1] = torch.nn.Parameter(params[1].detach().t().contiguous().t())  # non-contiguous model param
@@ -164,7 +169,7 @@ def test_tensors_split_into_batches_with_hostile_layouts(cls, master, monkeypatc
 def fast_and_foreach(dtype: torch.dtype, steps: int, *, scale: float, grad_scale: float) -> list[list[torch.Tensor]]:
     """The params after the same LAMB steps through the kernel and through the foreach sequence."""
     results = []
-    for block in (contextlib.nullcontext, optim_fallback.foreach_only):
+    for block in (contextlib.nullcontext, fb_step.foreach_only):
         params = make_params([(64,), (16, 16), (7,)], dtype, 5, scale=scale)
         set_grads(params, 6, scale=grad_scale)
         opt = FusedLAMB(two_groups(params))
@@ -223,7 +228,7 @@ def test_one_read_norm_equals_two_read_norm(lists, inv, monkeypatch):
     def true_max(chosen, norms, inv):
         return torch.stack(torch._foreach_norm(list(chosen), float("inf"))).tolist()
 
-    monkeypatch.setattr(optim_fallback, "_max_norms", true_max)
+    monkeypatch.setattr(fb_l2norm, "_max_norms", true_max)
     flag_two = torch.zeros(1)
     norm_two = F.check_and_norm(grads, inv64, flag_two)
     assert torch.equal(flag_one, flag_two)
@@ -236,15 +241,15 @@ EDGE_FINITE = [v for v in EDGE if math.isfinite(v)]
 
 @contextlib.contextmanager
 def dot_threshold(elements: int, batch: int | None = None):
-    """``optim_fallback._DOT_MIN`` (and ``_BATCH``) set for the block: 1 sends every contiguous fp32/fp16/bf16
+    """``fb_scratch._DOT_MIN`` (and ``_BATCH``) set for the block: 1 sends every contiguous fp32/fp16/bf16
     tensor to ``torch.dot``; a small batch converts low-precision tensors in several pieces."""
-    old = optim_fallback._DOT_MIN, optim_fallback._BATCH
-    optim_fallback._DOT_MIN = elements
-    optim_fallback._BATCH = batch or old[1]
+    old = fb_scratch._DOT_MIN, fb_scratch._BATCH
+    fb_scratch._DOT_MIN = elements
+    fb_scratch._BATCH = batch or old[1]
     try:
         yield
     finally:
-        optim_fallback._DOT_MIN, optim_fallback._BATCH = old
+        fb_scratch._DOT_MIN, fb_scratch._BATCH = old
 
 
 @settings(max_examples=40, deadline=None)
@@ -298,7 +303,7 @@ def test_sumsq32_is_an_fp32_sum_of_squares(values, scale_exp):
     xs = [x.float(), torch.stack([x.float(), x.float()], 1)[:, 0], x.to(torch.bfloat16)]  # strided: not dot
     for t, dot_min in itertools.product(xs, [1, 1 << 30]):
         with dot_threshold(dot_min):
-            got = optim_fallback._sumsq32([t])[0]
+            got = fb_scratch._sumsq32([t])[0]
         exact = math.fsum(v * v for v in t.to(torch.float64).tolist())
         if exact > 3.0e38:
             assert got == math.inf or got >= 3.0e38
@@ -307,7 +312,7 @@ def test_sumsq32_is_an_fp32_sum_of_squares(values, scale_exp):
     nan = torch.tensor([*values, math.nan], dtype=torch.float32)
     for dot_min in (1, 1 << 30):
         with dot_threshold(dot_min):
-            assert math.isnan(optim_fallback._sumsq32([nan])[0])
+            assert math.isnan(fb_scratch._sumsq32([nan])[0])
 
 
 def test_native_build_never_stalls_a_step(monkeypatch):
@@ -350,7 +355,7 @@ def test_adam_reads_the_caller_grads_in_one_kernel_call(scaled, master, monkeypa
     """FusedAdam's fast path calls torch's kernel once per group when it reads the caller's grads as they are
     and writes no model copies (batches would only add host work); with a scaled-grad copy or model copies to
     write from cache it goes batch by batch. Within the float64-reference budgets either way."""
-    monkeypatch.setattr(optim_fallback, "_BATCH", 128)
+    monkeypatch.setattr(fb_scratch, "_BATCH", 128)
     dtype = torch.bfloat16 if master else torch.float32
     params = make_params([(300,), (40, 9), (7,), (130,), (200,)], dtype, 3)
     set_grads(params, 4)
@@ -380,8 +385,8 @@ def test_scaled_scratch_copies_round_once(sizes, src_dtype, factor, transposed, 
     srcs = [torch.randn(n, 2, generator=gen).to(src_dtype) for n in sizes]
     if transposed:
         srcs = [s.t().contiguous().t() for s in srcs]
-    flat, out = optim_fallback._scratch_views("test_scaled", [torch.empty(s.shape) for s in srcs])
-    optim_fallback._scaled_into(flat, out, srcs, factor)
+    flat, out = fb_scratch._scratch_views("test_scaled", [torch.empty(s.shape) for s in srcs])
+    fb_scratch._scaled_into(flat, out, srcs, factor)
     f32 = torch.tensor(factor, dtype=torch.float32).double()
     for o, s in zip(out, srcs):
         assert torch.equal(o, (s.double() * f32).float()), "not one rounding of the exact product"
@@ -408,7 +413,7 @@ def test_sumsq32_of_many_small_tensors(sizes, dtype, scale_exp, edge, tiled, see
     if tiled and dtype is torch.float32:
         flat = torch.cat([t.reshape(-1) for t in ts])
         ts = list(flat.split(sizes))
-    got = optim_fallback._sumsq32(ts, tiled=flat)
+    got = fb_scratch._sumsq32(ts, tiled=flat)
     assert len(got) == len(ts)
     for t, value in zip(ts, got):
         x = t.to(torch.float64)
@@ -440,7 +445,7 @@ def test_add_scaled_is_the_per_tensor_add_within_one_rounding(sizes, seed):
     alphas = [float(torch.rand((), generator=gen)) * 10.0**e for e in exponents]
     want = [q.double() + a * b.double() for q, b, a in zip(p, buf, alphas)]
     scale = [b.double().abs() * abs(a) for b, a in zip(buf, alphas)]
-    optim_fallback._add_scaled(p, buf, flat, alphas)
+    fb_scratch._add_scaled(p, buf, flat, alphas)
     for q, w, s in zip(p, want, scale):
         bound = 2.0**-24 * (w.abs() + 2 * s) + 2.0**-149
         assert bool(((q.double() - w).abs() <= bound).all())
@@ -465,8 +470,8 @@ def test_layout_verdicts_follow_the_plan(monkeypatch):
     assert params[0].grad.data_ptr() == old.data_ptr() and not params[0].grad.is_contiguous()
     twin[0].grad = params[0].grad.contiguous()
     calls = []
-    original = optim_fallback._reads_grads_as_they_are
-    monkeypatch.setattr(optim_fallback, "_reads_grads_as_they_are", lambda *a: calls.append(1) or original(*a))
+    original = fb_scratch._reads_grads_as_they_are
+    monkeypatch.setattr(fb_adam, "_reads_grads_as_they_are", lambda *a: calls.append(1) or original(*a))
     opt.step()
     ref.step()
     assert calls, "the new grad layout was not looked at"

@@ -1,6 +1,6 @@
 """A steady device step is replayed from its recording (fp16kit/optim/_base.py, ``_step_on_device``), bit for bit.
 
-The replay issues the launches the full path recorded (``fp16kit/kernels/_launch.py``) while the replay key holds
+The replay issues the launches the full path recorded (``fp16kit/kernels/engine/launch.py``) while the replay key holds
 (rows' verdicts and addresses, hyper-parameters, settings, counters, the scaler's tensors, the backend), so it must
 give exactly what the full path gives, step after step, and give way to the full path on any change: each test runs
 the same sequence of steps and changes on two optimizers, one replaying (the default) and one never replaying
@@ -20,7 +20,8 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from fp16kit.amp import GradScaler
-from fp16kit.kernels import _launch, _plan
+from fp16kit.kernels.engine import launch as _launch
+from fp16kit.kernels.engine import plan as _plan
 from fp16kit.optim import FusedAdam, FusedLAMB
 from fp16kit.optim._base import FusedOptimizer
 

@@ -35,7 +35,7 @@ MAKERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 STATE = {"sgd": ("momentum_buffer",), "adagrad": ("sum",), "novograd": ("exp_avg", "exp_avg_sq")}
 #: Triton launches per step and kernel group: check-and-verify, update; NovoGrad's per-tensor norms add the norm
-#: partials and the per-tensor blend of the second moment (``novograd_kernel.py``).
+#: partials and the per-tensor blend of the second moment (``triton/novograd.py``).
 BUDGETS = {"sgd": 2, "adagrad": 2, "novograd": 4}
 HOST_OPS = {"aten.lift_fresh", "aten.scalar_tensor", "aten.full", "aten._to_copy", "aten.copy_",
             "aten._local_scalar_dense", "aten.ones", "aten.zeros", "aten.empty", "aten.cat", "aten.fill_",
@@ -198,7 +198,7 @@ def test_rows_outside_the_kernels_keep_the_host_vector_step():
 @pytest.mark.interpreter
 def test_a_changed_lr_needs_no_new_table_or_plan():
     """A scheduler's new ``lr`` is a launch argument: no address table is built, nothing is copied."""
-    from fp16kit.kernels import _table
+    from fp16kit.kernels.engine import table as _table
 
     opt = FusedSGD(_params(8), lr=0.1, momentum=0.9, on_nonfinite="skip")
     opt.step()

@@ -183,7 +183,7 @@ def test_apex_checkpoint_without_per_param_moment():
 def test_kernels_compile_for_sm90_with_vector_memory_ops():
     """No GPU needed: the NovoGrad update and inf-norm kernels compile for sm_90 with 16-byte loads (and stores)."""
     result = compile_for_sm90(
-        "novograd_kernel",
+        "novograd",
         {
             "novograd update fp32 -> bf16 model": (
                 "_novograd_kernel",

@@ -19,7 +19,9 @@ from optim_helpers import (
     set_grads,
 )
 
-from fp16kit.kernels import optim_fallback, use_backend
+from fp16kit.kernels import use_backend
+from fp16kit.kernels.fallback import adam as fb_adam
+from fp16kit.kernels.fallback import lamb as fb_lamb
 from fp16kit.optim import FusedAdam, FusedLAMB, adam_step_, lamb_step_
 from fp16kit.optim import functional as F
 
@@ -100,7 +102,7 @@ def test_fallback_masked_commit(kind):
     params = make_params([(9,), (2, 3)], torch.float16, 6)
     masters = [p.detach().float() for p in params]
     grads = [p.grad for p in params]
-    step_fn = optim_fallback.lamb_ if kind == "lamb" else optim_fallback.adam_
+    step_fn = fb_lamb.lamb_ if kind == "lamb" else fb_adam.adam_
     hp = torch.tensor([0.01, 0.9, 0.999, 0.1, 0.001, 1e-6, 0.01, 0.1, 0.001, 1.0, 1.0])
     modes = {"l2_mode": False, "decoupled": True} | ({"trust": True} if kind == "lamb" else {})
 
@@ -244,7 +246,7 @@ def test_gpu_bf16_model_copy_is_rtne():
 
 @pytest.fixture
 def native():
-    from fp16kit.kernels import cpu_native as _cpu_native
+    from fp16kit.kernels.fallback import lamb_native as _cpu_native
 
     if not _cpu_native.enable():  # builds once (~1 min), then loads from torch's extension cache
         pytest.skip("the native CPU LAMB kernel cannot be built here (no C++ compiler or ninja)")

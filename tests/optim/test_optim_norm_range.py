@@ -86,7 +86,7 @@ def test_native_cpu_norm_redoes_a_step_whose_fp32_chunk_sums_overflowed(monkeypa
     """The opt-in native CPU kernel (``FP16KIT_CPU_NATIVE=1``) sums squares in fp32 per chunk: for grads of 1e20
     its sum is inf with no inf/NaN element. That step's norm is redone by the torch fallback (stand-in kernel
     here, so the test needs no compiler)."""
-    from fp16kit.kernels import cpu_native as _cpu_native
+    from fp16kit.kernels.fallback import lamb_native as _cpu_native
 
     class Overflowing:
         @staticmethod

@@ -21,7 +21,7 @@ from optim_helpers import (
     set_grads,
 )
 
-from fp16kit.kernels import optim_fallback
+from fp16kit.kernels.fallback import lamb as fb_lamb
 from fp16kit.numerics.reference import lamb_step
 from fp16kit.optim import FusedAdam, FusedLAMB, adam_step_, lamb_step_
 
@@ -400,7 +400,7 @@ def test_autograd_sees_the_step_modify_a_saved_tensor(cls):
 def test_lamb_kernel_zero_initialised_bias(use_nvlamb):
     """An all-zero param (a zero-initialised bias: |p| = 0) gets ratio = lr, not lr * 0 / |u|; and an all-zero
     update (zero grad, no decay, |u| = 0) keeps its param instead of dividing by 0. Kills ``|`` for ``&``
-    in the trust-ratio condition of lamb_kernel.py."""
+    in the trust-ratio condition of triton/lamb.py."""
     params = make_params([(300,), (64,), (40,)], torch.float32, 15, zero_params=(1,), zero_grads=(2,))
     opt = FusedLAMB(params, lr=0.01, weight_decay=0.0 if use_nvlamb else 0.01, use_nvlamb=use_nvlamb)
     for k in range(2):
@@ -434,7 +434,7 @@ def test_lamb_fallback_unscale_and_clip_together(host_branch):
     b1, b2, lr, wd = 0.9, 0.999, 0.01, 0.01
     bc1, bc2 = 1 - b1**3, 1 - b2**3
     hp = torch.tensor([lr, b1, b2, 1 - b1, 1 - b2, 1e-6, wd, bc1, bc2, inv_scale, clip], dtype=torch.float64)
-    optim_fallback.lamb_(
+    fb_lamb.lamb_(
         ps, grads, ms, vs, [None, None], hp.float(), torch.zeros(1),
         l2_mode=False, decoupled=True, trust=True, host_branch=host_branch,
     )  # fmt: skip

@@ -238,7 +238,7 @@ def test_apex_checkpoint_with_fp16_state_loads():
 def test_kernel_compiles_for_sm90_with_vector_memory_ops():
     """No GPU needed: the SGD kernel compiles for sm_90, and full chunks use 16-byte loads and stores."""
     result = compile_for_sm90(
-        "sgd_kernel",
+        "sgd",
         {
             "sgd fp32 master -> fp16 model, nesterov, first run": (
                 "_sgd_kernel",

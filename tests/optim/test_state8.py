@@ -25,8 +25,8 @@ from fp16kit.kernels import (
     use_backend,
     uses_state8,
 )
-from fp16kit.kernels import state8 as s8
-from fp16kit.kernels.optim_fallback import masked_commits
+from fp16kit.kernels.fallback.step import masked_commits
+from fp16kit.kernels.state8 import rule as s8
 from fp16kit.numerics.reference import state8 as ref
 from fp16kit.optim import FusedAdam, FusedLAMB
 from fp16kit.optim import functional as F

@@ -1,4 +1,4 @@
-"""The CPU path of the 8-bit torch implementation (``fp16kit/kernels/optim_fallback_state8.py``: 8-bit rows chunk by
+"""The CPU path of the 8-bit torch implementation (``fp16kit/kernels/state8/fallback.py``: 8-bit rows chunk by
 chunk, the skip read on the host) against the masked sequence it replaces there (still the path off the CPU, and on
 the CPU under ``masked_commits()``): params, model copies, codes and absmax bit for bit, with tensors of several
 chunks and ragged tails; and the quantizer's table look-up against ``torch.searchsorted`` at every threshold, its
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp16kit.kernels import state8 as s8
 from fp16kit.kernels import use_backend
-from fp16kit.kernels.optim_fallback import masked_commits
-from fp16kit.kernels.optim_fallback_state8 import _CHUNK
+from fp16kit.kernels.fallback.step import masked_commits
+from fp16kit.kernels.state8 import rule as s8
+from fp16kit.kernels.state8.fallback import _CHUNK
 from fp16kit.optim import FusedAdam, FusedLAMB
 
 SHAPES = [(3 * _CHUNK + 1000,), (2 * _CHUNK // 256, 256), (s8.SMALL_NUMEL + 300,), (300,)]

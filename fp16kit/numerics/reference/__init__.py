@@ -6,6 +6,9 @@ magnitude its fp32-accumulation budget needs; each states its own error bound.
 ``histogram``: the exponent histogram (numpy ``frexp``).
 ``optim``: LAMB (apex's FusedLAMB math) and Adam/AdamW.
 ``optim_apex``: apex's FusedSGD, FusedAdagrad, FusedNovoGrad and LARC's gradient rewrite.
+
+May import: numpy, torch and ``fp16kit.numerics`` only (never ``fp16kit.kernels``: a reference that shared the
+kernels' code could not catch their mistakes).
 """
 
 from .histogram import exponent_histogram

@@ -1,5 +1,5 @@
 """float64 references of the two bf16 write rules of ``master_weights="split"``/``"stochastic"``
-(``fp16kit/kernels/_bf16_weights.py``), written with value arithmetic instead of bit tricks.
+(``fp16kit/kernels/bf16_weights/modes.py``), written with value arithmetic instead of bit tricks.
 
 For a finite fp32 ``x`` the two bf16 neighbours are multiples of ``q``, bf16's spacing at ``|x|`` (2^(e-8) for
 ``|x|`` in [2^(e-1), 2^e), at least 2^-133, bf16's subnormal spacing); fp32's spacing there is ``q / 2^16``

@@ -1,6 +1,6 @@
 """float64 reference of the 8-bit optimizer-state quantizer (``state_bits=8``; docs/optim.md, "8-bit moments").
 
-The spec, written from the definition and independently of ``fp16kit/kernels/_state8.py`` (which hard-codes the
+The spec, written from the definition and independently of ``fp16kit/kernels/state8/triton.py`` (which hard-codes the
 same code books as hex constants; the tests check that both agree bit for bit):
 
 *Magnitudes.* ``c_k = fp32(2 ** (-k / 8))`` for ``k >= 0``: the power rounded once, to the nearest fp32 (computed

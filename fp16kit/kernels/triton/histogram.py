@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span, row_pointer
-from ._table import BLOCK, num_programs
-from .histogram import _FORMATS, MIN_EXP, NUM_BINS, ZERO_BIN, upload
+from ..engine.chunks import chunk_span, row_pointer
+from ..engine.histogram_bins import _FORMATS, MIN_EXP, NUM_BINS, ZERO_BIN, upload
+from ..engine.table import BLOCK, num_programs
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {

@@ -79,7 +79,7 @@ class ChunkTable:
     host: torch.Tensor | None = None  # the pinned source of the (non-blocking) upload, alive as long as the table
     #: Device buffers that live as long as the table (made at first use, never inside a step after that): the
     #: ticket counter and per-tensor chunk counters of the kernels that finish a step on the device
-    #: (``fp16kit/kernels/_step_scalars.py``), which leave them zeroed after every launch.
+    #: (``fp16kit/kernels/engine/step_scalars.py``), which leave them zeroed after every launch.
     scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
     def leading_args(self) -> tuple:
@@ -111,7 +111,7 @@ stats = {"builds": 0, "tape_hits": 0}
 
 @dataclass(eq=False)
 class Tape:
-    """The tables one planned group of launches used, in call order (``fp16kit/kernels/_plan.py``).
+    """The tables one planned group of launches used, in call order (``fp16kit/kernels/engine/plan.py``).
 
     A cached plan owns one tape per kernel group. While the tape plays (:func:`playing`), :func:`chunk_table`
     hands out the recorded table for a call with the same shape (number of rows, tensors per row, block, written
@@ -164,7 +164,7 @@ def chunk_table(
 
     Raises ``RuntimeError`` for a build during CUDA graph capture; a table used during capture is held until
     :func:`release_graph_tables` (module docstring). Inside ``with playing(tape):`` (a cached plan's launches,
-    ``fp16kit/kernels/_plan.py``) the table recorded on the tape for this call is handed out without computing
+    ``fp16kit/kernels/engine/plan.py``) the table recorded on the tape for this call is handed out without computing
     the key; a call of another shape records anew.
     """
     tape: Tape | None = getattr(_local, "tape", None)
@@ -297,7 +297,7 @@ def verify_rows(
                     f"Route such tensors to the torch fallback, or fix the caller's pairing."
                 )
     if written:
-        from ._checks import check_writes
+        from .checks import check_writes
 
         # One check over all rows (entries numbered row-major): the written entries against each other and against
         # the read rows; a read row that is a written row's own list (a placeholder row) is that row, not a reader.

@@ -45,9 +45,9 @@ unmasked and vectorize (``_chunks.py``).
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
-from ._rounding import round_to, to_fp32
-from ._step_scalars import inv_scale64, join3, lr64
+from .chunks import chunk_span, load_chunk, row_pointer, store_chunk
+from .rounding import round_to, to_fp32
+from .step_scalars import inv_scale64, join3, lr64
 
 
 @triton.jit

@@ -51,9 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import load_chunk, row_pointer, store_chunk
-from ._step_skeleton import store_param
-from .optim_fallback import _skip
+from ..engine.chunks import load_chunk, row_pointer, store_chunk
+from ..engine.skeleton import store_param
+from ..fallback.step import _skip
 
 __all__ = [
     "PLAIN",

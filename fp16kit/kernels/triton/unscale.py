@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span, load_chunk, row_pointer, store_chunk
-from ._rounding import round_to, to_fp32
-from ._table import STEP_PROGRAMS_PER_SM, STEP_WARPS_GPU, chunk_table, num_programs, step_block, triton_dtype
+from ..engine.chunks import chunk_span, load_chunk, row_pointer, store_chunk
+from ..engine.rounding import round_to, to_fp32
+from ..engine.table import STEP_PROGRAMS_PER_SM, STEP_WARPS_GPU, chunk_table, num_programs, step_block, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {

@@ -33,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import l2norm_kernel
-from ._chunks import chunk_span, load_chunk, row_pointer
-from ._results import (
+from ..engine.chunks import chunk_span, load_chunk, row_pointer
+from ..engine.results import (
     StepVerify,
     check_grad,
     check_or_store,
@@ -45,11 +44,12 @@ from ._results import (
     pass_start,
     step_arguments,
 )
-from ._rounding import to_fp32
-from ._step_scalars import DeviceStep, bias_correction64, join3, lr64, next_step, split3_cached
-from ._step_skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
-from ._table import STEP_PROGRAMS_PER_SM, chunk_table, num_programs, step_block, triton_dtype
-from .l2norm_kernel import segment_total
+from ..engine.rounding import to_fp32
+from ..engine.skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
+from ..engine.step_scalars import DeviceStep, bias_correction64, join3, lr64, next_step, split3_cached
+from ..engine.table import STEP_PROGRAMS_PER_SM, chunk_table, num_programs, step_block, triton_dtype
+from . import l2norm as l2norm_kernel
+from .l2norm import segment_total
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {

@@ -1,9 +1,9 @@
-"""Torch implementations of the multi-tensor kernels, for where Triton cannot run.
+"""Torch twin of the unscale kernel (``fp16kit/kernels/triton/unscale.py``): ``unscale_and_check``'s contract.
 
-Same contracts as the Triton kernels (see ``fp16kit.kernels``), built from ``torch._foreach_*`` ops so
-that a list still costs a handful of launches, and with no host sync: flags and norms stay tensors.
-They also serve tensors the Triton kernels do not take (non-contiguous, float64), so they accept any
-strided layout; float64 tensors are computed in float64 (scale included: it is not rounded to fp32).
+Built from ``torch._foreach_*`` ops so that a list still costs a handful of launches, and with no host sync: flags
+and norms stay tensors. The twins also serve tensors the Triton kernels do not take (non-contiguous, float64), so
+they accept any strided layout; float64 tensors are computed in float64 (scale included: it is not rounded to
+fp32). The float64 reference is ``fp16kit/numerics/reference/kernels.py``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import same_view
+from ..engine.checks import same_view
+from .copy import _narrowable
+from .l2norm import sumsq_per_tensor
 
-__all__ = ["copy_", "flag_nonfinite_", "in_place_pairs", "scaled", "sumsq_per_tensor", "unscale"]
+__all__ = ["flag_nonfinite_", "fused_unscale_", "fused_unscale_mode", "in_place_pairs", "scaled", "unscale"]
 
 
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -150,43 +152,3 @@ def fused_unscale_(
             torch._amp_foreach_non_finite_check_and_unscale_(outputs, found_inf, scale32)
     if _may_overflow(scale32) and outputs:  # a finite input can still overflow after the multiply
         flag_nonfinite_(outputs, found_inf)
-
-
-def sumsq_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """float64 sum of squares of each tensor (the fp32 products' squares never overflow or underflow there).
-
-    fp16/bf16/fp32 values square into float64's range (|y| <= 3.4e38 gives y^2 <= 1.2e77; the smallest fp32
-    subnormal squares to 2e-90), so the sum is exact to float64 rounding for every finite input. float64 inputs
-    can square out of range only when their norm is above 1.3e154 or all below 1.5e-154, and then the fp32
-    norm the caller returns is inf or 0 anyway.
-    """
-    if not tensors:
-        return torch.zeros(0, dtype=torch.float64)
-    return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float64)).square()
-
-
-def _round_to_odd_fp32(y: torch.Tensor) -> torch.Tensor:
-    """float64 -> fp32 rounded *to odd*: truncate, then set the last bit if anything was cut off.
-
-    Rounding to odd at fp32 (24 bits) and then to nearest even at fp16/bf16 (11/8 bits, 2+ bits fewer) equals one
-    round-to-nearest-even from float64, which torch's own float64 -> fp16/bf16 conversion is not: it rounds to
-    nearest at fp32 first, so ``1 + 2^-11 + 2^-40`` becomes the tie ``1 + 2^-11`` and then 1.0 instead of
-    ``1 + 2^-10``. inf and NaN pass through; values beyond fp32's range become its largest finite value (odd),
-    which still rounds to inf in the narrow format.
-    """
-    t = y.float()
-    t = torch.where(t.double().abs() > y.abs(), torch.nextafter(t, torch.zeros_like(t)), t)  # toward zero
-    return torch.where(t.double() != y, (t.view(torch.int32) | 1).view(torch.float32), t)
-
-
-def _narrowable(tensors: Sequence[torch.Tensor], dst_dtype: torch.dtype) -> list[torch.Tensor]:
-    """``tensors`` ready for a ``copy_`` into ``dst_dtype`` with a single correct rounding (see above)."""
-    if tensors and tensors[0].dtype == torch.float64 and dst_dtype in (torch.float16, torch.bfloat16):
-        return [_round_to_odd_fp32(t) for t in tensors]
-    return list(tensors)
-
-
-def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for the whole list, except that float64 -> fp16/bf16 rounds once, correctly."""
-    if dst:
-        torch._foreach_copy_(list(dst), _narrowable(src, dst[0].dtype))

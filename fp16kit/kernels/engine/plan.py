@@ -8,7 +8,7 @@ and ``copy_``, 4-6 for an optimizer step). The plan is what every launch path ne
   ``TypeError`` on every backend;
 * kernel groups (contiguous fp16/bf16/fp32, the backend allows Triton; one group per dtype combination) and
   fallback groups (everything else), as index lists with a C-level picker each;
-* per group, a :class:`fp16kit.kernels._table.Tape` holding the address tables its launches used, and a ``memo``
+* per group, a :class:`fp16kit.kernels.engine.table.Tape` holding the address tables its launches used, and a ``memo``
   dict for other per-group facts an op derives once (e.g. which pairs are in place).
 
 Cache. Plans are kept in a bounded LRU keyed by the spec, the backend, a per-row extra key and the rows'
@@ -47,9 +47,9 @@ from typing import Any
 
 import torch
 
-from ._checks import KERNEL_DTYPES, _extent, check_pairs, check_tensor_list, check_writes, common_device
-from ._table import Tape
-from .backend import Backend, select_backend
+from ..backend import Backend, select_backend
+from .checks import KERNEL_DTYPES, _extent, check_pairs, check_tensor_list, check_writes, common_device
+from .table import Tape
 
 __all__ = ["CACHE_SIZE", "Group", "Plan", "Spec", "clear", "plan", "stats", "vouched"]
 

@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import store_chunk
-from ._rounding import round_to
-from ._step_scalars import DeviceStep, advance_step, finish_ticket
-from ._step_skeleton import skip_and_stop
+from .chunks import store_chunk
+from .rounding import round_to
+from .skeleton import skip_and_stop
+from .step_scalars import DeviceStep, advance_step, finish_ticket
 
 
 @triton.jit
@@ -186,7 +186,7 @@ def step_arguments(
     hp: torch.Tensor | DeviceStep, table: Any, names: Sequence[str], verify: bool, check: StepVerify | None
 ) -> tuple[Any, tuple, dict]:
     """``(hp_ptr, scalars, constexprs)`` of the SGD, Adagrad and NovoGrad kernels: ``DeviceStep.arguments``
-    (``_step_scalars.py``), then the four pointers of the check-and-verify finish (placeholders outside it)."""
+    (``engine/step_scalars.py``), then the four pointers of the check-and-verify finish (placeholders outside it)."""
     device_verify = verify and isinstance(hp, DeviceStep)
     if device_verify:
         if check is None:

@@ -3,15 +3,15 @@
 The torch path runs LAMB as torch's fused Adam kernel plus ~5 more per-tensor ops (2.6–2.9x the time of
 ``torch.optim.AdamW(fused=True)``, ``benchmarks/results/optim.md``). This module compiles (once, cached by torch
 in its own directory under ``TORCH_EXTENSIONS_DIR``, :func:`build_directory`) a C++ version of the two LAMB
-stages of ``fp16kit/kernels/lamb_kernel.py``:
+stages of ``fp16kit/kernels/triton/lamb.py``:
 the same math and the same order of fp32 operations, with 16384-element chunks of all tensors spread over
 threads by OpenMP (one parallel region per stage). It needs a C++ compiler and ninja, so it is opt-in:
 
     FP16KIT_CPU_NATIVE=1            # environment, or
-    fp16kit.kernels.cpu_native.enable()
+    fp16kit.kernels.fallback.lamb_native.enable()
 
 Only contiguous fp32 params/grads/moments without a model copy take it; everything else (and every call
-when it is not enabled, not built yet, or failed to build) goes to the torch path (``optim_fallback.py``,
+when it is not enabled, not built yet, or failed to build) goes to the torch path (``fallback/lamb.py``,
 itself fast on the CPU: torch's fused Adam kernel does LAMB's stage 1). A set ``found_inf`` is read directly:
 CPU tensors have no queue to drain.
 
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import optim_fallback
+from . import l2norm as fb_l2norm
 
 __all__ = ["check_and_norm", "enable", "enabled", "lamb_", "takes"]
 
@@ -360,7 +360,7 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
         # The fp32 chunk sums over- or underflowed (a norm above ~1.8e19, or squares below fp32's range):
         # redo this step's norm with the torch fallback, which repairs such tensors in float64. Rare, and
         # reading CPU values back costs nothing.
-        return optim_fallback.check_and_norm(grads, inv_scale64, found_inf)
+        return fb_l2norm.check_and_norm(grads, inv_scale64, found_inf)
     flag = found_inf.reshape(1)
     torch.maximum(flag, out[1:2], out=flag)
     return norm

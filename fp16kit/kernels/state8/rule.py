@@ -19,7 +19,7 @@ bits of ``y`` and one comparison (``_host_lut``: equal to ``torch.searchsorted``
 
 Here: the code books (:func:`book`, one fp32 device tensor per device), the torch implementation
 (:func:`quantize`, :func:`dequantize`) and the state layout (:func:`new_state`, :func:`absmax_of`). The Triton
-device functions of the same rule, which the Adam and LAMB kernels call, are in ``fp16kit/kernels/_state8.py``.
+device functions of the same rule, which the Adam and LAMB kernels call, are in ``fp16kit/kernels/state8/triton.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 import numpy as np
 import torch
 
-from ._table import BLOCK, STEP_BLOCK_GPU, _capturing, upload
+from ..engine.table import BLOCK, STEP_BLOCK_GPU, _capturing, upload
 
 __all__ = [
     "EIGHTHS",

@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import load_chunk, row_pointer, store_chunk
-from ._rounding import to_fp32
-from ._step_skeleton import load_param_moments
-from .state8 import QBLOCK, SMALL_NUMEL, book, num_blocks
+from ..engine.chunks import load_chunk, row_pointer, store_chunk
+from ..engine.rounding import to_fp32
+from ..engine.skeleton import load_param_moments
+from .rule import QBLOCK, SMALL_NUMEL, book, num_blocks
 
 _QB = tl.constexpr(QBLOCK)
 _QSMALL = tl.constexpr(SMALL_NUMEL)

@@ -1,15 +1,17 @@
 """Torch implementation of Adam and LAMB with 8-bit moments (``state_bits=8``): the math of the Triton kernels under
-``QSTATE`` (``adam_kernel.py``, ``lamb_kernel.py``), built on the fp32 torch implementation (``optim_fallback.py``).
+``QSTATE`` (``triton/adam.py``, ``triton/lamb.py``), built on the fp32 torch twins
+(``fp16kit/kernels/fallback/adam.py``, ``fp16kit/kernels/fallback/lamb.py``). The float64 reference is
+``fp16kit/numerics/reference/state8.py``.
 
 Per step, for the positions whose moments are 8-bit (uint8 codes, ``state8.uses_state8``): dequantize m and v into
 fp32 temporaries, run the fp32 rule on them, quantize the new moments back (``state8.quantize``). Positions with
 fp32 moments (small tensors) run the fp32 rule on their own state. Adam updates p from the new fp32 moments; LAMB
 computes ``u`` and its norms from the moments as stored (quantized, then dequantized), as the kernel does. The
-masked (device-flag) sequence of ``optim_fallback`` is used throughout, so the moments, codes and absmax match the
+masked (device-flag) sequence of the fp32 twins is used throughout, so the moments, codes and absmax match the
 kernels' bit for bit (under ``state_bits=8`` every fallback row takes this path, fp32-state rows included); with
 ``found_inf`` set nothing is written (codes and absmax included).
 
-On the CPU (the skip read on the host, unless ``optim_fallback.masked_commits()``) the 8-bit rows run chunk by chunk,
+On the CPU (the skip read on the host, unless ``fallback.step.masked_commits()``) the 8-bit rows run chunk by chunk,
 ``_CHUNK`` elements at a time, so that a chunk's temporaries stay in L2: dequantize, the same operations of that
 sequence in place on the temporaries (no masked commits: the skip is known clear), quantize straight into the codes
 and absmax (``state8.quantize_into``, whose code is a table look-up, not a search); LAMB's ``u`` is written into
@@ -30,8 +32,10 @@ from typing import Any
 
 import torch
 
-from . import optim_fallback
-from .state8 import QBLOCK, absmax_of, dequantize, quantize, quantize_into
+from ..fallback import adam as fb_adam
+from ..fallback import lamb as fb_lamb
+from ..fallback import step as fb_step
+from .rule import QBLOCK, absmax_of, dequantize, quantize, quantize_into
 
 _U8 = torch.uint8
 
@@ -118,18 +122,18 @@ def adam8_(
     l2_mode: bool,
     decoupled: bool,
 ) -> None:
-    """One Adam/AdamW step (``adam_kernel.py``) over moments that may be 8-bit (non-contiguous 8-bit rows on
+    """One Adam/AdamW step (``triton/adam.py``) over moments that may be 8-bit (non-contiguous 8-bit rows on
     contiguous copies: :func:`_on_dense_rows`)."""
     if not params:
         return
-    host_skip = optim_fallback._skip(found_inf, None)  # a bool on the CPU (unless masked_commits())
+    host_skip = fb_step._skip(found_inf, None)  # a bool on the CPU (unless masked_commits())
     if host_skip is True:
         return  # a skipped step writes nothing
     if host_skip is False:
         plain, chunked = _cpu_rows(params, grads, exp_avgs, models)
         if plain:
             pick = _picker(plain)
-            optim_fallback.adam_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(models), hp,
+            fb_adam.adam_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(models), hp,
                                  found_inf, l2_mode=l2_mode, decoupled=decoupled, host_branch=False)
         scalars = hp.unbind()
         for i, start, stop, blocks in chunked:
@@ -142,7 +146,7 @@ def adam8_(
         return
     m, quant = _dequantized(exp_avgs, True)
     v, _ = _dequantized(exp_avg_sqs, False)
-    optim_fallback.adam_(params, grads, m, v, models, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled,
+    fb_adam.adam_(params, grads, m, v, models, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled,
                          host_branch=False)
     skip = found_inf.reshape(()) != 0
     _requantize(exp_avgs, m, quant, True, skip)
@@ -153,13 +157,13 @@ def _adam_chunk(
     views: list[torch.Tensor | None], m: torch.Tensor, v: torch.Tensor, scalars: Sequence[torch.Tensor],
     l2_mode: bool, decoupled: bool,
 ) -> None:
-    """``optim_fallback.adam_terms`` (the masked sequence of ``optim_fallback.adam_``) on one chunk ``views = [p, g,
+    """``fb_adam.adam_terms`` (the masked sequence of ``fb_adam.adam_``) on one chunk ``views = [p, g,
     model]`` whose skip is known clear: m and v (temporaries) updated in place, p and the model copy written without
     the masked commits' ``where``. Bit for bit that sequence (``tests/optim/test_state8_cpu_path.py``)."""
     p, g, model = views
     math = scalars[0].dtype
-    (pm,), _, _, (step,) = optim_fallback.adam_terms(
-        optim_fallback._math([p], math), [g], [m], [v], scalars, l2_mode, decoupled, in_place=True
+    (pm,), _, _, (step,) = fb_adam.adam_terms(
+        fb_step._math([p], math), [g], [m], [v], scalars, l2_mode, decoupled, in_place=True
     )
     if pm is p:
         new = torch.sub(p, step, out=p)
@@ -222,21 +226,21 @@ def lamb8_stage1(
     skip = found_inf.reshape(()) != 0
     scalars = hp.unbind()
     # p is only read here (the caller writes p - ratio * u): contiguous copies of the 8-bit rows need no write-back
-    p, grads, _, _ = _dense_rows(optim_fallback._math(params, hp.dtype), grads, exp_avgs, [None] * len(params))
-    if optim_fallback._skip(found_inf, None) is False:  # the CPU (unless masked_commits()), not skipped
+    p, grads, _, _ = _dense_rows(fb_step._math(params, hp.dtype), grads, exp_avgs, [None] * len(params))
+    if fb_step._skip(found_inf, None) is False:  # the CPU (unless masked_commits()), not skipped
         return p, _lamb8_direction_cpu(p, (grads, exp_avgs, exp_avg_sqs), scalars, (l2_mode, decoupled))
     _, _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars
     m_old, quant = _dequantized(exp_avgs, True)
     v_old, _ = _dequantized(exp_avg_sqs, False)
-    m, v, u = optim_fallback.lamb_direction(p, grads, m_old, v_old, scalars[1:], l2_mode, decoupled, in_place=False)
+    m, v, u = fb_lamb.lamb_direction(p, grads, m_old, v_old, scalars[1:], l2_mode, decoupled, in_place=False)
     m, v = list(m), list(v)
     _requantize(exp_avgs, m, quant, True, skip, stored=True)
     _requantize(exp_avg_sqs, v, quant, False, skip, stored=True)
     if quant:
-        u = optim_fallback.lamb_u(p, m, v, eps, wd, bc1, bc2, decoupled)
+        u = fb_lamb.lamb_u(p, m, v, eps, wd, bc1, bc2, decoupled)
     plain = [i for i in range(len(params)) if i not in set(quant)]
-    optim_fallback._commit([exp_avgs[i] for i in plain], [m[i] for i in plain], skip)
-    optim_fallback._commit([exp_avg_sqs[i] for i in plain], [v[i] for i in plain], skip)
+    fb_step._commit([exp_avgs[i] for i in plain], [m[i] for i in plain], skip)
+    fb_step._commit([exp_avg_sqs[i] for i in plain], [v[i] for i in plain], skip)
     return p, list(u)
 
 
@@ -257,10 +261,10 @@ def _lamb8_direction_cpu(
     plain, chunked = _cpu_rows(p, grads, exp_avgs, [None] * len(p))
     if plain:
         pick = _picker(plain)
-        m, v, u_plain = optim_fallback.lamb_direction(pick(p), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
+        m, v, u_plain = fb_lamb.lamb_direction(pick(p), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
                                                       scalars[1:], l2_mode, decoupled, in_place=False)
-        optim_fallback._commit(pick(exp_avgs), m, False)
-        optim_fallback._commit(pick(exp_avg_sqs), v, False)
+        fb_step._commit(pick(exp_avgs), m, False)
+        fb_step._commit(pick(exp_avg_sqs), v, False)
         for i, t in zip(plain, u_plain):
             u[i] = t
     for i, start, stop, blocks in chunked:
@@ -269,7 +273,7 @@ def _lamb8_direction_cpu(
         absmax_m, absmax_v = absmax_of(exp_avgs[i])[blocks], absmax_of(exp_avg_sqs[i])[blocks]
         m = dequantize(codes_m, absmax_m, True)
         v = dequantize(codes_v, absmax_v, False)
-        optim_fallback.lamb_moments([pc], [gc], [m], [v], scalars[1:], l2_mode, in_place=True)
+        fb_lamb.lamb_moments([pc], [gc], [m], [v], scalars[1:], l2_mode, in_place=True)
         quantize_into(m, codes_m, absmax_m, True)
         quantize_into(v, codes_v, absmax_v, False)
         # u from the moments as stored (lamb_u's sequence), straight into the whole-tensor u
@@ -297,9 +301,9 @@ def lamb8_(
     decoupled: bool,
     trust: bool,
 ) -> None:
-    """Both LAMB stages (``lamb_kernel.py``) over moments that may be 8-bit; ``u`` from the stored moments."""
+    """Both LAMB stages (``triton/lamb.py``) over moments that may be 8-bit; ``u`` from the stored moments."""
     if not params:
         return
     p, u = lamb8_stage1(params, grads, exp_avgs, exp_avg_sqs, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled)
-    torch._foreach_mul_(u, optim_fallback._trust_ratios(p, u, hp[0], trust))
-    optim_fallback._write_params(params, models, torch._foreach_sub(p, u), found_inf.reshape(()) != 0)
+    torch._foreach_mul_(u, fb_lamb._trust_ratios(p, u, hp[0], trust))
+    fb_step._write_params(params, models, torch._foreach_sub(p, u), found_inf.reshape(()) != 0)

@@ -43,11 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._bf16_weights import Bf16Weights, epilogue_mode, launch_arguments, load_master, rng_step, store_weights
-from ._state8 import book, load_state, state_rows, store_state
-from ._step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
-from ._step_skeleton import chunk_rows, load_grad, skip_and_stop
-from ._table import (
+from ..bf16_weights.modes import Bf16Weights, epilogue_mode, launch_arguments, load_master, rng_step, store_weights
+from ..engine.skeleton import chunk_rows, load_grad, skip_and_stop
+from ..engine.step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
+from ..engine.table import (
     STEP_PROGRAMS_PER_SM,
     STEP_WARPS_GPU,
     ChunkTable,
@@ -56,7 +55,8 @@ from ._table import (
     step_block,
     triton_dtype,
 )
-from .l2norm_kernel import segment_sums, segment_total
+from ..state8.triton import book, load_state, state_rows, store_state
+from .l2norm import segment_sums, segment_total
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {

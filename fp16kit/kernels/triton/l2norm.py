@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import chunk_span, load_chunk, row_pointer
-from ._rounding import to_fp32
-from ._step_scalars import finish_ticket
-from ._table import (
+from ..engine.chunks import chunk_span, load_chunk, row_pointer
+from ..engine.rounding import to_fp32
+from ..engine.step_scalars import finish_ticket
+from ..engine.table import (
     STEP_PROGRAMS_PER_SM,
     STEP_WARPS_GPU,
     ChunkTable,

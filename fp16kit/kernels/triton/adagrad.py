@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunks import load_chunk, row_pointer
-from ._results import StepVerify, check_grad, check_or_store, pass_end, pass_start, step_arguments
-from ._step_scalars import DeviceStep
-from ._step_skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
-from ._table import chunk_table, num_programs, triton_dtype
+from ..engine.chunks import load_chunk, row_pointer
+from ..engine.results import StepVerify, check_grad, check_or_store, pass_end, pass_start, step_arguments
+from ..engine.skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
+from ..engine.step_scalars import DeviceStep
+from ..engine.table import chunk_table, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
