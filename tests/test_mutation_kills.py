@@ -317,3 +317,44 @@ def test_the_kernels_round_to_fp16_as_torch_does():
     dst = torch.zeros(len(src), dtype=torch.float16)
     copy_([dst], [src])
     assert torch.equal(dst.view(torch.int16), src.to(torch.float16).view(torch.int16))
+
+
+# fp16kit/kernels/state8/triton.py:54:40:const_float_x2 and :54:45:const_float_zero (quantize_block: an all-zero
+# block is divided by 1, not by its absmax 0, so its signed codes are the zero code, as in the torch quantizer)
+@pytest.mark.interpreter
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_triton_quantizer_codes_an_all_zero_block_as_torch_does(signed):
+    from fp16kit.kernels.state8 import rule, triton as kq
+
+    x = torch.zeros(3 * rule.QBLOCK + 7)
+    x[rule.QBLOCK : 2 * rule.QBLOCK] = torch.linspace(-2.0 if signed else 0.0, 3.0, rule.QBLOCK)
+    x[2 * rule.QBLOCK] = -0.0 if signed else 0.0
+    want_codes, want_absmax = rule.quantize(x, signed)
+    codes, absmax, values = kq.launch_quantize(x, signed)
+    assert torch.equal(codes, want_codes) and torch.equal(absmax, want_absmax)
+    assert torch.equal(values.view(torch.int32), rule.dequantize(want_codes, want_absmax, signed).view(torch.int32))
+
+
+# fp16kit/kernels/state8/triton.py:124:81:const_bool (load_state: exp_avg_sq is read with the unsigned book; a
+# first step reads all-zero codes, which both books decode to zero, so it takes a second step to see the book)
+@pytest.mark.interpreter
+@pytest.mark.parametrize("opt_name", ["FusedAdam", "FusedLAMB"])
+def test_eight_bit_moments_after_three_kernel_steps_equal_the_torch_implementations(opt_name):
+    import fp16kit.optim as optim
+    from fp16kit.kernels import state8_absmax
+
+    def run():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(8192))
+        opt = getattr(optim, opt_name)([p], lr=1e-2, state_bits=8)
+        for _ in range(3):
+            p.grad = torch.randn(8192)
+            opt.step()
+        st = opt.state[p]
+        return p.detach().clone(), [(st[k].clone(), state8_absmax(st[k]).clone()) for k in ("exp_avg", "exp_avg_sq")]
+
+    out = _on_both_backends(run)
+    for (codes_k, absmax_k), (codes_t, absmax_t) in zip(out["auto"][1], out["torch"][1]):
+        assert torch.equal(codes_k, codes_t) and torch.equal(absmax_k, absmax_t)
+    # the params within the fp32 backends' own budget (tests/optim/test_state8.py::test_triton_matches_torch_bit_for_bit)
+    torch.testing.assert_close(out["auto"][0], out["torch"][0], rtol=2**-18, atol=2**-30)

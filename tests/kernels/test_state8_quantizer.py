@@ -74,8 +74,11 @@ def _midpoint_blocks(signed: bool, picks: list[int], scale_exp: int) -> torch.Te
         m = np.float32(mids[k])
         vals += [m, np.nextafter(m, np.float32(-2)), np.nextafter(m, np.float32(2))]
     x = np.array(vals, dtype=np.float32).clip(-1, 1) * np.float32(2.0**scale_exp)
-    x = np.concatenate([[np.float32(2.0**scale_exp)], x])  # absmax = 2**scale_exp: quotients are exact
-    return torch.from_numpy(x.astype(np.float32))
+    # every block of q.QBLOCK values starts with 2**scale_exp, its absmax, so every quotient is exact (a single
+    # leading absmax would leave the later blocks with an absmax of their own values and tie nothing there)
+    per = q.QBLOCK - 1
+    blocks = [np.concatenate([[np.float32(2.0**scale_exp)], x[i : i + per]]) for i in range(0, len(x), per)]
+    return torch.from_numpy(np.concatenate(blocks).astype(np.float32))
 
 
 @settings(max_examples=80, deadline=None)
