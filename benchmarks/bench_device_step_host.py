@@ -7,7 +7,7 @@ counter (the interpreter's own cost, and the kernels' work, are not in the figur
 grads kept between steps (as a captured or steady training loop has them), 1 thread, thread CPU time.
 
 Before and after in one run: rounds interleave the steady-state fast path (``after``: the step replayed from its
-recorded plan, ``fp16kit/optim/_base.py``, "replay") and the full path every step had before it (``before``: the
+recorded plan, ``fp16kit/optim/_device_step.py``, "replay") and the full path every step had before it (``before``: the
 same optimizer code with the replay switched off), each round timing ``--steps`` steps of each; medians (and
 p20/p80) over ``--rounds``. "late" repeats the after figure after ``--late`` more steps: the cost per step does not
 grow with the number of steps taken. Also printed: launches per step (counted at the stub) and torch ops per step.
