@@ -172,6 +172,8 @@ class FusedOptimizer(
         state["_pending"] = []
         state["_known_steps"] = {}
         state["_verdicts"] = {}  # keyed by id(group) and holding C++ guards: rebuilt at the next step
+        # the recorded steady step holds a C++ guard and launches: recorded again after two equal steps
+        state["_step_cache"] = {k: v for k, v in self._step_cache.items() if k not in ("steady", "device_key")}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -244,6 +246,8 @@ class FusedOptimizer(
             with torch.enable_grad():
                 loss = closure()
         self._settle_eager_steps()
+        if self._replay_steady():  # the recorded device step, while nothing it depends on changed
+            return loss
         unchecked_steps = self._check_groups()
         all_rows = self._collect()
         shards = self._shards(all_rows)

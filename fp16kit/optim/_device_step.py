@@ -30,6 +30,7 @@ from fp16kit.kernels.optimizers import record_launches, replay_launches
 from . import functional as F
 from ._context import capturing
 from ._rows import _Rows
+from ._steady import SteadyPlan, settings
 
 __all__ = ["DeviceStepMixin"]
 
@@ -37,38 +38,15 @@ _data_ptr = torch.Tensor.data_ptr
 _not_none = functools.partial(is_not, None)  # C-level: filter(_not_none, models) drops the None entries
 
 
-def _fact(value: Any) -> Any:
-    """A hyper-parameter as a replay key holds it: a tensor by identity, a list (``betas=[0.9, 0.999]``, mutable in
-    place) as a tuple of its values, anything else as is."""
-    if isinstance(value, torch.Tensor):
-        return id(value)
-    if isinstance(value, list):
-        return tuple(map(_fact, value))
-    return value
-
-
-class _Uncompared:
-    """A value carried in a replay key that never decides equality (the key's written tensors)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Uncompared)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-@dataclasses.dataclass(eq=False)
-class _DeviceProgram:
-    """A recorded device step (``FusedOptimizer._step_on_device``): its replay key, launches, and whether its check
-    pass counted the skip on the device."""
-
-    key: tuple
-    launches: list
-    counted: bool
+def _written(all_rows: list[_Rows]) -> list[torch.Tensor]:
+    """Every tensor the update writes: params or masters, moments, model copies."""
+    written: list[torch.Tensor] = []
+    for rows in all_rows:
+        written += rows.params
+        written += rows.exp_avgs
+        written += rows.exp_avg_sqs
+        written += filter(_not_none, rows.models)
+    return written
 
 
 class DeviceStepMixin:
@@ -140,23 +118,23 @@ class DeviceStepMixin:
         """
         cache = self._step_cache
         key = self._replay_key(all_rows, device) if self.device_replay else None
-        program = cache.get("device_program")
-        if key is not None and program is not None and program.key == key:
-            self._replay_step(program, key, device)
-            return
         # Record a step whose key repeats the last one (a steady loop: grads kept, nothing changed), never while a
         # CUDA graph captures (the recording's bookkeeping is host work the capture need not see).
         recording = key is not None and key == cache.get("device_key") and not capturing()
-        cache["device_key"], cache["device_program"] = key, None
+        if self.device_replay:
+            cache["device_key"], cache["steady"] = key, None
         with record_launches(device) if recording else contextlib.nullcontext() as rec:
             bad_hp, found_inf, own_flag, counted, grads = self._device_pass(all_rows, device)
         grad_scale = getattr(self, "grad_scale", None)
+        recorded = rec is not None and rec.ok and bad_hp is None
         if self.unscale_grads and grad_scale is not None:
             self._write_unscaled_grads(grads, F.inv_scale_from_grad_scale(grad_scale, device), device)
-        elif rec is not None and rec.ok and bad_hp is None:
-            cache["device_program"] = _DeviceProgram(key, rec.launches, counted)
+            recorded = False
         captured = device.type == "cuda" and capturing()
         self._count_and_report(bad_hp, found_inf if own_flag else None, device, counted=counted, report=not captured)
+        if recorded:  # the facts as the next step will find them (this step's counters and buffers made)
+            row_keys = (*self._moment_keys, self._paired_key)
+            cache["steady"] = SteadyPlan(self, device, rec.launches, counted, _written(all_rows), row_keys)
 
     def _device_pass(
         self, all_rows: list[_Rows], device: torch.device
@@ -212,47 +190,39 @@ class DeviceStepMixin:
     device_replay: bool = True
 
     def _replay_key(self, all_rows: list[_Rows], device: torch.device) -> tuple | None:
-        """What a recorded device step depends on, or None when this step cannot be replayed: every group's
-        verdict (the rows' metadata, checked by its guard in :meth:`_collect`) and the addresses of every row
-        tensor; the groups' hyper-parameters (tensors by identity: a tensor ``lr`` or step counter replaced), the
-        optimizer's own settings, its counters and buffers, the GradScaler's scale and flag, and the backend.
-        Equal keys mean the same launches with the same arguments: the planner, the tables and the launchers'
-        argument packing would all give what the recording holds. The key's last entry is the list of written
-        tensors (params or masters, moments, model copies) whose versions a replay bumps; it is not compared."""
+        """What a full device step's launches depend on, or None when this step cannot be recorded: every group's
+        verdict (the rows' metadata, checked by its guard in :meth:`_collect`), the addresses of every row tensor,
+        and ``_steady.settings`` (hyper-parameters, own settings, the scaler's tensors, counters, backend). Two
+        full steps with equal keys issue the same launches with the same arguments: the second is recorded."""
         verdicts = self.__dict__.get("_verdicts")
         if not verdicts or torch.compiler.is_compiling():
             return None
         vs = tuple(map(verdicts.get, map(id, self.param_groups)))
         if None in vs:
             return None
-        written: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        for rows in all_rows:
-            written += rows.params
-            written += rows.exp_avgs
-            written += rows.exp_avg_sqs
-            written += filter(_not_none, rows.models)
-            grads += rows.grads
-        groups = tuple(tuple((k, _fact(v)) for k, v in g.items() if k != "params") for g in self.param_groups)
-        own = tuple((k, v) for k, v in self.__dict__.items() if v is None or isinstance(v, (bool, int, float, str)))
-        scaler = (id(getattr(self, "grad_scale", None)), id(getattr(self, "found_inf", None)), flag_is_final(self))
-        return (vs, tuple(map(_data_ptr, written)), tuple(map(_data_ptr, grads)), groups, own, scaler,
-                tuple(map(id, self._skip_counts.values())), select_backend(device).backend, _Uncompared(written))
+        grads = [g for rows in all_rows for g in rows.grads]
+        return (vs, tuple(map(_data_ptr, _written(all_rows))), tuple(map(_data_ptr, grads)), settings(self, device))
 
-    def _replay_step(self, program: _DeviceProgram, key: tuple, device: torch.device) -> None:
-        """The recorded step again: its launches, the versions of what they write, the counters' bookkeeping and
-        the skip report (the same calls the full path ends with)."""
+    def _replay_steady(self) -> bool:
+        """The step's first stage: replay the recorded steady step (``_steady.SteadyPlan``) when it still holds,
+        else False (the full path runs, and records again after two equal steps). Not while compiling, nor with
+        ``device_replay`` off."""
+        plan = self._step_cache.get("steady")
+        if plan is None or not self.device_replay or torch.compiler.is_compiling() or not plan.holds(self):
+            return False
+        device = plan.device
         for gi, group in enumerate(self.param_groups):
             self._own_step(gi, group, device)
-        replay_launches(program.launches)
-        torch._C._increment_version(key[-1].value)
-        found_inf = getattr(self, "found_inf", None)
-        own_flag = found_inf is None
-        if own_flag:
-            found_inf = self._device_buffers(device)["flag"]
+        replay_launches(plan.launches)
+        torch._C._increment_version(plan.written)
         captured = device.type == "cuda" and capturing()
-        self._count_and_report(None, found_inf if own_flag else None, device, counted=program.counted,
-                               report=not captured)
+        self._count_and_report(None, plan.flag, device, counted=plan.counted, report=not captured)
+        return True
+
+    def _forget_steady_step(self) -> None:
+        """Drop the recorded steady step (a checkpoint loaded, a group added): the next steps take the full path."""
+        self._step_cache.pop("steady", None)
+        self._step_cache.pop("device_key", None)
 
     def _run_device_update(self, group: dict[str, Any], rows: _Rows, ds: DeviceStep, skip: torch.Tensor) -> None:
         raise NotImplementedError

@@ -59,6 +59,8 @@ class GroupsMixin:
         self._check_rounding_seed(index, {**self.defaults, **param_group})
         super().add_param_group(param_group)
         self._own_counter(self.param_groups[-1])
+        if "_step_cache" in self.__dict__:  # (torch's __init__ adds the first groups before the cache exists)
+            self._forget_steady_step()
 
     def _check_rounding_seed(self, index: int, group: dict[str, Any]) -> None:
         """Stochastic rounding's seed of group ``index`` (an int in ``[0, 2**63)``): in ``add_param_group``, at every

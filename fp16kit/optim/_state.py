@@ -168,5 +168,6 @@ class StateMixin:
         self.state.update(state)
         _checkpoint.finish_split(self.param_groups, self.state, self.__dict__.get("bf16_weights"))
         self.__dict__.get("_verdicts", {}).clear()
+        self._forget_steady_step()
         self._adopt_counters()
 

@@ -1,4 +1,4 @@
-"""A steady device step is replayed from its recording (fp16kit/optim/_device_step.py, ``_step_on_device``), bit for bit.
+"""A steady device step is replayed from its recording (fp16kit/optim/_steady.py), bit for bit.
 
 The replay issues the launches the full path recorded (``fp16kit/kernels/_launch.py``) while the replay key holds
 (rows' verdicts and addresses, hyper-parameters, settings, counters, the scaler's tensors, the backend), so it must
