@@ -49,15 +49,24 @@ def _fact(value: Any) -> Any:
     return value
 
 
+_PLAIN = frozenset({bool, int, float, str, type(None)})
+
+
+def _plain(value: Any) -> bool:
+    """A number, string, bool or None (compared by value)."""
+    return type(value) in _PLAIN or isinstance(value, (bool, int, float, str))
+
+
 def settings(optimizer: Any, device: torch.device) -> tuple:
     """What a recorded device step depends on besides its rows: the groups' hyper-parameters, the optimizer's own
     settings (its plain attributes), the GradScaler's scale and flag (by identity) and whether the flag is final,
     the skip counters and buffers (by identity), the backend, and whether a process group is set."""
-    groups = tuple(tuple((k, _fact(v)) for k, v in g.items() if k != "params") for g in optimizer.param_groups)
-    own = tuple((k, v) for k, v in optimizer.__dict__.items() if v is None or isinstance(v, (bool, int, float, str)))
+    groups = [[(k, v if type(v) in _PLAIN else _fact(v)) for k, v in g.items() if k != "params"]
+              for g in optimizer.param_groups]
+    own = [(k, v) for k, v in optimizer.__dict__.items() if _plain(v)]
     scaler = (id(getattr(optimizer, "grad_scale", None)), id(getattr(optimizer, "found_inf", None)),
               flag_is_final(optimizer))
-    return (groups, own, scaler, tuple(map(id, optimizer._skip_counts.values())), select_backend(device).backend,
+    return (groups, own, scaler, list(map(id, optimizer._skip_counts.values())), select_backend(device).backend,
             optimizer.process_group is None)
 
 
