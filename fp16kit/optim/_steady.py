@@ -6,7 +6,7 @@ after step. The device step (``_device_step.py``) records such a step's launches
 collecting rows, validating hyper-parameters or planning. The check is C-level maps over the rows, no per-param
 Python, and compares:
 
-* the groups (how many, and each group's params list, read through ``p.grad``): a grad that is None now, or that
+* the groups (how many params each holds, and their params, read through ``p.grad``): a grad that is None now, or that
   moved (``data_ptr``), or whose metadata changed (shape, strides, dtype, device: one C++ guard over the params
   and grads), a param moved (``p.data = ...``), a param added or removed;
 * the optimizer's state: the per-param state dicts (a dict replaced, deleted or added) and, in each, the address of
@@ -121,7 +121,7 @@ class SteadyPlan:
         present = list(compress(params, self.has_grad)) if self.has_grad is not None else list(params)
         grads = [g for g in grads if g is not None]
         self.launches, self.counted, self.device, self.written = launches, counted, device, list(written)
-        self.groups = len(groups)
+        self.groups = [len(g["params"]) for g in groups]
         self.grad_ptrs = list(map(_data_ptr, grads))
         self.param_ptrs = list(map(_data_ptr, present))
         self.guard = metadata_guard(grads)
@@ -144,7 +144,7 @@ class SteadyPlan:
         """Does the recording still apply: the same rows at the same addresses with the same metadata, the same
         state entries, the same :func:`settings`? C-level maps over the rows; False at the first difference."""
         groups = optimizer.param_groups
-        if len(groups) != self.groups:
+        if [len(g["params"]) for g in groups] != self.groups:  # (a param moved to another group: same order)
             return False
         params = _params(groups)
         grads = list(map(_grad_of, params))

@@ -66,6 +66,16 @@ def _add_group(opt, ps):
     opt.add_param_group({"params": [q]})
 
 
+def _param_to_another_group(opt, ps):
+    # two groups with other hyper-parameters; then the first group's last param moves to the second: the params
+    # in order are the same, the groups are not
+    opt.param_groups[0]["params"] = ps[:3]
+    opt.add_param_group({"params": ps[3:], "lr": 5e-3})
+    for _ in range(3):
+        opt.step()
+    opt.param_groups[0]["params"], opt.param_groups[1]["params"] = ps[:2], ps[2:]
+
+
 def _schedule(opt, ps):
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # adds "initial_lr" to the group
     opt.step()
@@ -96,6 +106,7 @@ CHANGES = {
     "grad-replaced": _replace_grad,
     "grad-none": _grad_none,
     "add-param-group": _add_group,
+    "param-to-another-group": _param_to_another_group,
     "lr-scheduler": _schedule,
     "load-state-dict": _load,
     "state-dict-replaced": _state_dict_replaced,
