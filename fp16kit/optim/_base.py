@@ -11,8 +11,14 @@ The step skeleton (``FusedOptimizer.step``)::
     skip    = flag, or a tensor lr that is NaN/inf/negative (device arithmetic: the scaler's flag is not raised)
     for each group: step += (skip == 0); the subclass's update (a no-op on the device when skip is set)
 
-Validation (``docs/optim.md``): host hyper-parameters of every group are checked at every step (a scheduler
-or a hand edit may have changed them) and raise naming the group and key; every row (param, grad, moments,
+The stages of ``step``, each in a module of its own: replay the recorded steady device step while it holds
+(``_steady.py``); check the groups' hyper-parameters and step counters (``_groups.py``); collect and check the rows
+(``_rows.py``, the state they read: ``_state.py``); the shard plan (a hook: ``_sharding.ShardedSteps``); then one
+path: sharded or compiled or eager host-vector (``_host_step.py``), or the device step (``_device_step.py``); the
+skips counted and reported (``_report.py``).
+
+Validation (``docs/optim.md``): host hyper-parameters of every group are checked at every full step (a scheduler
+or a hand edit may have changed them; a replayed step compares them with the recorded ones) and raise naming the group and key; every row (param, grad, moments,
 master) is checked for shape/dtype/device/layout before a kernel sees its addresses; checkpoints are
 checked in ``load_state_dict`` (``_checkpoint.py``) and a rejected load or ``add_param_group`` leaves the
 optimizer as it was.
@@ -24,6 +30,7 @@ tensors, which have no queue to drain, the "warn" policy in an eager step).
 (``fp16kit/kernels/library.py``), "warn" reads nothing (skips are counted in ``nonfinite_skips``) and a step
 counter set by hand is checked on the device: one graph, no graph break (docs/optim.md, "torch.compile").
 """
+
 from __future__ import annotations
 
 import warnings
