@@ -17,11 +17,11 @@ The stages of ``step``, each in a module of its own: replay the recorded steady 
 path: sharded or compiled or eager host-vector (``_host_step.py``), or the device step (``_device_step.py``); the
 skips counted and reported (``_report.py``).
 
-Validation (``docs/optim.md``): host hyper-parameters of every group are checked at every full step (a scheduler
-or a hand edit may have changed them; a replayed step compares them with the recorded ones) and raise naming the group and key; every row (param, grad, moments,
-master) is checked for shape/dtype/device/layout before a kernel sees its addresses; checkpoints are
-checked in ``load_state_dict`` (``_checkpoint.py``) and a rejected load or ``add_param_group`` leaves the
-optimizer as it was.
+Validation (``docs/optim.md``): host hyper-parameters of every group are checked at every full step (a
+scheduler or a hand edit may have changed them; a replayed step compares them with the recorded ones) and raise
+naming the group and key; every row (param, grad, moments, master) is checked for shape/dtype/device/layout before
+a kernel sees its addresses; checkpoints are checked in ``load_state_dict`` (``_checkpoint.py``) and a rejected load
+or ``add_param_group`` leaves the optimizer as it was.
 
 Nothing here reads a device value on the host, except the ``on_nonfinite="raise"`` policy (and, on CPU
 tensors, which have no queue to drain, the "warn" policy in an eager step).
