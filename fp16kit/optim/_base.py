@@ -307,6 +307,12 @@ class FusedOptimizer(
             )
         return self._plan_shards(all_rows)
 
+    @staticmethod
+    def _has_dtensors(params: list[torch.Tensor]) -> bool:
+        """Is any of ``params`` an FSDP2 (DTensor) param? (The rows' verdict remembers it: a step without one and
+        without a ``process_group`` needs no shard plan.)"""
+        return any(map(is_dtensor, params))
+
     def _plan_shards(self, all_rows: list[_Rows]) -> Any:
         """The hook of the sharded step (``_sharding.ShardedSteps`` implements it): here no param may be a DTensor
         and no ``process_group`` given (this class steps whole tensors on one process)."""

@@ -126,7 +126,8 @@ class DeviceStepMixin:
         with record_launches(device) if recording else contextlib.nullcontext() as rec:
             bad_hp, found_inf, own_flag, counted, grads = self._device_pass(all_rows, device)
         grad_scale = getattr(self, "grad_scale", None)
-        recorded = rec is not None and rec.ok and bad_hp is None
+        # (no launch recorded: the kernels were not ours to hook, e.g. replaced by a test's recorders)
+        recorded = rec is not None and rec.ok and bad_hp is None and bool(rec.launches)
         if self.unscale_grads and grad_scale is not None:
             self._write_unscaled_grads(grads, F.inv_scale_from_grad_scale(grad_scale, device), device)
             recorded = False
@@ -208,9 +209,11 @@ class DeviceStepMixin:
         else False (the full path runs, and records again after two equal steps). Not while compiling, nor with
         ``device_replay`` off."""
         plan = self._step_cache.get("steady")
-        if plan is None or not self.device_replay or torch.compiler.is_compiling() or not plan.holds(self):
+        if plan is None or not self.device_replay or torch.compiler.is_compiling():
             return False
         device = plan.device
+        if not self._on_device(device) or not plan.holds(self):  # (the device step still the path to take)
+            return False
         for gi, group in enumerate(self.param_groups):
             self._own_step(gi, group, device)
         replay_launches(plan.launches)

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from fp16kit.distributed import is_dtensor
 from fp16kit.kernels import common_device, metadata_guard
 
 from ._validate import check_row
@@ -133,7 +132,7 @@ class RowsMixin:
             has_master=tuple(m is not None for m in masters),
             guard=metadata_guard(flat),
             device=device,
-            dtensors=any(map(is_dtensor, params)),
+            dtensors=self._has_dtensors(params),
         )
         return rows, verdict
 

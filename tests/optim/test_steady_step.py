@@ -220,3 +220,13 @@ def test_the_changes_in_sequence_equal_a_never_replaying_optimizer_bit_for_bit(t
     assert replayed == [F, F, F, F, F, F, T, F, F, F, T, F, F, T, T, F, F, T, T, T], replayed
     a, b = extra.values()
     assert torch.equal(a, b)
+
+
+def test_the_replay_is_the_device_step_only_while_it_applies(launches, monkeypatch):
+    """A recorded plan does not outlive the device step's own condition (``_on_device``: the backend, a grad scale
+    the kernels can read): when it no longer applies, the step takes the host-vector path."""
+    opt, _ps = _opt()
+    for _ in range(4):
+        opt.step()
+    monkeypatch.setattr(type(opt), "_on_device", lambda self, device: False)
+    assert not _replays(opt)
