@@ -7,10 +7,12 @@ counter (the interpreter's own cost, and the kernels' work, are not in the figur
 grads kept between steps (as a captured or steady training loop has them), 1 thread, thread CPU time.
 
 Before and after in one run: rounds interleave the steady-state fast path (``after``: the step replayed from its
-recorded plan, ``fp16kit/optim/_base.py``, "replay") and the full path every step had before it (``before``: the
-same optimizer code with the replay switched off), each round timing ``--steps`` steps of each; medians (and
-p20/p80) over ``--rounds``. "late" repeats the after figure after ``--late`` more steps: the cost per step does not
-grow with the number of steps taken. Also printed: launches per step (counted at the stub) and torch ops per step.
+recorded plan once ``SteadyPlan.holds`` has checked the rows, state and settings, ``fp16kit/optim/_steady.py``) and
+the full path every step took before the replay existed (``before``: the same optimizer code with the replay switched
+off: rows collected and checked, hyper-parameters validated, launches planned), each round timing ``--steps`` steps
+of each; medians (and p20/p80) over ``--rounds``. "late" repeats the after figure after ``--late`` more steps: the
+cost per step does not grow with the number of steps taken. Also printed: launches per step (counted at the stub)
+and the load average at the start and the end (the box may be shared: absolute figures move with it).
 
 Usage: ``python benchmarks/bench_device_step_host.py [--params 200,1000] [--rounds 41] [--steps 50]``.
 """
@@ -72,6 +74,7 @@ def main() -> None:
     torch.set_num_threads(1)
     original = InterpretedFunction.run
     InterpretedFunction.run = _stub
+    print(f"load average at the start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     try:
         print("| optimizer | params | before: ms/step (p20-p80) | after | after, late | before / after | "
               "launches per step (before, after) |")
@@ -99,6 +102,7 @@ def main() -> None:
     finally:
         InterpretedFunction.run = original
         _base.FusedOptimizer.device_replay = True
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

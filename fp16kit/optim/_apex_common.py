@@ -27,8 +27,11 @@ from fp16kit.kernels import DeviceStep, check_found_inf
 from fp16kit.kernels.optimizers import StepVerify
 
 from . import functional as F
-from ._base import _LOW_PRECISION, FusedOptimizer, _capturing
+from ._base import FusedOptimizer
 from ._checkpoint import TORCH_FLAGS, check_state_values, refuse_foreign
+from ._context import capturing
+from ._sharding import ShardedSteps
+from ._state import LOW_PRECISION
 from ._validate import FP32_MAX, _number, check_sparse_grad, check_step_value, naming_group
 
 __all__ = ["ApexRows", "ApexStateOptimizer", "check_range", "check_state", "hparams64", "widen_state"]
@@ -104,7 +107,7 @@ class ApexRows:
         return [s[key] for s in self.states]
 
 
-class ApexStateOptimizer(FusedOptimizer):
+class ApexStateOptimizer(ShardedSteps, FusedOptimizer):
     """``FusedOptimizer`` with a subclass-defined per-param state instead of Adam's moments."""
 
     _state_spec: ClassVar[dict[str, str]] = {}
@@ -143,7 +146,7 @@ class ApexStateOptimizer(FusedOptimizer):
         against the param."""
         state = self.state[p]
         if not state:
-            if self.master_weights and p.dtype in _LOW_PRECISION:
+            if self.master_weights and p.dtype in LOW_PRECISION:
                 state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             self._init_state(p, state, group)
             return state, True
@@ -362,7 +365,7 @@ class ApexStateOptimizer(FusedOptimizer):
         if self.unscale_grads and grad_scale is not None:
             grads = [g for rows in all_rows for g in rows.grads]
             self._write_unscaled_grads(grads, F.inv_scale_from_grad_scale(grad_scale, device), device)
-        report = not (device.type == "cuda" and _capturing())
+        report = not (device.type == "cuda" and capturing())
         if report and not own_flag:
             self._report(check.result, self._result_message())
         self._count_and_report(bad_hp, found_inf if own_flag else None, device, counted=True, report=report)
@@ -419,7 +422,7 @@ def widen_state_of(state: dict[str, Any], keys: Iterable[str]) -> None:
     """``widen_state`` for one param's state."""
     for key in keys:
         t = state.get(key)
-        if isinstance(t, torch.Tensor) and t.dtype in _LOW_PRECISION:
+        if isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION:
             state[key] = t.float()
 
 

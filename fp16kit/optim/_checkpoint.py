@@ -52,7 +52,7 @@ __all__ = [
     "writer_of",
 ]
 
-LOW_KEY = "master_low"  # split mode's int16 low halves (fp16kit/optim/_base.py)
+LOW_KEY = "master_low"  # split mode's int16 low halves (fp16kit/optim/_rows.py)
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # torch.optim flags without a counterpart in fp16kit's groups: harmless at these values, dropped on import.

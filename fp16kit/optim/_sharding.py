@@ -38,9 +38,10 @@ from fp16kit.distributed import is_dtensor, is_sharded, local, same_group, shard
 from fp16kit.kernels import Bf16Weights, LambStaged, lamb_stage1, lamb_stage2
 
 if TYPE_CHECKING:
-    from ._base import FusedOptimizer, _Rows
+    from ._base import FusedOptimizer
+    from ._rows import _Rows
 
-__all__ = ["ShardPlan", "defer_lamb", "element_offsets", "localize", "refuse_dtensors"]
+__all__ = ["ShardPlan", "ShardedSteps", "defer_lamb", "element_offsets", "localize", "refuse_dtensors"]
 
 F64 = torch.float64
 
@@ -258,3 +259,22 @@ def element_offsets(name: str, params: Sequence[torch.Tensor]) -> tuple[int, ...
             stride *= full
         out.append(flat)
     return tuple(out) if any(out) else None
+
+
+class ShardedSteps:
+    """Mixed in before ``FusedOptimizer`` (``class FusedAdam(ShardedSteps, FusedOptimizer)``): the optimizer steps
+    FSDP2 (DTensor) params and ZeRO-1 partitions (``process_group=``). Implements the base's two hooks of the
+    sharded step: the shard plan and the element offsets of stochastic rounding."""
+
+    def _plan_shards(self: FusedOptimizer, all_rows: Sequence[_Rows]) -> ShardPlan | None:
+        """``localize``: local shards and the group to sum over (None for a single-process step)."""
+        return localize(self, all_rows)
+
+    def _shard_offsets(self: FusedOptimizer, present: list[torch.Tensor]) -> tuple[int, ...] | None:
+        """``element_offsets`` of ``present`` (the rows of a group: its params with a grad, in order), kept per
+        param list in the step cache."""
+        known = self._step_cache.setdefault("bf16_offsets", {})
+        key = tuple(map(id, present))
+        if key not in known:
+            known[key] = element_offsets(self._name, present)
+        return known[key]

@@ -10,13 +10,15 @@ import torch
 from fp16kit.kernels import DeviceStep
 
 from . import functional as F
-from ._base import FusedOptimizer, _Rows
+from ._base import FusedOptimizer
+from ._rows import _Rows
+from ._sharding import ShardedSteps
 from ._validate import check_hyperparams
 
 __all__ = ["FusedAdam"]
 
 
-class FusedAdam(FusedOptimizer):
+class FusedAdam(ShardedSteps, FusedOptimizer):
     """Adam (``adam_w_mode=False``) or AdamW (default), matching ``torch.optim.Adam``/``AdamW`` to fp32 rounding.
 
     Per param, with ``t`` the group's step counter after the increment::

@@ -17,13 +17,15 @@ from fp16kit.kernels import DeviceStep
 
 from . import _sharding
 from . import functional as F
-from ._base import FusedOptimizer, _Rows
+from ._base import FusedOptimizer
+from ._rows import _Rows
+from ._sharding import ShardedSteps
 from ._validate import check_hyperparams
 
 __all__ = ["FusedLAMB"]
 
 
-class FusedLAMB(FusedOptimizer):
+class FusedLAMB(ShardedSteps, FusedOptimizer):
     """LAMB (You et al., 2019) exactly as apex's ``FusedLAMB`` computes it.
 
     One step, with ``gnorm`` the L2 norm of all (unscaled) gradients of all groups::

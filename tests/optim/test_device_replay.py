@@ -1,7 +1,7 @@
-"""A steady device step is replayed from its recording (fp16kit/optim/_base.py, ``_step_on_device``), bit for bit.
+"""A steady device step is replayed from its recording (fp16kit/optim/_steady.py), bit for bit.
 
-The replay issues the launches the full path recorded (``fp16kit/kernels/engine/launch.py``) while the replay key holds
-(rows' verdicts and addresses, hyper-parameters, settings, counters, the scaler's tensors, the backend), so it must
+The replay issues the launches the full path recorded (``fp16kit/kernels/engine/launch.py``) while its plan holds (rows'
+addresses, grads' metadata, state entries, hyper-parameters, settings, counters, the scaler's tensors), so it must
 give exactly what the full path gives, step after step, and give way to the full path on any change: each test runs
 the same sequence of steps and changes on two optimizers, one replaying (the default) and one never replaying
 (``device_replay = False``), and compares every param, moment, master and counter bit for bit after every step.
@@ -155,7 +155,7 @@ def test_every_change_takes_the_full_path_and_is_replayed_again(kind):
 
 def test_grad_scaler_steps_equal_the_full_path():
     """Under fp16kit's GradScaler, overflowing steps included: equal bit for bit. The scaler hands the step a new
-    flag tensor every step (``optimizer.found_inf``), which is part of the replay key, so these steps take the full
+    flag tensor every step (``optimizer.found_inf``), which the plan holds by identity, so these steps take the full
     path (a scaler that kept one flag per device would let them replay)."""
 
     def change(i, opt, ps):

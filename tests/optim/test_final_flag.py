@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-import fp16kit.optim._base as optim_base
+import fp16kit.optim._device_step as optim_device_step
+import fp16kit.optim._host_step as optim_host_step
 import fp16kit.optim.functional as optim_functional
 from fp16kit import amp
 from fp16kit.amp._frontend import stepping
@@ -44,7 +45,8 @@ def checks(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(optim_functional, "check_and_norm", counting(optim_functional.check_and_norm))
-    monkeypatch.setattr(optim_base, "flag_nonfinite", counting(optim_base.flag_nonfinite))
+    for module in (optim_host_step, optim_device_step):  # the host-vector path and the device step's torch passes
+        monkeypatch.setattr(module, "flag_nonfinite", counting(module.flag_nonfinite))
     return calls
 
 

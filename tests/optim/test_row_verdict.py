@@ -13,7 +13,7 @@ import pickle
 import pytest
 import torch
 
-import fp16kit.optim._base as base
+import fp16kit.optim._rows as rows_module
 from fp16kit.optim import FusedAdam, FusedLAMB
 
 
@@ -28,13 +28,13 @@ def _setup(cls, n=5, dtype=torch.float32, **kw):
 @pytest.fixture
 def row_checks(monkeypatch):
     calls = []
-    real = base.check_row
+    real = rows_module.check_row
 
     def counting(*args, **kwargs):
         calls.append(args[2])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(base, "check_row", counting)
+    monkeypatch.setattr(rows_module, "check_row", counting)
     return calls
 
 

@@ -1,6 +1,6 @@
 """Recorded launches: a device step's Triton launches captured once and replayed while their arguments stand.
 
-A steady device step (``fp16kit/optim/_base.py``, "replay") issues the very same launches every step: the same
+A steady device step (``fp16kit/optim/_device_step.py``, "replay") issues the very same launches every step: the same
 kernels, grids, address tables, flags, counters and host scalars (its rows' addresses and metadata and the groups'
 hyper-parameters unchanged). :class:`Recording` captures them at the kernels themselves (every ``@triton.jit``
 function of ``fp16kit.kernels`` carries a pass-through hook, :func:`install`), together with a check that nothing
