@@ -324,7 +324,8 @@ def test_the_kernels_round_to_fp16_as_torch_does():
 @pytest.mark.interpreter
 @pytest.mark.parametrize("signed", [True, False])
 def test_the_triton_quantizer_codes_an_all_zero_block_as_torch_does(signed):
-    from fp16kit.kernels.state8 import rule, triton as kq
+    from fp16kit.kernels.state8 import rule
+    from fp16kit.kernels.state8 import triton as kq
 
     x = torch.zeros(3 * rule.QBLOCK + 7)
     x[rule.QBLOCK : 2 * rule.QBLOCK] = torch.linspace(-2.0 if signed else 0.0, 3.0, rule.QBLOCK)
@@ -356,5 +357,5 @@ def test_eight_bit_moments_after_three_kernel_steps_equal_the_torch_implementati
     out = _on_both_backends(run)
     for (codes_k, absmax_k), (codes_t, absmax_t) in zip(out["auto"][1], out["torch"][1]):
         assert torch.equal(codes_k, codes_t) and torch.equal(absmax_k, absmax_t)
-    # the params within the fp32 backends' own budget (tests/optim/test_state8.py::test_triton_matches_torch_bit_for_bit)
+    # the params within the fp32 backends' own budget (as in tests/optim/test_state8.py)
     torch.testing.assert_close(out["auto"][0], out["torch"][0], rtol=2**-18, atol=2**-30)

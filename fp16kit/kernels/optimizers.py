@@ -2,14 +2,14 @@
 
 These are the ops ``fp16kit.optim`` (FusedLAMB, FusedAdam, FusedSGD, FusedAdagrad, FusedNovoGrad, the sharded
 LAMB step) calls; users writing their own loops get the same functions. Every op plans its rows through the
-one planner (``fp16kit/kernels/_plan.py``: validation, dtype groups, the plan cache, recorded address tables),
+one planner (``fp16kit/kernels/engine/plan.py``: validation, dtype groups, the plan cache, recorded address tables),
 then runs each group once:
 
 * kernel groups (contiguous fp16/bf16/fp32 tensors, fp32 state, Triton or its interpreter): the Triton
-  launchers (``lamb_kernel.py``, ``adam_kernel.py``, ``sgd_kernel.py``, ``adagrad_kernel.py``,
-  ``novograd_kernel.py``), one launch set per dtype combination;
+  launchers (``triton/lamb.py``, ``triton/adam.py``, ``triton/sgd.py``, ``triton/adagrad.py``,
+  ``triton/novograd.py``), one launch set per dtype combination;
 * fallback groups (everything else, every row with the torch backend): the one torch implementation of each
-  optimizer (``optim_fallback.py`` for LAMB/Adam, ``optim_fallback_apex.py`` for SGD/Adagrad/NovoGrad), grouped by
+  optimizer (``fallback/step.py`` for LAMB/Adam, ``fallback/apex_step.py`` for SGD/Adagrad/NovoGrad), grouped by
   math dtype (float64 for float64 params, else float32); LAMB rows the opt-in native CPU kernel takes
   (``cpu_native.takes``) run there.
 
@@ -138,7 +138,7 @@ def record_launches(device: torch.device) -> _launch.Recording:
     """``with record_launches(device) as rec:`` capture every fp16kit Triton launch of this thread
     (``rec.launches``, replayable by :func:`replay_launches` while their arguments stand); ``rec.ok`` is False when
     anything else ran inside (a torch op other than a view: a fallback row, a fill, a host-side pass), so that a
-    replay of the launches alone would not be the same step (``fp16kit/kernels/_launch.py``)."""
+    replay of the launches alone would not be the same step (``fp16kit/kernels/engine/launch.py``)."""
     return _launch.Recording(device)
 
 
@@ -220,11 +220,11 @@ def _lamb_or_adam(
 ) -> None:
     """Run ``kind`` ("lamb" or "adam") on the kernel groups (one launch set per dtype combination) and the
     fallback groups (per math dtype). ``step`` (the counter ``hp64`` was derived from) lets the CPU fallback
-    hand the Adam math to torch's fused CPU Adam kernel (``optim_fallback.py``). ``state8``: moments may be 8-bit
-    (``state8.py``): the kernels' ``QSTATE``, ``optim_fallback_state8.py``. The 8-bit layout is checked every call
+    hand the Adam math to torch's fused CPU Adam kernel (``fallback/step.py``). ``state8``: moments may be 8-bit
+    (``state8.py``): the kernels' ``QSTATE``, ``state8/fallback.py``. The 8-bit layout is checked every call
     (``check_state8``: dtypes and storage sizes, no tensor op), not once per plan: room for the absmax is a property
     of the storage, which a plan hit (same addresses and metadata) does not prove. ``weights``: how bf16 params are
-    written (``_bf16_weights.py``: the kernels' epilogue, the fallback's wrapper)."""
+    written (``bf16_weights/modes.py``: the kernels' epilogue, the fallback's wrapper)."""
     if not params:
         return
     fn = f"{kind}_update"
@@ -318,7 +318,7 @@ def lamb_update(
     state_bits: int = 32,
 ) -> None:
     """LAMB stages 1 and 2 for one group (validated lists, one device); a no-op on the device when found_inf is
-    set. ``hp64``: ``[lr, b1, b2, beta3, 1 - b2, eps, wd, bc1, bc2, inv_scale, clip]`` (``lamb_kernel.py``);
+    set. ``hp64``: ``[lr, b1, b2, beta3, 1 - b2, eps, wd, bc1, bc2, inv_scale, clip]`` (``triton/lamb.py``);
     ``models``: model copies written with the rounded params (``None`` entries allowed). ``step``: the counter
     ``hp64`` was built from (optional; it enables the fast CPU path). ``state_bits=8``: the moments of params of
     at least ``state8.SMALL_NUMEL`` elements are 8-bit (``to_state8``; else ``ValueError``), the rest fp32.
@@ -350,7 +350,7 @@ def adam_update(
 ) -> None:
     """The Adam pass for one group (validated lists, one device); a no-op on the device when found_inf is set.
     ``hp64``: ``[lr, b1, b2, 1 - b1, 1 - b2, eps, wd, -lr/bc1, sqrt(bc2), inv_scale, 1 - lr*wd]``
-    (``adam_kernel.py``). ``step``: the counter ``hp64`` was built from (optional; it enables the fast CPU path).
+    (``triton/adam.py``). ``step``: the counter ``hp64`` was built from (optional; it enables the fast CPU path).
     ``state_bits=8``: as :func:`lamb_update`. ``weights``: bf16 params without fp32 masters, as in
     :func:`lamb_update`."""
     modes = {"l2_mode": not adam_w_mode and weight_decay != 0, "decoupled": adam_w_mode and weight_decay != 0}
@@ -398,7 +398,7 @@ class LambStaged:
     rows: tuple[list, list, list, list, list]
     parts: list[tuple[str, _plan.Group, Any]]
     state8: bool = False  # state_bits=8: moments may be 8-bit (``state8.py``)
-    weights: Bf16Weights | None = None  # the bf16 write epilogue (``_bf16_weights.py``), as in :func:`lamb_update`
+    weights: Bf16Weights | None = None  # the bf16 write epilogue (``bf16_weights/modes.py``), as in :func:`lamb_update`
 
 
 def lamb_stage1(
@@ -416,7 +416,7 @@ def lamb_stage1(
     weights: Bf16Weights | None = None,
 ) -> LambStaged:
     """LAMB's stage 1 over one group (m, v updated; the update direction ``u`` kept) and the per-tensor sums
-    of ``p^2`` and ``u^2`` that stage 2's trust ratio needs. Kernel groups run ``lamb_kernel.py``'s stage-1
+    of ``p^2`` and ``u^2`` that stage 2's trust ratio needs. Kernel groups run ``triton/lamb.py``'s stage-1
     kernel; the others the torch stage below. No-op on the device when ``found_inf`` is set. ``state_bits=8``:
     as :func:`lamb_update` (``u`` and its sums from the moments as stored). ``weights``: bf16 params without fp32
     masters, as in :func:`lamb_update` (split: ``p`` is the reassembled master, in the sums too; stage 2 writes
@@ -596,9 +596,9 @@ def sgd_update(
     check: StepVerify | None = None,
     plan_only: bool = False,
 ) -> bool | None:
-    """apex's SGD for one group (``sgd_kernel.py``: ``hp64 = [lr, momentum, 1 - dampening, wd, inv_scale]``);
+    """apex's SGD for one group (``triton/sgd.py``: ``hp64 = [lr, momentum, 1 - dampening, wd, inv_scale]``);
     ``momentum_buffers`` None for plain SGD; ``first_run[i]``: the buffer's first use (``m = g``). No-op on the
-    device when ``found_inf`` is set. ``verify=True``: the result check instead (``_results.py``), which writes
+    device when ``found_inf`` is set. ``verify=True``: the result check instead (``engine/results.py``), which writes
     nothing but raises ``found_inf`` when the step would store an inf/NaN.
 
     Device step (docs/optim.md, "The step on the device"): ``hp64`` a :class:`DeviceStep` (every row in a kernel
@@ -646,7 +646,7 @@ def adagrad_update(
     check: StepVerify | None = None,
     plan_only: bool = False,
 ) -> bool | None:
-    """apex's Adagrad for one group (``adagrad_kernel.py``: ``hp64 = [lr, eps, wd, inv_scale]``). No-op on the
+    """apex's Adagrad for one group (``triton/adagrad.py``: ``hp64 = [lr, eps, wd, inv_scale]``). No-op on the
     device when ``found_inf`` is set; ``verify=True``: the result check instead; a :class:`DeviceStep`, ``check``
     and ``plan_only`` as in :func:`sgd_update`."""
     if not params:
@@ -693,7 +693,7 @@ def novograd_update(
     check: StepVerify | None = None,
     plan_only: bool = False,
 ) -> bool | None:
-    """apex's NovoGrad for one group (``novograd_kernel.py``: ``hp64 = [lr, b1, beta3, wd, bc1, inv_scale]``).
+    """apex's NovoGrad for one group (``triton/novograd.py``: ``hp64 = [lr, b1, beta3, wd, bc1, inv_scale]``).
 
     Per param, with ``n`` the norm (``norm_type`` 2: L2, 0: max) of its unscaled gradient and ``v`` its
     one-element second moment (``exp_avg_sqs[i]``)::

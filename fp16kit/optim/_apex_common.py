@@ -232,7 +232,7 @@ class ApexStateOptimizer(ShardedSteps, FusedOptimizer):
 
     def _check_results(self, all_rows: list, inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> None:
         """The result check (docs/guarantees.md, 2.15): every group's update runs once with ``verify=True``
-        (the kernels' ``VERIFY`` pass, ``fp16kit/kernels/_results.py``, or the fallback on copies), writing
+        (the kernels' ``VERIFY`` pass, ``fp16kit/kernels/engine/results.py``, or the fallback on copies), writing
         nothing but raising ``found_inf`` when a param, model copy or state value would become inf/NaN. It runs
         for all groups before any is written, so a step is taken whole or not at all; the loss scaler then backs
         off (or ``on_nonfinite`` reports it) as for an inf gradient. On the device, no host sync.

@@ -223,7 +223,7 @@ def _stage1(job: _Pending, found_inf: torch.Tensor) -> LambStaged:
 def element_offsets(name: str, params: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
     """Each param's local shard's first element's index in its whole flattened tensor (0 for a plain tensor or an
     empty shard), or None when every one is 0: where stochastic rounding's element counter starts on this rank
-    (``fp16kit/kernels/_bf16_weights.py``). A shard must be a contiguous range of its tensor: DTensor's ``Shard(d)``
+    (``kernels/bf16_weights/modes.py``). A shard must be a contiguous range of its tensor: DTensor's ``Shard(d)``
     (torch.chunk's split) on one mesh dimension, whole in every dimension after ``d`` and one element thick in
     every dimension before it (FSDP2's dim-0 sharding, HSDP); else ``NotImplementedError``."""
     from torch.distributed.tensor import Shard

@@ -21,7 +21,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from fp16kit.kernels import Backend, copy_, exponent_histogram, l2norm, select_backend, unscale_and_check
+from fp16kit.kernels import copy_, exponent_histogram, l2norm, unscale_and_check
 from fp16kit.kernels.engine import table as _table
 from fp16kit.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 from fp16kit.optim.functional import adam_step_, lamb_step_

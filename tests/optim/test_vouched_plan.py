@@ -1,9 +1,9 @@
-"""The fused optimizers vouch for their rows (``fp16kit.kernels.vouched_rows``, fp16kit/kernels/engine/plan.py ``vouched``):
-the per-group verdict of ``fp16kit/optim/_rows.py`` has just checked the rows' metadata with its own guard, so the
-planner skips its metadata guard for exactly those lists when its entry was made or last checked under the same
-verdict. These tests pin down that the skip happens on steady-state steps, that a step never uses a plan made for
-other metadata (a changed param, moment or grad makes a new verdict, hence a guard check or a new plan), and that
-the results are bitwise those of steps that never skip.
+"""The fused optimizers vouch for their rows (``fp16kit.kernels.vouched_rows``, fp16kit/kernels/engine/plan.py
+``vouched``): the per-group verdict of ``fp16kit/optim/_rows.py`` has just checked the rows' metadata with its own
+guard, so the planner skips its metadata guard for exactly those lists when its entry was made or last checked under
+the same verdict. These tests pin down that the skip happens on steady-state steps, that a step never uses a plan
+made for other metadata (a changed param, moment or grad makes a new verdict, hence a guard check or a new plan), and
+that the results are bitwise those of steps that never skip.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def low_rows(lows: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Triton device functions (called from adam_kernel.py and lamb_kernel.py under the WEIGHTS constexpr)
+# Triton device functions (called from triton/adam.py and triton/lamb.py under the WEIGHTS constexpr)
 
 
 @triton.jit

@@ -13,33 +13,33 @@ An optimizer kernel over an address table (rows ``0`` params or fp32 masters, ``
         store_param(..., p, ...)                                 # the param and, with masters, the model copy
                                                                  # (Adam/LAMB: _bf16_weights.store_weights)
     if not skip:
-        advance_step(...)                                        # fp16kit/kernels/_step_scalars.py
+        advance_step(...)                                        # fp16kit/kernels/engine/step_scalars.py
 
-apex's optimizers (``sgd_kernel.py``, ``adagrad_kernel.py``, ``novograd_kernel.py``) have one state row: rows ``0``
+apex's optimizers (``triton/sgd.py``, ``triton/adagrad.py``, ``triton/novograd.py``) have one state row: rows ``0``
 params, ``1`` grads, ``2`` the state (momentum buffer, sum of squares, exp_avg), ``3`` the model copy. Their
 hyper-parameters are a host-built float32 vector ``hp = [lr, ..., inv_scale]`` or, in a device step (``HP_DEVICE``),
-launch arguments; their pass starts and ends in ``_results.py`` (the result check needs a ``VERIFY`` twin of the
+launch arguments; their pass starts and ends in ``engine/results.py`` (the result check needs a ``VERIFY`` twin of the
 store)::
 
     neg_lr = hp_neg_lr(hp_ptr, lr_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR)  # -hp[0]
     x = hp_value(hp_ptr, i, x_hi, x_mid, x_lo, HP_DEVICE)                      # hp[i], i = 1, 2, ...
     inv_scale = hp_inv_scale(hp_ptr, last, scale_ptr, HP_DEVICE, HAS_SCALE)     # hp[last]
-    entry, skip, stop, bad, gbad = pass_start(...)             # _results.py: skip_and_stop, or the check pass's flag
+    entry, skip, stop, bad, gbad = pass_start(...)              # results.py: skip_and_stop, or the check pass's flag
     for c in range(pid, stop, tl.num_programs(0)):
         t, offs, mask, full, p_ptr, g_ptr, s_ptr = chunk_rows_one_state(...)
         p, g = load_param_grad(p_ptr, g_ptr, offs, mask, full, inv_scale)
         gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
         s = load_chunk(s_ptr, offs, mask, full)                # (SGD: only with momentum, after the first use)
         ... the update rule ...
-        bad = check_or_store(p, s, p_ptr, s_ptr, row_pointer(ptrs, 3, ...), ...)  # _results.py: or store
-    pass_end(...)                                              # _results.py: finish the check, or advance the step
+        bad = check_or_store(p, s, p_ptr, s_ptr, row_pointer(ptrs, 3, ...), ...)  # results.py: or store
+    pass_end(...)                                              # results.py: finish the check, or advance the step
 
 As in ``chunk_rows``, every row's address is loaded before the chunk's data: the address loads are independent and
 overlap, where an address loaded next to its data would wait for the loads before it (the compiled code keeps the
 source's order: an address-and-load helper made each row a round trip of its own in the sm_90 PTX).
 
-Loads widen exactly to fp32 and stores round to nearest even on every backend (``_rounding.py``); full chunks are
-unmasked and vectorize (``_chunks.py``).
+Loads widen exactly to fp32 and stores round to nearest even on every backend (``engine/rounding.py``); full chunks are
+unmasked and vectorize (``engine/chunks.py``).
 """
 
 import triton

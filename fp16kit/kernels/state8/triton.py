@@ -1,4 +1,4 @@
-"""Triton device functions of the 8-bit state rule (``fp16kit/kernels/state8.py`` states it; its float64 spec is
+"""Triton device functions of the 8-bit state rule (``fp16kit/kernels/state8/rule.py`` states it; its float64 spec is
 ``fp16kit/numerics/reference/state8.py``): block quantize/dequantize in registers, the moment load/store helpers the
 Adam and LAMB kernels call under their ``QSTATE`` flag, and a standalone kernel for one tensor (tests).
 

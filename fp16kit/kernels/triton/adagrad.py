@@ -17,7 +17,7 @@ Per element (fp32 math, each tensor read once and written once)::
     p = p + (-lr) * u
 
 ``found_inf`` non-zero: zero loop iterations, nothing written. ``VERIFY``: the same math, nothing stored;
-``found_inf`` raised when a stored value (rounded param, model copy, sum) would be inf/NaN (``_results.py``:
+``found_inf`` raised when a stored value (rounded param, model copy, sum) would be inf/NaN (``engine/results.py``:
 ``g * g`` overflows fp32 for |g| > 1.8e19). Divisions and square roots are the
 IEEE-rounded ``div_rn``/``sqrt_rn`` (plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs).
 """
@@ -124,7 +124,7 @@ def launch_adagrad(
     check: StepVerify | None = None,
 ) -> None:
     """One Adagrad launch for contiguous, non-empty tensors of one dtype combination (fp32 sums). ``verify``:
-    the result check (``_results.py``), nothing written but ``found_inf``. ``hp``: the float32 vector of the
+    the result check (``engine/results.py``), nothing written but ``found_inf``. ``hp``: the float32 vector of the
     module docstring, or a :class:`DeviceStep` (host numbers ``lr``, ``eps``, ``weight_decay``; see
     ``sgd_kernel.launch_sgd``)."""
     table = chunk_table(

@@ -3,7 +3,7 @@
 Address-table rows: ``0`` params (the fp32 master in master-weights mode), ``1`` grads, ``2`` exp_avg
 (fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (row 0 again when there is none; never written then), or in
 split mode the int16 low halves of the bf16 params' masters. The param is read through ``load_master`` and written
-through ``store_weights`` (``_bf16_weights.py``: plain, split or stochastic rounding, the constexpr ``WEIGHTS``).
+through ``store_weights`` (``bf16_weights/modes.py``: plain, split or stochastic rounding, the constexpr ``WEIGHTS``).
 
 Hyper-parameters come from ``hp``, a float32 device tensor (built by ``fp16kit.optim.functional``; the
 derived values are computed in float64 and rounded once, as torch does with its Python-float scalars)::
@@ -23,7 +23,7 @@ Per element (fp32 math, each tensor read once and written once)::
 ``found_inf`` non-zero: zero loop iterations, nothing written.
 
 ``QSTATE`` (``state_bits=8``): rows 2 and 3 of a tensor of at least ``state8.SMALL_NUMEL`` elements hold 8-bit
-moments (``fp16kit/kernels/state8.py``): they are dequantized on load and the new m, v quantized on store
+moments (``fp16kit/kernels/state8/rule.py``): they are dequantized on load and the new m, v quantized on store
 (``_state8.load_state``/``store_state``); p is updated from the new fp32 m, v before quantization.
 """
 
@@ -167,7 +167,7 @@ def launch_adam(
 
     ``hp``: the float32 vector of the module docstring, or a :class:`DeviceStep` (the hyper-parameters derived
     in the kernel from the device step counter, which the launch advances when ``hp.advance``). ``weights``: the
-    bf16 write epilogue (``_bf16_weights.py``; split mode: ``models`` holds the low halves); ``row_idx``: the row
+    bf16 write epilogue (``bf16_weights/modes.py``; split mode: ``models`` holds the low halves); ``row_idx``: the row
     table of stochastic rounding's counters (``_bf16_weights.row_table``: each tensor's position in the update call
     and its first element's index in its whole tensor, int64, device), when not ``0..n-1`` and all 0."""
     device = params[0].device

@@ -7,7 +7,7 @@ Math: for every element ``x`` of tensor ``t`` the kernel adds 1 to ``out[row(t),
 
 (the column layout is defined in ``fp16kit/kernels/histogram.py``). The exponent is read from the bit
 pattern, never from a float conversion: Triton's interpreter flushes bf16 subnormals when it widens
-them (``fp16kit/kernels/_rounding.py``), and a floating ``log2`` can round up at the top of a binade.
+them (``fp16kit/kernels/engine/rounding.py``), and a floating ``log2`` can round up at the top of a binade.
 With ``E`` exponent bits, ``M`` mantissa bits and bias ``B``::
 
     field = (bits >> M) & (2^E - 1),   mant = bits & (2^M - 1)

@@ -84,7 +84,7 @@ def _sumsq_kernel(
         if CHECK:  # check_factor: a power of two, so exact (1, or 2**65 to flag |x| >= 2**63 as well)
             bad = tl.maximum(bad, (mask & ~(tl.abs(x * check_factor) < float("inf"))).to(tl.int32))
     if FINISH:
-        # The step's check pass finishes on the device (fp16kit/kernels/_step_scalars.py): the last program
+        # The step's check pass finishes on the device (fp16kit/kernels/engine/step_scalars.py): the last program
         # writes the flag whole (an own flag needs no zero fill first) and the norm of the partials, summed
         # in chunk order (deterministic whichever program finishes).
         if CHECK:

@@ -3,7 +3,7 @@
 One address table per dtype combination with five rows: ``0`` params (the fp32 master in master-weights
 mode), ``1`` grads, ``2`` exp_avg (fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (the low-precision
 model param in master-weights mode; row 0 again otherwise, and never written then; in split mode the int16
-low halves of the bf16 params' masters, read by both stages and written by stage 2: ``_bf16_weights.py``, the
+low halves of the bf16 params' masters, read by both stages and written by stage 2: ``bf16_weights/modes.py``, the
 constexpr ``WEIGHTS``).
 
 Hyper-parameters are read from ``hp``, a float32 device tensor (built by ``fp16kit.optim.functional``)::
@@ -26,7 +26,7 @@ and no update buffer is needed), then ``p = p - ratio * u`` with the per-tensor 
 master-weights mode, ``round_to_nearest_even(p)`` into the model copy.
 
 ``QSTATE`` (``state_bits=8``): rows 2 and 3 of a tensor of at least ``state8.SMALL_NUMEL`` elements hold 8-bit
-moments (``fp16kit/kernels/state8.py``), dequantized on load and quantized on store. Stage 1 computes ``u`` and
+moments (``fp16kit/kernels/state8/rule.py``), dequantized on load and quantized on store. Stage 1 computes ``u`` and
 its norms from the moments as stored (quantized, then dequantized in registers), so stage 2, which reloads them,
 recomputes the same ``u``.
 

@@ -22,7 +22,7 @@ Per element (fp32 math)::
 
 ``found_inf`` non-zero: zero loop iterations, nothing written. ``VERIFY``: the same math, nothing stored;
 ``found_inf`` raised when a stored value (rounded param, model copy, exp_avg) would be inf/NaN
-(``_results.py``).
+(``engine/results.py``).
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def launch_novograd(
 ) -> None:
     """One NovoGrad launch for contiguous, non-empty tensors of one dtype combination (fp32 exp_avg);
     ``denoms`` is the fp32 [N] vector of per-tensor denominators, in the order of ``params``. ``verify``: the
-    result check (``_results.py``), nothing written but ``found_inf``.
+    result check (``engine/results.py``), nothing written but ``found_inf``.
 
     ``hp`` a :class:`DeviceStep` (host numbers ``lr``, ``beta1``, ``beta3``, ``weight_decay``, ``beta2``,
     ``one_minus_beta2``, ``eps``; the L2 norm only): ``denoms`` is None and ``exp_avg_sqs`` the per-tensor second

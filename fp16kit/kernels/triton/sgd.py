@@ -21,7 +21,7 @@ Per element (fp32 math, each tensor read once and written once)::
 
 ``found_inf`` non-zero: zero loop iterations, nothing written. ``VERIFY``: the same math, nothing stored;
 ``found_inf`` raised when a stored value (the rounded param, the model copy, the buffer) would be inf/NaN
-(``_results.py``).
+(``engine/results.py``).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def launch_sgd(
     check: StepVerify | None = None,
 ) -> None:
     """One SGD launch for contiguous, non-empty tensors of one dtype combination (fp32 momentum buffers, or
-    ``None`` for plain SGD without momentum). ``verify``: the result check (``_results.py``), nothing written
+    ``None`` for plain SGD without momentum). ``verify``: the result check (``engine/results.py``), nothing written
     but ``found_inf``.
 
     ``hp``: the float32 vector of the module docstring, or a :class:`DeviceStep` (host numbers ``lr``, ``momentum``,
