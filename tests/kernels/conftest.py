@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fp16kit.kernels import _plan
+from fp16kit.kernels.engine import plan as _plan
 
 
 @pytest.fixture(params=[pytest.param("interpreter", marks=pytest.mark.interpreter), "torch"])

@@ -20,7 +20,8 @@ import torch
 from test_device_replay import _pair, _run
 from triton.runtime.interpreter import InterpretedFunction
 
-from fp16kit.kernels import _launch, _plan
+from fp16kit.kernels.engine import launch as _launch
+from fp16kit.kernels.engine import plan as _plan
 from fp16kit.optim import FusedAdam, FusedLAMB
 
 pytestmark = pytest.mark.interpreter
