@@ -547,3 +547,50 @@ def test_item7e_cpu_scratch_stays_within_the_documented_bound(monkeypatch):
     opt.step()
     held = sum(t.numel() for t in optim_fallback._scratch.values())
     assert 0 < held <= 65536 + 2 * max(65536, max(sizes)) + max(65536, sum(n for n in sizes if n < 16384))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Found by the configuration matrix: a compiled step of apex's SGD/Adagrad/NovoGrad on the Triton backend
+
+
+def _apex_pass(kind: str) -> tuple:
+    """Fixed fp32 inputs (a 6x5 and a 7-element row) for one ``sgd_update``/``adagrad_update``/``novograd_update``:
+    ``(call, written)``, ``call()`` runs the pass and ``written`` lists every tensor it may write."""
+    from fp16kit.kernels.optimizers import adagrad_update, novograd_update, sgd_update
+
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.randn(6, 5, generator=gen), torch.randn(7, generator=gen)]
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    state = [torch.randn(p.shape, generator=gen).abs() for p in params]
+    flag = torch.zeros(1)
+    if kind == "sgd":
+        hp = torch.tensor([0.1, 0.9, 1.0, 0.01, 1.0], dtype=torch.float64)
+        return (lambda: sgd_update(params, grads, state, [None, None], hp, flag, first_run=[False, False],
+                                   weight_decay=True, wd_after_momentum=False, nesterov=False)), [*params, *state, flag]
+    if kind == "adagrad":
+        hp = torch.tensor([0.01, 1e-10, 0.01, 1.0], dtype=torch.float64)
+        return (lambda: adagrad_update(params, grads, state, [None, None], hp, flag, l2_mode=False, decoupled=True)), \
+            [*params, *state, flag]
+    sq = [torch.ones(1), torch.ones(1)]
+    hp = torch.tensor([1e-3, 0.95, 1.0, 0.01, 0.05, 1.0], dtype=torch.float64)
+    bc2 = torch.tensor(0.14, dtype=torch.float64)
+    return (lambda: novograd_update(params, grads, state, sq, [None, None], hp, flag, new=[False, False], beta2=0.98,
+                                    eps=1e-8, bc2_sqrt=bc2, norm_type=2, init_zero=False, reg_inside_moment=False)), \
+        [*params, *state, *sq, flag]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "novograd"])
+def test_apex_passes_compile_on_the_triton_backend_and_equal_eager(kind):
+    """``torch.compile`` of a call to apex's update passes (what ``torch.compile(opt.step)`` of FusedSGD, FusedAdagrad
+    and FusedNovoGrad traces, their result checks included) on the Triton backend: Dynamo used to trace into Triton's
+    interpreter and fail on its uint64 address arithmetic (``KeyError(torch.uint64)``); the passes now run eagerly
+    inside the compiled call, with the eager bits. (The whole compiled steps: the matrix's ``compiled`` cells.)"""
+    torch._dynamo.reset()
+    with use_backend("auto"):
+        eager, want = _apex_pass(kind)
+        eager()
+        call, got = _apex_pass(kind)
+        torch.compile(call, backend="eager")()
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"tensor {i} differs from the eager pass"

@@ -569,6 +569,25 @@ def _kernel_hps(plan: _plan.Plan, hp64: torch.Tensor | DeviceStep) -> list[tuple
     return [(g, dataclasses.replace(hp64, advance=i == last) if last else hp64) for i, g in enumerate(plan.kernel)]
 
 
+
+def _eager_under_compile(fn: Any) -> Any:
+    """Run ``fn`` eagerly when Dynamo traces a call to it (a graph break), directly otherwise.
+
+    apex's SGD, Adagrad and NovoGrad passes have no dispatcher op (``library.py`` holds LAMB's and Adam's): their
+    launchers write through address tables (``_table.py``) that a traced graph cannot see, and under
+    ``TRITON_INTERPRET=1`` Dynamo would trace Triton's interpreter itself, whose host-side address arithmetic
+    (numpy uint64) fake tensors cannot run (``KeyError(torch.uint64)``). So a compiled step runs these passes as the
+    eager step does, with the same arguments: bit for bit the eager result, on every backend."""
+    eager = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return eager(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
+
+    return call
+
+
+@_eager_under_compile
 def sgd_update(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -621,6 +640,7 @@ def sgd_update(
         )
 
 
+@_eager_under_compile
 def adagrad_update(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -662,6 +682,7 @@ def adagrad_update(
         )
 
 
+@_eager_under_compile
 def novograd_update(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],

@@ -301,13 +301,7 @@ class Defect:
     raises: tuple[type[BaseException], ...] = (AssertionError,)
 
 
-KNOWN_DEFECTS: list[Defect] = [
-    Defect("found by the matrix: torch.compile(opt.step) of FusedSGD/FusedAdagrad/FusedNovoGrad on the Triton "
-           "backend (CPU tensors, interpreter) fails while tracing: fake-tensor mul of a uint64 tensor, "
-           "KeyError(torch.uint64), raised as an InterpreterError (the torch backend compiles)",
-           lambda c: c.path.name == "compiled" and c.backend.name == "interp"
-           and c.opt.kind in ("sgd", "adagrad", "novograd") and refusal(c) is None, (Exception,)),
-]
+KNOWN_DEFECTS: list[Defect] = []  #: none known (a new one: its reason, the cells it applies to, what they raise)
 
 
 def defects(c: Cell) -> list[Defect]:
