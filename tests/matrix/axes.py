@@ -1,13 +1,28 @@
 """The one table of the configuration matrix: eight axes, each a list of small entries, and the rules that
 say which crossings exist (``invalid``), which are refused by design (``Refusal``: the exception type and a
-message fragment the cell must raise) and which hit a known defect (``KNOWN_DEFECTS``: the cell is
-``xfail(strict=True)`` with the exception it fails with today, so a fix turns it into an XPASS and its entry
-is removed).
+message fragment the cell must raise) and which hit a known defect (``KNOWN_DEFECTS``: the cells must fail as the
+entry says, so a fix makes them fail the test until its entry is removed).
 
 A new optimizer, weights mode, layout or path joins by adding one entry to its axis (and, if it refuses
 something, a line to its entry's ``refuse``): every oracle of ``harness.py`` then crosses it.
-"""
 
+Which cells run (docs/guarantees.md, "The configuration matrix"):
+
+* the default suite: ``sample``, a seeded covering of every entry and, within about a minute, pairs of entries;
+* ``-m slow``: runs (below), each taking every gradient kind as a step of its own (so one run decides the five
+  cells that differ only in ``grads``), chosen as a complete pairwise covering array of the seven other axes
+  (``pairwise_runs``: every two entries that can meet do meet, in a run that also crosses them with every
+  gradient kind), plus ``FP16KIT_MATRIX_SLICE=i/n`` slice ``i`` of the full product (``product_slice``: the
+  ``n`` slices partition the accepted cells; ``all`` runs the whole product) and every refused cell.
+
+Why the slow set is not the whole product in one run: the product is 5646 runs (28230 cells), ~7 CPU-hours on the
+2-core CI machine (``run_cost``; the Triton interpreter and Dynamo dominate), and no axis can be dropped as
+independent of the others: each meets another in code that reads both (the layout decides which rows the kernels
+take and the path how those rows step; the backend decided whether Dynamo could trace the apex steps; a scaler's
+scale decides whether a huge gradient skips; the weights mode and the moments share the 8-bit rows' write-back).
+The grads axis is the one that costs nothing, by batching: a step's oracles start from the actual state before it,
+so its verdict is its own cell's whatever the steps before it were.
+"""
 from __future__ import annotations
 
 import functools

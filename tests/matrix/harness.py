@@ -1,6 +1,8 @@
 """One cell of the configuration matrix, built and stepped, and the oracles every accepted cell must pass.
 
-A cell runs three steps: finite gradients, then the cell's gradient kind, then finite gradients again. Oracles:
+A cell runs three steps: finite gradients, then the cell's gradient kind, then finite gradients again; a batched
+run (the slow set) takes every gradient kind as a step of its own (``BATCH``), each step's verdict its own cell's.
+Every oracle is checked after every step and a failure is recorded against that step (``Run.failures``). Oracles:
 
 1. **float64 reference**: every step that is taken is checked, from the optimizer's actual state just before it,
    against ``fp16kit.numerics.reference`` within the per-element ulp budgets of ``tests/optim/optim_helpers.py``
@@ -14,7 +16,7 @@ A cell runs three steps: finite gradients, then the cell's gradient kind, then f
 3. **a skipped step writes nothing**: an inf/NaN gradient (and a huge one where the optimizer's guard or result
    check applies) leaves params, masters, low halves, moments, codes, absmax and step counters bit-identical.
 4. **resume**: ``torch.save(opt.state_dict(), file)`` after the first step, ``torch.load(file, weights_only=True)``
-   into a fresh model and optimizer, the same two steps: bit-identical to the uninterrupted run.
+   into a fresh model and optimizer, the same later steps: bit-identical to the uninterrupted run after each.
 """
 
 from __future__ import annotations

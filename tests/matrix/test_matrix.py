@@ -1,9 +1,11 @@
 """The configuration matrix (docs/guarantees.md, "The configuration matrix"): every crossing of the axes of
 ``axes.py`` that exists is a cell; an accepted cell passes the four oracles of ``harness.py``, a refused one
 raises the error its entry names. The default suite runs a seeded sample that covers every entry of every axis
-(``FP16KIT_MATRIX_SEED`` picks another sample; the seed is printed in the header); ``-m slow`` runs the full set.
+(``FP16KIT_MATRIX_SEED`` picks another sample; the seed is in a test id), each cell a run of three steps;
+``-m slow`` runs the pairwise array of runs (every gradient kind a step of each run), grouped by family so that
+a run's twins are computed once, plus ``FP16KIT_MATRIX_SLICE`` (``i/n`` or ``all``) of the full product. Every
+verdict is a cell's: a failure names each cell it concerns.
 """
-
 from __future__ import annotations
 
 import os
