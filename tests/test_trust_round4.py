@@ -580,12 +580,14 @@ def _apex_pass(kind: str) -> tuple:
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("kind", ["sgd", "adagrad", "novograd"])
+@pytest.mark.parametrize("kind", [pytest.param("sgd", marks=pytest.mark.slow),
+                                  pytest.param("adagrad", marks=pytest.mark.slow), "novograd"])
 def test_apex_passes_compile_on_the_triton_backend_and_equal_eager(kind):
     """``torch.compile`` of a call to apex's update passes (what ``torch.compile(opt.step)`` of FusedSGD, FusedAdagrad
     and FusedNovoGrad traces, their result checks included) on the Triton backend: Dynamo used to trace into Triton's
-    interpreter and fail on its uint64 address arithmetic (``KeyError(torch.uint64)``); the passes now run eagerly
-    inside the compiled call, with the eager bits. (The whole compiled steps: the matrix's ``compiled`` cells.)"""
+    interpreter and fail on its uint64 address arithmetic (``KeyError(torch.uint64)``); its launches now run as
+    they do eagerly inside the compiled call, with the eager bits. (NovoGrad's pass launches a norm kernel and the
+    update kernel; the whole compiled steps: the matrix's ``compiled`` cells.)"""
     torch._dynamo.reset()
     with use_backend("auto"):
         eager, want = _apex_pass(kind)
@@ -594,3 +596,51 @@ def test_apex_passes_compile_on_the_triton_backend_and_equal_eager(kind):
         torch.compile(call, backend="eager")()
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"tensor {i} differs from the eager pass"
+
+
+@pytest.mark.interpreter
+def test_a_kernel_launch_inside_a_compiled_region_runs_under_the_interpreter():
+    """Every fp16kit kernel a compiled region reaches eagerly (FusedAdam/FusedLAMB with ``master_weights="split"`` or
+    ``"stochastic"`` call ``l2norm`` and the update launchers from frames Dynamo resumed) runs under Triton's
+    interpreter instead of being traced into: Dynamo failed on the interpreter's uint64 pointer arithmetic. The
+    guard is the interpreter's launch itself (``fp16kit/kernels/backend.py``), shown here on a kernel of one line;
+    the optimizers' compiled steps: the next test and the matrix's ``compiled`` cells."""
+    import triton
+    import triton.language as tl
+
+    import fp16kit.kernels  # noqa: F401  (installs the guard)
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+    x = torch.arange(5, dtype=torch.float32)
+    torch._dynamo.reset()
+    torch.compile(lambda: add_one[(1,)](x, x.numel(), BLOCK=8), backend="eager")()
+    assert torch.equal(x, torch.arange(1, 6, dtype=torch.float32))
+
+
+@pytest.mark.slow  # four compiled optimizer steps under the interpreter (~30 s); the mechanism is tested just above
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode", ["split", "stochastic"])
+@pytest.mark.parametrize("kind", sorted(OPT8))
+def test_compiled_bf16_mode_steps_on_the_triton_backend_equal_eager(kind, mode):
+    """``torch.compile(opt.step)`` of FusedAdam/FusedLAMB with split or stochastic bf16 weights on the Triton backend
+    (the configuration matrix's full product found them failing while tracing): three steps, the eager bits."""
+
+    def three_steps(compiled: bool) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(4)
+        p = torch.nn.Parameter(torch.randn(6, 5, generator=gen).bfloat16())
+        opt = OPT8[kind]([p], lr=0.01, master_weights=mode, **({"rounding_seed": 3} if mode == "stochastic" else {}))
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        with use_backend("auto"):
+            for _ in range(3):
+                p.grad = torch.randn(6, 5, generator=gen).bfloat16()
+                step()
+        return [p.detach().clone(), *(t.clone() for t in opt.state[p].values() if isinstance(t, torch.Tensor))]
+
+    torch._dynamo.reset()
+    for a, b in zip(three_steps(True), three_steps(False), strict=True):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a, b.view(torch.int16)
+                           if b.dtype == torch.bfloat16 else b)

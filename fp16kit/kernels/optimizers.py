@@ -571,13 +571,13 @@ def _kernel_hps(plan: _plan.Plan, hp64: torch.Tensor | DeviceStep) -> list[tuple
 
 
 def _eager_under_compile(fn: Any) -> Any:
-    """Run ``fn`` eagerly when Dynamo traces a call to it (a graph break), directly otherwise.
+    """Run ``fn`` eagerly when Dynamo traces a call to it (one graph break), directly otherwise.
 
     apex's SGD, Adagrad and NovoGrad passes have no dispatcher op (``library.py`` holds LAMB's and Adam's): their
-    launchers write through address tables (``_table.py``) that a traced graph cannot see, and under
-    ``TRITON_INTERPRET=1`` Dynamo would trace Triton's interpreter itself, whose host-side address arithmetic
-    (numpy uint64) fake tensors cannot run (``KeyError(torch.uint64)``). So a compiled step runs these passes as the
-    eager step does, with the same arguments: bit for bit the eager result, on every backend."""
+    launchers read ``data_ptr()`` and write through address tables (``_table.py``) that no graph can hold, so a
+    compiled step runs them as the eager step does, with the same arguments and the eager bits, instead of Dynamo
+    tracing their planning piecewise (a graph break per table, a recompile per flag). (Under ``TRITON_INTERPRET=1``
+    the interpreter's launches are kept out of Dynamo as well: ``backend.py``.)"""
     eager = torch.compiler.disable(fn)
 
     @functools.wraps(fn)
