@@ -15,11 +15,12 @@ Which cells run (docs/guarantees.md, "The configuration matrix"):
   gradient kind), plus ``FP16KIT_MATRIX_SLICE=i/n`` slice ``i`` of the full product (``product_slice``: the
   ``n`` slices partition the accepted cells; ``all`` runs the whole product) and every refused cell.
 
-Why the slow set is not the whole product in one run: the product is 5646 runs (28230 cells), ~7 CPU-hours on the
-2-core CI machine (``run_cost``; the Triton interpreter and Dynamo dominate), and no axis can be dropped as
-independent of the others: each meets another in code that reads both (the layout decides which rows the kernels
-take and the path how those rows step; the backend decided whether Dynamo could trace the apex steps; a scaler's
-scale decides whether a huge gradient skips; the weights mode and the moments share the 8-bit rows' write-back).
+Why the slow set is not the whole product in one run: the product is 5646 runs (28230 cells), ~4.7 CPU-hours on the
+2-core CI machine (one slice of 64 took 268 s of CPU; the Triton interpreter and Dynamo dominate), and no axis can
+be dropped as independent of the others: each meets another in code that reads both (the layout decides which
+rows the kernels take and the path how those rows step; the backend decided whether Dynamo could trace the apex
+steps; a scaler's scale decides whether a huge gradient skips; the weights mode and the moments share the 8-bit
+rows' write-back).
 The grads axis is the one that costs nothing, by batching: a step's oracles start from the actual state before it,
 so its verdict is its own cell's whatever the steps before it were.
 """
@@ -452,7 +453,8 @@ def family(c: Cell) -> str:
 
 
 def run_cost(c: Cell) -> float:
-    """Rough seconds of one batched run alone (no twin) on the 2-core CI box (measured at a load of ~6)."""
+    """Relative cost of one batched run alone (no twin): wall seconds on the 2-core box at a load of ~6 (CPU seconds
+    are about a third to a fifth of it). It weighs runs in the covering array; it is not a time budget."""
     if c.layout.name == "ampO2":
         return 5.0
     interp = c.backend.name == "interp"
