@@ -547,3 +547,100 @@ def test_item7e_cpu_scratch_stays_within_the_documented_bound(monkeypatch):
     opt.step()
     held = sum(t.numel() for t in fb_scratch._scratch.values())
     assert 0 < held <= 65536 + 2 * max(65536, max(sizes)) + max(65536, sum(n for n in sizes if n < 16384))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Found by the configuration matrix: a compiled step of apex's SGD/Adagrad/NovoGrad on the Triton backend
+
+
+def _apex_pass(kind: str) -> tuple:
+    """Fixed fp32 inputs (a 6x5 and a 7-element row) for one ``sgd_update``/``adagrad_update``/``novograd_update``:
+    ``(call, written)``, ``call()`` runs the pass and ``written`` lists every tensor it may write."""
+    from fp16kit.kernels.optimizers import adagrad_update, novograd_update, sgd_update
+
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.randn(6, 5, generator=gen), torch.randn(7, generator=gen)]
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    state = [torch.randn(p.shape, generator=gen).abs() for p in params]
+    flag = torch.zeros(1)
+    if kind == "sgd":
+        hp = torch.tensor([0.1, 0.9, 1.0, 0.01, 1.0], dtype=torch.float64)
+        return (lambda: sgd_update(params, grads, state, [None, None], hp, flag, first_run=[False, False],
+                                   weight_decay=True, wd_after_momentum=False, nesterov=False)), [*params, *state, flag]
+    if kind == "adagrad":
+        hp = torch.tensor([0.01, 1e-10, 0.01, 1.0], dtype=torch.float64)
+        return (lambda: adagrad_update(params, grads, state, [None, None], hp, flag, l2_mode=False, decoupled=True)), \
+            [*params, *state, flag]
+    sq = [torch.ones(1), torch.ones(1)]
+    hp = torch.tensor([1e-3, 0.95, 1.0, 0.01, 0.05, 1.0], dtype=torch.float64)
+    bc2 = torch.tensor(0.14, dtype=torch.float64)
+    return (lambda: novograd_update(params, grads, state, sq, [None, None], hp, flag, new=[False, False], beta2=0.98,
+                                    eps=1e-8, bc2_sqrt=bc2, norm_type=2, init_zero=False, reg_inside_moment=False)), \
+        [*params, *state, *sq, flag]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", [pytest.param("sgd", marks=pytest.mark.slow),
+                                  pytest.param("adagrad", marks=pytest.mark.slow), "novograd"])
+def test_apex_passes_compile_on_the_triton_backend_and_equal_eager(kind):
+    """``torch.compile`` of a call to apex's update passes (what ``torch.compile(opt.step)`` of FusedSGD, FusedAdagrad
+    and FusedNovoGrad traces, their result checks included) on the Triton backend: Dynamo used to trace into Triton's
+    interpreter and fail on its uint64 address arithmetic (``KeyError(torch.uint64)``); its launches now run as
+    they do eagerly inside the compiled call, with the eager bits. (NovoGrad's pass launches a norm kernel and the
+    update kernel; the whole compiled steps: the matrix's ``compiled`` cells.)"""
+    torch._dynamo.reset()
+    with use_backend("auto"):
+        eager, want = _apex_pass(kind)
+        eager()
+        call, got = _apex_pass(kind)
+        torch.compile(call, backend="eager")()
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"tensor {i} differs from the eager pass"
+
+
+@pytest.mark.interpreter
+def test_a_kernel_launch_inside_a_compiled_region_runs_under_the_interpreter():
+    """Every fp16kit kernel a compiled region reaches eagerly (FusedAdam/FusedLAMB with ``master_weights="split"`` or
+    ``"stochastic"`` call ``l2norm`` and the update launchers from frames Dynamo resumed) runs under Triton's
+    interpreter instead of being traced into: Dynamo failed on the interpreter's uint64 pointer arithmetic. The
+    guard is the interpreter's launch itself (``fp16kit/kernels/backend.py``), shown here on a kernel of one line;
+    the optimizers' compiled steps: the next test and the matrix's ``compiled`` cells."""
+    import triton
+    import triton.language as tl
+
+    import fp16kit.kernels  # noqa: F401  (installs the guard)
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+    x = torch.arange(5, dtype=torch.float32)
+    torch._dynamo.reset()
+    torch.compile(lambda: add_one[(1,)](x, x.numel(), BLOCK=8), backend="eager")()
+    assert torch.equal(x, torch.arange(1, 6, dtype=torch.float32))
+
+
+@pytest.mark.slow  # four compiled optimizer steps under the interpreter (~30 s); the mechanism is tested just above
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode", ["split", "stochastic"])
+@pytest.mark.parametrize("kind", sorted(OPT8))
+def test_compiled_bf16_mode_steps_on_the_triton_backend_equal_eager(kind, mode):
+    """``torch.compile(opt.step)`` of FusedAdam/FusedLAMB with split or stochastic bf16 weights on the Triton backend
+    (the configuration matrix's full product found them failing while tracing): three steps, the eager bits."""
+
+    def three_steps(compiled: bool) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(4)
+        p = torch.nn.Parameter(torch.randn(6, 5, generator=gen).bfloat16())
+        opt = OPT8[kind]([p], lr=0.01, master_weights=mode, **({"rounding_seed": 3} if mode == "stochastic" else {}))
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        with use_backend("auto"):
+            for _ in range(3):
+                p.grad = torch.randn(6, 5, generator=gen).bfloat16()
+                step()
+        return [p.detach().clone(), *(t.clone() for t in opt.state[p].values() if isinstance(t, torch.Tensor))]
+
+    torch._dynamo.reset()
+    for a, b in zip(three_steps(True), three_steps(False), strict=True):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a, b.view(torch.int16)
+                           if b.dtype == torch.bfloat16 else b)

@@ -175,3 +175,24 @@ def _automatic(device: torch.device) -> BackendChoice:
             )
         return BackendChoice(Backend.TORCH, "CPU tensors (set TRITON_INTERPRET=1 to run the Triton kernels)")
     return BackendChoice(Backend.TORCH, f"no Triton kernels for {device.type} tensors")
+
+
+def _keep_dynamo_out_of_the_interpreter() -> None:
+    """Under Triton's interpreter, a kernel launch that ``torch.compile`` reaches runs instead of being traced.
+
+    The interpreter runs a kernel as Python over numpy arrays, pointers as uint64 (``create_addptr``). Dynamo
+    reaches a launch whenever an eager fp16kit function runs inside a compiled region (a pass with no dispatcher op,
+    or any call from a frame Dynamo resumed after a graph break), traces that Python, and fails on the uint64
+    arithmetic (``KeyError(torch.uint64)`` in fake tensors). ``torch.compiler.disable`` on the interpreter's launch
+    makes it a graph break: the kernel runs as it does eagerly, with the eager bits. Process-wide (the interpreter
+    is; no Dynamo trace of an interpreted kernel that touches memory can succeed); compiled Triton is untouched."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not getattr(InterpretedFunction.run, "_fp16kit_eager", False):
+        run = torch.compiler.disable(InterpretedFunction.run)
+        run._fp16kit_eager = True
+        InterpretedFunction.run = run
+
+
+if interpreter_requested() and triton_available():
+    _keep_dynamo_out_of_the_interpreter()

@@ -580,6 +580,25 @@ def _kernel_hps(plan: _plan.Plan, hp64: torch.Tensor | DeviceStep) -> list[tuple
     return [(g, dataclasses.replace(hp64, advance=i == last) if last else hp64) for i, g in enumerate(plan.kernel)]
 
 
+
+def _eager_under_compile(fn: Any) -> Any:
+    """Run ``fn`` eagerly when Dynamo traces a call to it (one graph break), directly otherwise.
+
+    apex's SGD, Adagrad and NovoGrad passes have no dispatcher op (``library.py`` holds LAMB's and Adam's): their
+    launchers read ``data_ptr()`` and write through address tables (``_table.py``) that no graph can hold, so a
+    compiled step runs them as the eager step does, with the same arguments and the eager bits, instead of Dynamo
+    tracing their planning piecewise (a graph break per table, a recompile per flag). (Under ``TRITON_INTERPRET=1``
+    the interpreter's launches are kept out of Dynamo as well: ``backend.py``.)"""
+    eager = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return eager(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
+
+    return call
+
+
+@_eager_under_compile
 def sgd_update(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -632,6 +651,7 @@ def sgd_update(
         )
 
 
+@_eager_under_compile
 def adagrad_update(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -673,6 +693,7 @@ def adagrad_update(
         )
 
 
+@_eager_under_compile
 def novograd_update(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],

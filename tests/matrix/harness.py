@@ -1,6 +1,8 @@
 """One cell of the configuration matrix, built and stepped, and the oracles every accepted cell must pass.
 
-A cell runs three steps: finite gradients, then the cell's gradient kind, then finite gradients again. Oracles:
+A cell runs three steps: finite gradients, then the cell's gradient kind, then finite gradients again; a batched
+run (the slow set) takes every gradient kind as a step of its own (``BATCH``), each step's verdict its own cell's.
+Every oracle is checked after every step and a failure is recorded against that step (``Run.failures``). Oracles:
 
 1. **float64 reference**: every step that is taken is checked, from the optimizer's actual state just before it,
    against ``fp16kit.numerics.reference`` within the per-element ulp budgets of ``tests/optim/optim_helpers.py``
@@ -14,7 +16,7 @@ A cell runs three steps: finite gradients, then the cell's gradient kind, then f
 3. **a skipped step writes nothing**: an inf/NaN gradient (and a huge one where the optimizer's guard or result
    check applies) leaves params, masters, low halves, moments, codes, absmax and step counters bit-identical.
 4. **resume**: ``torch.save(opt.state_dict(), file)`` after the first step, ``torch.load(file, weights_only=True)``
-   into a fresh model and optimizer, the same two steps: bit-identical to the uninterrupted run.
+   into a fresh model and optimizer, the same later steps: bit-identical to the uninterrupted run after each.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from fp16kit.numerics import gamma, ulp
 from fp16kit.numerics.reference import adam_step, lamb_step, larc_grads
 from fp16kit.numerics.reference.state8 import resolution
 
-from .axes import Cell
+from .axes import Cell, twin_cells
 
 F64 = torch.float64
 LR = {"adam": 1e-3, "lamb": 1e-2, "sgd": 0.1, "adagrad": 1e-2, "novograd": 1e-3, "larc": 0.1}
@@ -214,7 +216,11 @@ class Run:
     scaler: Any = None
     amp_opt: Any = None
     compiled: Callable | None = None
-    log: list = field(default_factory=list)
+    log: list = field(default_factory=list)  #: each step's (unscaled) gradients
+    kinds: tuple[str, ...] = ()  #: each step's gradient kind
+    after: list = field(default_factory=list)  #: ``bits`` after each step
+    eight: list = field(default_factory=list)  #: ``_eight`` after each step
+    failures: list = field(default_factory=list)  #: (step, message) of every failed oracle
 
     def inner(self) -> Any:
         """The optimizer that holds the state (LARC's wrapped one)."""
@@ -564,29 +570,58 @@ def expects_skip(run: Run, kind: str) -> bool:
     return False
 
 
-def trajectory(c: Cell, pg: Any = None, ckpt: str | None = None) -> Run:
-    """The cell's three steps with oracles 1 and 3; with ``ckpt`` the state after the first step is saved there
-    (``torch.save``) with the params and the scaler's state."""
+#: a batch's schedule: one run takes every gradient kind as a step of its own, each step held to its own oracles
+#: from the actual state before it, so each step is one cell's verdict (the ``grads`` axis costs no extra run)
+BATCH = ("finite", "inf", "nan", "huge", "none", "finite")
+
+
+def schedule(c: Cell, batched: bool = False) -> tuple[str, ...]:
+    """The gradient kinds of a run's steps: a single cell's three steps (finite, its kind, finite), or ``BATCH``."""
+    return BATCH if batched else ("finite", c.grads.name, "finite")
+
+
+def _ckpt_state(run: Run) -> dict:
+    return {"opt": run.opt.state_dict(), "params": [p.detach().clone() for p in run.params],
+            "scaler": None if run.scaler is None else run.scaler.state_dict()}
+
+
+def trajectory(c: Cell, pg: Any = None, ckpt: str | None = None, kinds: Sequence[str] | None = None) -> Run:
+    """The run's steps (``kinds``, default the cell's three) with oracles 1 and 3; with ``ckpt`` the state after the
+    first step is saved there (``torch.save``) with the params and the scaler's state. A failed oracle is recorded
+    against its step (``run.failures``) and the run goes on from the actual state (the oracles start from it); an
+    error that is not an oracle's ends the run, recorded against the step and every later one."""
     run = build(c, pg)
-    kinds = ["finite", c.grads.name, "finite"]
+    run.kinds = tuple(kinds or schedule(c))
     taken = 0
-    for k, kind in enumerate(kinds):
-        grads = grads_for(run, k, kind)
-        run.log.append(grads)
-        if expects_skip(run, kind):
-            skipped_step(run, grads)
-        else:
-            checked_step(run, grads)
-            taken += 1
-        _all_finite(run)
+    for k, kind in enumerate(run.kinds):
+        try:
+            grads = grads_for(run, k, kind)
+            run.log.append(grads)
+            if expects_skip(run, kind):
+                skipped_step(run, grads)
+            else:
+                checked_step(run, grads)
+                taken += 1
+            _all_finite(run)
+            _counts(run, taken)
+        except AssertionError as e:
+            run.failures.append((k, f"step {k} ({kind}): {e}"))
+        except Exception as e:  # the run cannot go on: this step and every later one fail
+            run.failures += [(i, f"step {k} ({kind}) raised {e!r}") for i in range(k, len(run.kinds))]
+            return run
+        finally:
+            run.after.append(bits(run))
+            run.eight.append(_eight(run))
         if k == 0 and ckpt is not None:
-            torch.save({"opt": run.opt.state_dict(), "params": [p.detach().clone() for p in run.params],
-                        "scaler": None if run.scaler is None else run.scaler.state_dict()}, ckpt)
-    # the first group (it has grads at every step) counts the steps taken, exactly (at 2**31 fp32 cannot count)
-    step = run.inner().param_groups[0].get("step")
-    if isinstance(step, torch.Tensor) and c.layout.name != "step_2e31":
-        assert float(step.reshape(-1)[0]) == taken, f"group 0's step counter reads {float(step)} after {taken} steps"
+            torch.save(_ckpt_state(run), ckpt)
     return run
+
+
+def _counts(run: Run, taken: int) -> None:
+    """The first group (it has grads at every step) counts the steps taken, exactly (at 2**31 fp32 cannot count)."""
+    step = run.inner().param_groups[0].get("step")
+    if isinstance(step, torch.Tensor) and run.cell.layout.name != "step_2e31":
+        assert float(step.reshape(-1)[0]) == taken, f"group 0's step counter reads {float(step)} after {taken} steps"
 
 
 def _all_finite(run: Run) -> None:
@@ -595,68 +630,89 @@ def _all_finite(run: Run) -> None:
             assert torch.isfinite(t).all(), "inf/NaN in params, masters or state"
 
 
-def resumed(c: Cell, ckpt: str, log: list, pg: Any = None) -> Run:
+def resumed(c: Cell, ckpt: str, ref: Run, pg: Any = None) -> list[tuple[int, str]]:
     """Oracle 4's second half: a fresh model and optimizer loaded from ``ckpt`` (weights_only), then the
-    uninterrupted run's last two steps with the same gradients."""
-    run = build(c, pg)
-    saved = torch.load(ckpt, weights_only=True)
-    with torch.no_grad():
-        for p, s in zip(run.params, saved["params"]):
-            p.copy_(s)
-    run.opt.load_state_dict(saved["opt"])
-    if run.scaler is not None:
-        run.scaler.load_state_dict(saved["scaler"])
-    for grads in log[1:]:  # unscaled, as in the uninterrupted run (the scaler's state is the saved one)
-        install_grads(run, grads)
-        take_step(run, grads)
-    return run
+    uninterrupted run ``ref``'s later steps with the same gradients, compared with it bit for bit after each step;
+    returns the failures by step."""
+    try:
+        run = build(c, pg)
+        saved = torch.load(ckpt, weights_only=True)
+        with torch.no_grad():
+            for p, s in zip(run.params, saved["params"]):
+                p.copy_(s)
+        run.opt.load_state_dict(saved["opt"])
+        if run.scaler is not None:
+            run.scaler.load_state_dict(saved["scaler"])
+    except Exception as e:
+        return [(k, f"resume: loading the checkpoint raised {e!r}") for k in range(1, len(ref.kinds))]
+    out = []
+    for k, grads in enumerate(ref.log[1:], start=1):  # unscaled, as in the uninterrupted run (the scaler: saved)
+        try:
+            install_grads(run, grads)
+            take_step(run, grads)
+            assert_same_bits(bits(run), ref.after[k], "the resumed run differs from the uninterrupted one")
+        except AssertionError as e:
+            out.append((k, f"step {k} ({ref.kinds[k]}) after a resume: {e}"))
+        except Exception as e:
+            return out + [(i, f"step {k} ({ref.kinds[k]}) after a resume raised {e!r}")
+                          for i in range(k, len(ref.kinds))]
+    return out
 
 
-def run_cell(c: Cell, pg: Any = None) -> Run:
-    """Oracles 1, 3 and 4 for one accepted cell; returns the uninterrupted run (for oracle 2)."""
+def run_cell(c: Cell, pg: Any = None, kinds: Sequence[str] | None = None) -> Run:
+    """Oracles 1, 3 and 4 for one accepted cell's run (or a batch's: ``kinds``), failures recorded by step in
+    ``run.failures``; returns the uninterrupted run (for oracle 2)."""
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "opt.pt")
-        run = trajectory(c, pg, ckpt)
-        again = resumed(c, ckpt, run.log, pg)
-        assert_same_bits(bits(again), bits(run), "the resumed run differs from the uninterrupted one")
+        run = trajectory(c, pg, ckpt, kinds)
+        if os.path.exists(ckpt):
+            run.failures += resumed(c, ckpt, run, pg)
     return run
 
 
 def twins(c: Cell) -> list[tuple[Cell, str]]:
-    """Oracle 2: the cells to compare with, and how (``"bits"``: every state tensor and param bit for bit;
-    ``"moments8"``: 8-bit codes, absmax and small fp32 moments bit for bit; ``"reference"``: each within the
-    float64 budget of its own reference, run by the twin itself)."""
+    """Oracle 2: the runs to compare with (``axes.twin_cells``), and how (``"bits"``: every state tensor and param
+    bit for bit; ``"moments8"``: 8-bit codes and absmax bit for bit; ``"reference"``: each within the float64 budget
+    of its own reference, run by the twin itself)."""
     out = []
-    other = next(b for b in ("torch", "interp") if b != c.backend.name)
-    from .axes import BACKENDS, PATHS
-
-    if c.path.name in ("host", "zero1", "functional") and c.layout.name != "ampO2":
-        kind = "moments8" if c.moments.bits == 8 and c.opt.state8 and c.weights.master != "stochastic" \
-            else "reference"
-        out.append((c.replace(backend=next(b for b in BACKENDS if b.name == other)), kind))
-    if c.path.name == "device":
-        # bit for bit where every row is a kernel row; rows the kernels do not take (non-contiguous) run the torch
-        # passes, whose masked (device-step) and host-branch (host-vector) sequences round differently
-        # (docs/optim.md, "Where each optimizer's math lives")
-        how = "reference" if c.layout.noncontiguous else "bits"
-        out.append((c.replace(path=next(p for p in PATHS if p.name == "host")), how))
-    if c.path.name == "compiled":
-        out.append((c.replace(path=next(p for p in PATHS if p.name == "host")), "bits"))
+    for t in twin_cells(c):
+        if t.backend != c.backend:  # host, ZeRO-1, functional: the other backend
+            how = "moments8" if c.moments.bits == 8 and c.opt.state8 and c.weights.master != "stochastic" \
+                else "reference"
+        elif c.path.name == "device":
+            # bit for bit where every row is a kernel row; rows the kernels do not take (non-contiguous) run the
+            # torch passes, whose masked (device-step) and host-branch (host-vector) sequences round differently
+            # (docs/optim.md, "Where each optimizer's math lives")
+            how = "reference" if c.layout.noncontiguous else "bits"
+        else:  # compiled: the eager step
+            how = "bits"
+        out.append((t, how))
     return out
 
 
-def compare(a: Run, b: Run, how: str) -> None:
-    if how == "bits":
-        assert_same_bits(bits(a), bits(b), f"{a.cell.id} against {b.cell.id}")
-    elif how == "moments8":
-        oa, ob = a.inner(), b.inner()
-        for i, (p, q) in enumerate(zip(a.params, b.params)):
-            for key in ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"):
-                x, y = oa.state.get(p, {}).get(key), ob.state.get(q, {}).get(key)
-                if x is None or y is None:
-                    assert x is None and y is None, (i, key)
-                    continue
-                if x.dtype == torch.uint8 or "absmax" in key:
-                    assert_same_bits([x], [y], f"8-bit {key} of param {i}, {a.cell.id} against {b.cell.id}")
+def compare(a: Run, b: Run, how: str) -> list[tuple[int, str]]:
+    """Oracle 2 between a run and its twin, after each step (the same schedule): the failures by step."""
+    out = []
+    for k in range(min(len(a.after), len(b.after))):
+        try:
+            if how == "bits":
+                assert_same_bits(a.after[k], b.after[k], f"{a.cell.id} against {b.cell.id}")
+            elif how == "moments8":
+                assert [n for n, _ in a.eight[k]] == [n for n, _ in b.eight[k]], "different 8-bit state"
+                for (name, x), (_, y) in zip(a.eight[k], b.eight[k]):
+                    assert_same_bits([x], [y], f"8-bit {name}, {a.cell.id} against {b.cell.id}")
+        except AssertionError as e:
+            out.append((k, f"step {k} ({a.kinds[k]}): {e}"))
+    return out
 
 
+def _eight(run: Run) -> list[tuple[str, torch.Tensor]]:
+    """The 8-bit codes and their absmax, named (oracle 2's ``moments8``: bit for bit between the backends)."""
+    opt = run.inner()
+    out = []
+    for i, p in enumerate(run.params):
+        for key in ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"):
+            x = opt.state.get(p, {}).get(key)
+            if x is not None and (x.dtype == torch.uint8 or "absmax" in key):
+                out.append((f"{key} of param {i}", x.detach().clone()))
+    return out
