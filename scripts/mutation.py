@@ -102,7 +102,8 @@ TARGETS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         "load_master", "rng_step", "_split_bits", "_stochastic_bits", "store_weights"), (
         _BF + "test_triton_device_functions_equal_the_torch_twins",
         _BF + "test_split_equals_fp32_masters_bit_for_bit_triton[host-vector-plain-adam]",
-        _BF + "test_stochastic_step_is_the_rule_applied_to_the_fp32_result[adam-triton]")),
+        _BF + "test_stochastic_step_is_the_rule_applied_to_the_fp32_result[adam-triton]",
+        _BF + "test_stochastic_update_of_shards_with_offsets_equals_the_whole_update")),
     "rounding": (_K + "engine/rounding.py", ("round_to", "to_fp32"), (
         _BF + "test_triton_device_functions_equal_the_torch_twins",
         _S8 + "test_triton_matches_torch_bit_for_bit[dtype1-adam]",

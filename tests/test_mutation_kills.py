@@ -393,3 +393,26 @@ def test_the_bf16_rounding_is_a_bit_pattern_in_the_sm90_ptx():
     assert out.returncode == 0, out.stderr[-3000:]
     int_to_float, bf16_stores = map(int, out.stdout.split())
     assert bf16_stores > 0 and int_to_float == 0
+
+
+# fp16kit/amp/_dispatch.py:223:33:const_int (_rank: a Tensor method names an out-of-place op only when no public
+# function reaches it): the names the engine's messages use, as its docstring states them
+def test_each_aten_op_is_named_by_its_public_function_or_its_in_place_method():
+    from fp16kit.amp import _dispatch, policy
+
+    shown = {name: policy.display_name(fn, "") for name, (_entry, fn) in _dispatch._desired().items()}
+    assert shown["exp"] == "torch.exp" and shown["exp_"] == "torch.Tensor.exp_"
+    assert shown["binary_cross_entropy"] == "torch.nn.functional.binary_cross_entropy"
+
+
+# fp16kit/amp/_dispatch.py:233:98:const_int (_desired: callables are ranked by their own row's source, so an
+# override of one of two callables reaching one aten op decides that op, whichever comes first in the table)
+@pytest.mark.parametrize("overridden",
+                         ["torch.nn.functional.binary_cross_entropy", "torch._C._nn.binary_cross_entropy"])
+def test_an_override_of_one_callable_decides_the_aten_op_both_reach(overridden):
+    from fp16kit.amp import _dispatch, policy_override
+    from fp16kit.amp.policy import Rule
+
+    assert _dispatch._desired()["binary_cross_entropy"][0][0] is Rule.BANNED
+    with policy_override({overridden: "fp32"}):
+        assert _dispatch._desired()["binary_cross_entropy"][0][:1] == (Rule.FP32,)
