@@ -68,8 +68,9 @@ class DeviceStep:
 
     @staticmethod
     def arguments(hp: torch.Tensor | DeviceStep, table: Any, names: Sequence[str]) -> tuple[Any, tuple, dict]:
-        """``(hp_ptr, scalars, constexprs)`` for a kernel with the device-step signature: the pointers
-        ``step, ticket, lr, scale`` and three float32 parts per name of ``names``, after ``found_inf``.
+        """``(hp_ptr, scalars, constexprs)`` for a kernel with the device-step signature: ``scalars`` is the step
+        bundle (the kernel argument ``step``, after ``found_inf``: the pointers ``step, ticket, lr, scale`` and three
+        float32 parts per name of ``names``; read by ``step_host64`` and its siblings).
         A float32 ``hp`` vector (the legacy layout) gives placeholders and ``HP_DEVICE=False``."""
         if isinstance(hp, torch.Tensor):
             flags = {"HP_DEVICE": False, "LR_TENSOR": False, "HAS_SCALE": False, "BIAS_CORRECTION": False,
@@ -176,6 +177,43 @@ def inv_scale64(scale_ptr, HAS_SCALE: tl.constexpr):
         return 1.0 / tl.load(scale_ptr).to(tl.float64)
     else:
         return tl.full((), 1.0, tl.float64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The step bundle: ``DeviceStep.arguments``' scalars as one kernel argument ``step`` (a tuple): the pointers
+# ``step, ticket, lr, scale`` (``[0:4]``), then three float32 parts per host number in the launcher's ``names``
+# order (``[4 + 3 i : 7 + 3 i]``). A kernel hands the bundle on whole, so a new host number or pointer changes the
+# launcher's ``names`` and the code that reads it, not every kernel's and device function's argument list.
+
+
+@triton.jit
+def step_host64(step, i: tl.constexpr):
+    """Host number ``i`` of the step bundle (``names[i]``) in float64 (:func:`join3`)."""
+    return join3(step[4 + 3 * i], step[5 + 3 * i], step[6 + 3 * i])
+
+
+@triton.jit
+def step_lr64(step, LR_TENSOR: tl.constexpr):
+    """:func:`lr64` of the step bundle: its tensor ``lr`` (``step[2]``) or its host number 0."""
+    return lr64(step[4], step[5], step[6], step[2], LR_TENSOR)
+
+
+@triton.jit
+def step_number(step):
+    """:func:`next_step` of the step bundle's counter (``step[0]``)."""
+    return next_step(step[0])
+
+
+@triton.jit
+def step_inv_scale64(step, HAS_SCALE: tl.constexpr):
+    """:func:`inv_scale64` of the step bundle's loss scale (``step[3]``)."""
+    return inv_scale64(step[3], HAS_SCALE)
+
+
+@triton.jit
+def step_advance(step, ADVANCE: tl.constexpr):
+    """:func:`advance_step` of the step bundle's counter and ticket (``step[0]``, ``step[1]``)."""
+    advance_step(step[0], step[1], ADVANCE)
 
 
 @triton.jit

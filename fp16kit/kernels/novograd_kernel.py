@@ -35,19 +35,19 @@ import triton.language as tl
 
 from . import l2norm_kernel
 from ._chunks import chunk_span, load_chunk, row_pointer
-from ._results import (
-    StepVerify,
-    check_grad,
-    check_or_store,
-    lr_arms,
-    nonfinite,
-    pass_end,
-    pass_start,
-    step_arguments,
-)
+from ._results import StepVerify, check_grad, chunk_end, lr_arms, nonfinite, pass_end, pass_start, step_arguments
 from ._rounding import to_fp32
-from ._step_scalars import DeviceStep, bias_correction64, join3, lr64, next_step, split3_cached
-from ._step_skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
+from ._step_scalars import (
+    DeviceStep,
+    bias_correction64,
+    join3,
+    lr64,
+    next_step,
+    split3_cached,
+    step_host64,
+    step_number,
+)
+from ._step_skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad, load_span
 from ._table import STEP_PROGRAMS_PER_SM, chunk_table, num_programs, step_block, triton_dtype
 from .l2norm_kernel import segment_total
 
@@ -110,29 +110,19 @@ def absmax_per_tensor(tensors: Sequence[torch.Tensor], pre_scale: torch.Tensor) 
     return torch.segment_reduce(partials, "max", lengths=table.chunk_counts)
 
 
+#: The host numbers of the update's device step, in the order of the step bundle and of ``hp``
+#: (``_step_skeleton.hp_value``).
+HOST = ("lr", "beta1", "beta3", "weight_decay")
+
+
 @triton.jit
 def _novograd_kernel(
-    ptrs,
-    num_tensors,
-    numels,
-    chunk_tensor,
-    chunk_start,
-    num_chunks,
+    table,
     hp_ptr,
     denoms_ptr,
     found_inf_ptr,
-    step_ptr,
-    ticket_ptr,
-    lr_ptr,
-    scale_ptr,
-    lr_hi, lr_mid, lr_lo,
-    b1_hi, b1_mid, b1_lo,
-    b3_hi, b3_mid, b3_lo,
-    wd_hi, wd_mid, wd_lo,
-    bad_ptr,
-    result_ptr,
-    nonfinite_count_ptr,
-    result_count_ptr,
+    step,
+    results,
     v_ptrs,
     v_new_ptr,
     P_DTYPE: tl.constexpr,
@@ -152,30 +142,32 @@ def _novograd_kernel(
     FIRST: tl.constexpr = False,
     COUNT: tl.constexpr = False,
 ):
+    """Bundles (``_step_skeleton.py``): ``table``, ``step`` (host numbers :data:`HOST`), ``results`` (the result
+    check's pointers, ``_results.step_arguments``)."""
     pid = tl.program_id(0)
     # hp = [lr, beta1, beta3, weight_decay, bc1, inv_scale], or the same values derived on the device
-    neg_lr = hp_neg_lr(hp_ptr, lr_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR)
-    beta1 = hp_value(hp_ptr, 1, b1_hi, b1_mid, b1_lo, HP_DEVICE)
-    beta3 = hp_value(hp_ptr, 2, b3_hi, b3_mid, b3_lo, HP_DEVICE)
-    wd = hp_value(hp_ptr, 3, wd_hi, wd_mid, wd_lo, HP_DEVICE)
+    neg_lr = hp_neg_lr(hp_ptr, step, HP_DEVICE, LR_TENSOR)
+    beta1 = hp_value(hp_ptr, step, 1, HP_DEVICE)
+    beta3 = hp_value(hp_ptr, step, 2, HP_DEVICE)
+    wd = hp_value(hp_ptr, step, 3, HP_DEVICE)
     if HP_DEVICE:  # bc1 = 1 - beta1^t from the device step counter, in float64, rounded once
-        bc1 = bias_correction64(join3(b1_hi, b1_mid, b1_lo), next_step(step_ptr), BIAS_CORRECTION).to(tl.float32)
+        bc1 = bias_correction64(step_host64(step, 1), step_number(step), BIAS_CORRECTION).to(tl.float32)
     else:
         bc1 = tl.load(hp_ptr + 4).to(tl.float32)
-    inv_scale = hp_inv_scale(hp_ptr, 5, scale_ptr, HP_DEVICE, HAS_SCALE)
-    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, num_chunks, BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
+    inv_scale = hp_inv_scale(hp_ptr, 5, step, HP_DEVICE, HAS_SCALE)
+    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, table[5], BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full, p_ptr, g_ptr, m_ptr = chunk_rows_one_state(ptrs, num_tensors, numels, chunk_tensor,
-                                                                        chunk_start, c, P_DTYPE, G_DTYPE, BLOCK,
-                                                                        ALIGNED)
+        # (not _results.chunk_start: the denominator is loaded between the rows' addresses and their data)
+        span, p_ptr, g_ptr, m_ptr = chunk_rows_one_state(table, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED)
+        t = span[0]
         denom = tl.load(denoms_ptr + t).to(tl.float32)
-        p, g = load_param_grad(p_ptr, g_ptr, offs, mask, full, inv_scale)
-        gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
+        p, g = load_param_grad(p_ptr, g_ptr, span, inv_scale)
+        gbad = check_grad(gbad, g, span, VERIFY, HP_DEVICE)
         if HP_DEVICE and not VERIFY:  # noqa: SIM102  (a compile-time branch around a runtime one)
             # the tensor's new second moment (from _novograd_prepare_kernel), committed by its first chunk's program
-            if tl.load(chunk_start + c) == 0:
+            if tl.load(table[4] + c) == 0:
                 tl.store(tl.load(v_ptrs + t).to(tl.pointer_type(tl.float32)), tl.load(v_new_ptr + t))
-        m = load_chunk(m_ptr, offs, mask, full)
+        m = load_span(m_ptr, span)
         if REG_INSIDE:
             g = tl.div_rn(g, denom) + wd * p
             m = beta1 * m + beta3 * g
@@ -184,11 +176,8 @@ def _novograd_kernel(
             m = beta1 * m + beta3 * g
             u = tl.div_rn(tl.div_rn(m, bc1), denom) + wd * p
         p = p + neg_lr * u
-        model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
-        bad = check_or_store(p, m, p_ptr, m_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, True,
-                             HAS_MODEL, VERIFY)
-    pass_end(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr, step_ptr, gbad, bad,
-             neg_lr, entry, skip, VERIFY, HP_DEVICE, ADVANCE, FIRST, COUNT)
+        bad = chunk_end(table, span, p, m, p_ptr, m_ptr, bad, P_DTYPE, MODEL_DTYPE, True, HAS_MODEL, ALIGNED, VERIFY)
+    pass_end(found_inf_ptr, step, results, gbad, bad, neg_lr, entry, skip, VERIFY, HP_DEVICE, ADVANCE, FIRST, COUNT)
 
 
 @triton.jit
@@ -280,13 +269,14 @@ def launch_novograd(
             _novograd_prepare(table, grads, hp, v_ptrs, v_new, denoms, init_zero)
     else:
         v_ptrs = v_new = denoms
-    hp_ptr, scalars, flags = step_arguments(hp, table, ("lr", "beta1", "beta3", "weight_decay"), verify, check)
+    hp_ptr, step, results, flags = step_arguments(hp, table, HOST, verify, check)
     _novograd_kernel[(num_programs(device, table.num_chunks),)](
-        *table.leading_args(),
+        table.leading_args(),
         hp_ptr,
         denoms,
         found_inf,
-        *scalars,
+        step,
+        results,
         v_ptrs,
         v_new,
         P_DTYPE=p_dtype,

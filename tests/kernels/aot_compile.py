@@ -64,6 +64,44 @@ APEX_LEGACY = dict(**HP_LEGACY, OWN_FLAG=False, FIRST=False, COUNT=False)
 SUMSQ_PLAIN = dict(FINISH=False, NORM=True, OWN_FLAG=False, COUNT=False, SCALE_IS_GRAD_SCALE=False)
 
 
+#: The optimizer kernels' argument bundles (tuples; fp16kit/kernels/_step_skeleton.py): their members' names, typed
+#: by the rules of :func:`_arg_type`. ``step``: the pointers, then three float32 parts per host number of the
+#: kernel's module (its ``HOST``).
+BUNDLES = {
+    "table": ("ptrs", "num_tensors", "numels", "chunk_tensor", "chunk_start", "num_chunks"),
+    "results": ("bad_ptr", "result_ptr", "nonfinite_count_ptr", "result_count_ptr"),
+    "weights": ("seed", "stream", "rng_step_ptr", "row_idx_ptr"),
+    "state": ("book_ptr",),
+    "sums": ("u_partials", "p_partials", "done_ptr", "chunk_counts", "first_chunk", "u_sumsq", "p_sumsq"),
+}
+STEP_POINTERS = ("step_ptr", "ticket_ptr", "lr_ptr", "scale_ptr")
+
+
+def _arg_type(name):
+    if name in INT_ARGS:
+        return "i32"
+    if name in I64_ARGS:
+        return "i64"
+    if name.endswith(("_hi", "_mid", "_lo")) or name == "check_factor":  # float32 launch arguments
+        return "fp32"
+    if name in I32_STEP:
+        return "*i32"
+    if name in I64_STEP or name in I64_PTRS:
+        return "*i64"
+    if name in I32_PTRS:
+        return "*i32"
+    return "*fp32"
+
+
+def _bundle_type(fn, name):
+    if name == "step":
+        host = sys.modules[fn.fn.__module__].HOST
+        members = STEP_POINTERS + tuple(f"{h}_{part}" for h in host for part in ("hi", "mid", "lo"))
+    else:
+        members = BUNDLES[name]
+    return tuple(_arg_type(m) for m in members)
+
+
 def signature(fn, constexprs, overrides=None):
     sig = {}
     for p in fn.params:
@@ -71,20 +109,10 @@ def signature(fn, constexprs, overrides=None):
             sig[p.name] = overrides[p.name]
         elif p.is_constexpr:
             sig[p.name] = "constexpr"
-        elif p.name in INT_ARGS:
-            sig[p.name] = "i32"
-        elif p.name in I64_ARGS:
-            sig[p.name] = "i64"
-        elif p.name.endswith(("_hi", "_mid", "_lo")) or p.name == "check_factor":  # float32 launch arguments
-            sig[p.name] = "fp32"
-        elif p.name in I32_STEP:
-            sig[p.name] = "*i32"
-        elif p.name in I64_STEP or p.name in I64_PTRS:
-            sig[p.name] = "*i64"
-        elif p.name in I32_PTRS:
-            sig[p.name] = "*i32"
+        elif p.name in BUNDLES or p.name == "step":
+            sig[p.name] = _bundle_type(fn, p.name)
         else:
-            sig[p.name] = "*fp32"
+            sig[p.name] = _arg_type(p.name)
     missing = {p.name for p in fn.params if p.is_constexpr} - set(constexprs)
     assert not missing, f"constexprs missing: {missing}"
     return sig
