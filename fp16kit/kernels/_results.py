@@ -82,13 +82,13 @@ def check_or_store(
 
 @triton.jit
 def chunk_start(table, c, inv_scale, gbad, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-                ALIGNED: tl.constexpr, VERIFY: tl.constexpr, HP_DEVICE: tl.constexpr):
+                ALIGNED: tl.constexpr, VERIFY: tl.constexpr, STEP: tl.constexpr):
     """``(span, p_ptr, s_ptr, p, g, gbad)``, how an SGD/Adagrad/NovoGrad pass starts chunk ``c``: its rows
     (``_step_skeleton.chunk_rows_one_state``), its param and unscaled gradient (``load_param_grad``) and the check
     pass's lanes (:func:`check_grad`)."""
     span, p_ptr, g_ptr, s_ptr = chunk_rows_one_state(table, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED)
     p, g = load_param_grad(p_ptr, g_ptr, span, inv_scale)
-    gbad = check_grad(gbad, g, span, VERIFY, HP_DEVICE)
+    gbad = check_grad(gbad, g, span, VERIFY, STEP)
     return span, p_ptr, s_ptr, p, g, gbad
 
 
@@ -112,14 +112,13 @@ def entry_flag(found_inf_ptr, OWN_FLAG: tl.constexpr):
 
 
 @triton.jit
-def pass_start(found_inf_ptr, num_chunks, BLOCK: tl.constexpr, VERIFY: tl.constexpr, HP_DEVICE: tl.constexpr,
-               OWN_FLAG: tl.constexpr):
+def pass_start(found_inf_ptr, num_chunks, BLOCK: tl.constexpr, VERIFY: tl.constexpr, STEP: tl.constexpr):
     """``(entry, skip, stop, bad, gbad)`` at the start of an SGD/Adagrad/NovoGrad pass: the flag as found
     (:func:`entry_flag`), whether the step is skipped, the chunk loop's end (0 when skipped: nothing read or
     written) and the zeroed result and grad lanes. A device step's check-and-verify launch is the check pass too,
     so it does not read an own flag's old value."""
-    entry = entry_flag(found_inf_ptr, OWN_FLAG)
-    if VERIFY and HP_DEVICE:
+    entry = entry_flag(found_inf_ptr, STEP.OWN_FLAG)
+    if VERIFY and STEP.HP_DEVICE:
         skip, stop = entry != 0, tl.where(entry != 0, 0, num_chunks)
     else:
         skip, stop = skip_and_stop(found_inf_ptr, num_chunks)
@@ -128,27 +127,27 @@ def pass_start(found_inf_ptr, num_chunks, BLOCK: tl.constexpr, VERIFY: tl.conste
 
 
 @triton.jit
-def check_grad(gbad, g, span, VERIFY: tl.constexpr, HP_DEVICE: tl.constexpr):
+def check_grad(gbad, g, span, VERIFY: tl.constexpr, STEP: tl.constexpr):
     """The check pass's lanes in a device step's check-and-verify launch: ``gbad`` or-ed with "the unscaled
     gradient ``g`` is inf/NaN" in the chunk ``span`` (unchanged elsewhere)."""
-    if VERIFY and HP_DEVICE:
+    if VERIFY and STEP.HP_DEVICE:
         gbad = tl.maximum(gbad, (span[2] & nonfinite(g)).to(tl.int32))
     return gbad
 
 
 @triton.jit
-def pass_end(found_inf_ptr, step, results, gbad, bad, neg_lr, entry, skip, VERIFY: tl.constexpr,
-             HP_DEVICE: tl.constexpr, ADVANCE: tl.constexpr, FIRST: tl.constexpr, COUNT: tl.constexpr):
+def pass_end(found_inf_ptr, step, results, gbad, bad, neg_lr, entry, skip, VERIFY: tl.constexpr, STEP: tl.constexpr):
     """The end of an SGD/Adagrad/NovoGrad pass: a device step's check-and-verify finish
     (:func:`finish_check_and_verify`, with the step bundle's ticket ``step[1]``), the host-vector result check's
     raise (:func:`raise_found_inf`), or, after a device step's update that was not skipped, the step counter's
     advance (``_step_scalars.step_advance``)."""
-    if VERIFY and HP_DEVICE:
-        finish_check_and_verify(found_inf_ptr, results, step[1], gbad, bad, lr_arms(neg_lr), entry, FIRST, COUNT)
+    if VERIFY and STEP.HP_DEVICE:
+        finish_check_and_verify(found_inf_ptr, results, step[1], gbad, bad, lr_arms(neg_lr), entry, STEP.FIRST,
+                                STEP.COUNT)
     elif VERIFY:
         raise_found_inf(found_inf_ptr, bad, lr_arms(neg_lr))
-    elif HP_DEVICE and not skip:
-        step_advance(step, ADVANCE)
+    elif STEP.HP_DEVICE and not skip:
+        step_advance(step, STEP.ADVANCE)
 
 
 @triton.jit
@@ -215,12 +214,12 @@ def step_arguments(
         hp = dataclasses.replace(hp, advance=True)  # for the table's ticket (the launch advances nothing)
     hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, names)
     if not device_verify or check is None:
-        return hp_ptr, scalars, (hp_ptr,) * 4, {**flags, "OWN_FLAG": False, "FIRST": False, "COUNT": False}
+        return hp_ptr, scalars, (hp_ptr,) * 4, flags
     bad = table.scratch_buffer("verify_bad", 2, torch.int32, zero=True)
     first = check.launches == 0
     check.launches += 1
     counts = check.nonfinite_count
     results = (bad, check.result, bad if counts is None else counts, check.result_count)
-    flags = {**flags, "ADVANCE": False, "OWN_FLAG": check.own_flag and first, "FIRST": first,
-             "COUNT": counts is not None}
-    return hp_ptr, scalars, results, flags
+    step = flags["STEP"]._replace(ADVANCE=False, OWN_FLAG=check.own_flag and first, FIRST=first,
+                                  COUNT=counts is not None)
+    return hp_ptr, scalars, results, {"STEP": step}

@@ -29,14 +29,38 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["DeviceStep", "finish_ticket", "join3", "pow_int", "split3"]
+__all__ = ["DeviceStep", "StepFlags", "finish_ticket", "join3", "pow_int", "split3"]
+
+
+class StepFlags(NamedTuple):
+    """The step's compile-time switches: one constexpr kernel argument ``STEP`` (a named tuple Triton specializes
+    on), read as ``STEP.HP_DEVICE`` and so on, so that a new switch does not add a parameter to every kernel.
+
+    ``HP_DEVICE``: the hyper-parameters come from the step bundle (else from the float32 ``hp`` vector);
+    ``LR_TENSOR``: ``lr`` is a tensor (``step[2]``); ``HAS_SCALE``: unscale by a GradScaler's scale (``step[3]``);
+    ``BIAS_CORRECTION``: ``1 - beta^t`` (else 1); ``ADVANCE``: the launch advances the step counter. The SGD, Adagrad
+    and NovoGrad kernels' check-and-verify launch (``_results.finish_check_and_verify``) adds ``OWN_FLAG`` (the flag
+    is the optimizer's own, not read), ``FIRST`` (the step's first such launch) and ``COUNT`` (count the skip)."""
+
+    HP_DEVICE: bool = False
+    LR_TENSOR: bool = False
+    HAS_SCALE: bool = False
+    BIAS_CORRECTION: bool = False
+    ADVANCE: bool = False
+    OWN_FLAG: bool = False
+    FIRST: bool = False
+    COUNT: bool = False
+
+
+#: The host vector's switches (every one off).
+HOST_VECTOR = StepFlags()
 
 
 @dataclass(frozen=True)
@@ -70,22 +94,21 @@ class DeviceStep:
     def arguments(hp: torch.Tensor | DeviceStep, table: Any, names: Sequence[str]) -> tuple[Any, tuple, dict]:
         """``(hp_ptr, scalars, constexprs)`` for a kernel with the device-step signature: ``scalars`` is the step
         bundle (the kernel argument ``step``, after ``found_inf``: the pointers ``step, ticket, lr, scale`` and three
-        float32 parts per name of ``names``; read by ``step_host64`` and its siblings).
-        A float32 ``hp`` vector (the legacy layout) gives placeholders and ``HP_DEVICE=False``."""
+        float32 parts per name of ``names``; read by ``step_host64`` and its siblings), ``constexprs`` its
+        :class:`StepFlags` (``{"STEP": ...}``). A float32 ``hp`` vector (the legacy layout) gives placeholders and
+        every switch off."""
         if isinstance(hp, torch.Tensor):
-            flags = {"HP_DEVICE": False, "LR_TENSOR": False, "HAS_SCALE": False, "BIAS_CORRECTION": False,
-                     "ADVANCE": False}
-            return hp, (hp, hp, hp, hp) + (0.0,) * (3 * len(names)), flags
+            return hp, (hp, hp, hp, hp) + (0.0,) * (3 * len(names)), {"STEP": HOST_VECTOR}
         step = hp.step
         parts: tuple[float, ...] = ()
         host = hp.host
         for name in names:
             parts += split3_cached(float(host.get(name, 0.0)))
-        flags = {"HP_DEVICE": True, "LR_TENSOR": hp.lr is not None, "HAS_SCALE": hp.scale is not None,
-                 "BIAS_CORRECTION": hp.bias_correction, "ADVANCE": hp.advance}
+        flags = StepFlags(HP_DEVICE=True, LR_TENSOR=hp.lr is not None, HAS_SCALE=hp.scale is not None,
+                          BIAS_CORRECTION=hp.bias_correction, ADVANCE=hp.advance)
         pointers = (step, table.scratch_ticket() if hp.advance else step,
                     step if hp.lr is None else hp.lr, step if hp.scale is None else hp.scale)
-        return step, pointers + parts, flags
+        return step, pointers + parts, {"STEP": flags}
 
 
 _SPLITS: dict[float, tuple[float, float, float]] = {}

@@ -6,9 +6,10 @@ the launch's parameter list in order): ``table`` (``ChunkTable.leading_args()``:
 chunk_tensor, chunk_start, num_chunks``), ``step`` (``DeviceStep.arguments``' scalars, read by
 ``_step_scalars.step_host64`` and its siblings) and, for Adam and LAMB, the epilogues' ``weights``
 (``_bf16_weights.launch_arguments``) and ``state`` (``_state8.state_rows``). A chunk's place is the bundle ``span =
-(t, offs, mask, full)`` (``chunk_span``). The device functions take the bundles whole, so a new epilogue adds to
-the bundle its host helper builds and to the device functions that read it, not a parameter to every kernel,
-device function and launcher.
+(t, offs, mask, full)`` (``chunk_span``). The compile-time switches come in named tuples too: ``STEP``
+(``_step_scalars.StepFlags``) and, for Adam and LAMB, ``EPILOGUE`` (``_bf16_weights.Epilogue``). The device
+functions take the bundles whole, so a new epilogue adds to the bundle its host helper builds and to the device
+functions that read it, not a parameter to every kernel, device function and launcher.
 
 An optimizer kernel over an address table (rows ``0`` params or fp32 masters, ``1`` grads, then state rows, and
 ``4`` the low-precision model copy in master-weights mode) is::
@@ -21,25 +22,24 @@ An optimizer kernel over an address table (rows ``0`` params or fp32 masters, ``
         ... the update rule ...
         store_param(table, span, p_ptr, p, ...)                  # the param and, with masters, the model copy
                                                                  # (Adam/LAMB: _bf16_weights.store_weights)
-    end_pass(skip, step, ADVANCE)                                # step_advance (_step_scalars.py) unless skipped
+    end_pass(skip, step, STEP)                                   # step_advance (_step_scalars.py) unless skipped
 
 apex's optimizers (``sgd_kernel.py``, ``adagrad_kernel.py``, ``novograd_kernel.py``) have one state row: rows ``0``
 params, ``1`` grads, ``2`` the state (momentum buffer, sum of squares, exp_avg), ``3`` the model copy. Their
-hyper-parameters are a host-built float32 vector ``hp = [lr, ..., inv_scale]`` or, in a device step (``HP_DEVICE``),
-the step bundle; their pass starts and ends in ``_results.py`` (the result check needs a ``VERIFY`` twin of the
-store; its pointers are the bundle ``results``)::
+hyper-parameters are a host-built float32 vector ``hp = [lr, ..., inv_scale]`` or, in a device step
+(``STEP.HP_DEVICE``), the step bundle; their pass starts and ends in ``_results.py`` (the result check needs a
+``VERIFY`` twin of the store; its pointers are the bundle ``results``)::
 
-    neg_lr = hp_neg_lr(hp_ptr, step, HP_DEVICE, LR_TENSOR)      # -hp[0]
-    x = hp_value(hp_ptr, step, i, HP_DEVICE)                    # hp[i], i = 1, 2, ... (host number i)
-    inv_scale = hp_inv_scale(hp_ptr, last, step, HP_DEVICE, HAS_SCALE)  # hp[last]
+    neg_lr = hp_neg_lr(hp_ptr, step, STEP)                      # -hp[0]
+    x = hp_value(hp_ptr, step, i, STEP)                         # hp[i], i = 1, 2, ... (host number i)
+    inv_scale = hp_inv_scale(hp_ptr, last, step, STEP)          # hp[last]
     entry, skip, stop, bad, gbad = pass_start(...)             # _results.py: skip_and_stop, or the check pass's flag
     for c in range(pid, stop, tl.num_programs(0)):
-        span, p_ptr, g_ptr, s_ptr = chunk_rows_one_state(table, c, ...)
-        p, g = load_param_grad(p_ptr, g_ptr, span, inv_scale)
-        gbad = check_grad(gbad, g, span, VERIFY, HP_DEVICE)
+        span, p_ptr, s_ptr, p, g, gbad = chunk_start(table, c, inv_scale, gbad, ...)  # _results.py
+                                                               # (rows, param and unscaled grad, the check's lanes)
         s = load_chunk(s_ptr, ...)                             # (SGD: only with momentum, after the first use)
         ... the update rule ...
-        bad = check_or_store(p, s, p_ptr, s_ptr, table_row(table, 3, ...), span, bad, ...)  # _results.py
+        bad = chunk_end(table, span, p, s, p_ptr, s_ptr, bad, ...)  # _results.py: check_or_store, model row 3
     pass_end(found_inf_ptr, step, results, ...)                # _results.py: finish the check, or advance the step
 
 As in ``chunk_rows``, every row's address is loaded before the chunk's data: the address loads are independent and
@@ -66,10 +66,10 @@ def skip_and_stop(found_inf_ptr, num_chunks):
 
 
 @triton.jit
-def end_pass(skip, step, ADVANCE: tl.constexpr):
+def end_pass(skip, step, STEP: tl.constexpr):
     """After a pass's chunks: a step that was not skipped advances the step bundle's counter (``step_advance``)."""
     if not skip:
-        step_advance(step, ADVANCE)
+        step_advance(step, STEP.ADVANCE)
 
 
 @triton.jit
@@ -143,24 +143,24 @@ def load_param_grad(p_ptr, g_ptr, span, inv_scale):
 
 
 @triton.jit
-def hp_neg_lr(hp_ptr, step, HP_DEVICE: tl.constexpr, LR_TENSOR: tl.constexpr):
+def hp_neg_lr(hp_ptr, step, STEP: tl.constexpr):
     """``-lr`` (fp32) of an SGD/Adagrad/NovoGrad pass: ``-hp[0]`` of the host-built vector, or in a device step the
     float64 ``lr`` of the step bundle (``step_lr64``: the host number, or the tensor ``lr`` with ``LR_TENSOR``)
     rounded once."""
-    if HP_DEVICE:  # noqa: SIM108  (a compile-time branch: the other side's arguments are placeholders)
-        neg_lr = -step_lr64(step, LR_TENSOR).to(tl.float32)
+    if STEP.HP_DEVICE:  # noqa: SIM108  (a compile-time branch: the other side's arguments are placeholders)
+        neg_lr = -step_lr64(step, STEP.LR_TENSOR).to(tl.float32)
     else:
         neg_lr = -tl.load(hp_ptr).to(tl.float32)
     return neg_lr
 
 
 @triton.jit
-def hp_value(hp_ptr, step, i: tl.constexpr, HP_DEVICE: tl.constexpr):
+def hp_value(hp_ptr, step, i: tl.constexpr, STEP: tl.constexpr):
     """Hyper-parameter ``i`` of an SGD/Adagrad/NovoGrad pass as fp32: ``hp[i]`` of the host-built vector, or in a
     device step the step bundle's host number ``i`` (the launcher lists them in the vector's order;
     ``step_host64``: ``hi + mid + lo`` in float64) rounded once, as the host vector's entry was (so both steps are
     bit for bit the same)."""
-    if HP_DEVICE:  # noqa: SIM108  (a compile-time branch)
+    if STEP.HP_DEVICE:  # noqa: SIM108  (a compile-time branch)
         x = step_host64(step, i).to(tl.float32)
     else:
         x = tl.load(hp_ptr + i).to(tl.float32)
@@ -168,11 +168,11 @@ def hp_value(hp_ptr, step, i: tl.constexpr, HP_DEVICE: tl.constexpr):
 
 
 @triton.jit
-def hp_inv_scale(hp_ptr, i, step, HP_DEVICE: tl.constexpr, HAS_SCALE: tl.constexpr):
+def hp_inv_scale(hp_ptr, i, step, STEP: tl.constexpr):
     """``1 / scale`` (fp32) of an SGD/Adagrad/NovoGrad pass: ``hp[i]`` (the vector's last entry), or in a device
     step ``step_inv_scale64`` (the GradScaler's scale read on the device; 1 without ``HAS_SCALE``) rounded once."""
-    if HP_DEVICE:  # noqa: SIM108  (a compile-time branch)
-        inv_scale = step_inv_scale64(step, HAS_SCALE).to(tl.float32)
+    if STEP.HP_DEVICE:
+        inv_scale = step_inv_scale64(step, STEP.HAS_SCALE).to(tl.float32)
     else:
         inv_scale = tl.load(hp_ptr + i).to(tl.float32)
     return inv_scale

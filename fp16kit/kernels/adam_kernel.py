@@ -3,7 +3,7 @@
 Address-table rows: ``0`` params (the fp32 master in master-weights mode), ``1`` grads, ``2`` exp_avg
 (fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (row 0 again when there is none; never written then), or in
 split mode the int16 low halves of the bf16 params' masters. The param is read through ``load_master`` and written
-through ``store_weights`` (``_bf16_weights.py``: plain, split or stochastic rounding, the constexpr ``WEIGHTS``).
+through ``store_weights`` (``_bf16_weights.py``: plain, split or stochastic rounding, the constexpr ``EPILOGUE``).
 
 Hyper-parameters come from ``hp``, a float32 device tensor (built by ``fp16kit.optim.functional``; the
 derived values are computed in float64 and rounded once, as torch does with its Python-float scalars)::
@@ -71,22 +71,18 @@ def _adam_kernel(
     DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HP_DEVICE: tl.constexpr,
-    LR_TENSOR: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    BIAS_CORRECTION: tl.constexpr,
-    ADVANCE: tl.constexpr,
-    WEIGHTS: tl.constexpr,
-    ROW_IDX: tl.constexpr,
+    STEP: tl.constexpr,
+    EPILOGUE: tl.constexpr,
     QSTATE: tl.constexpr,
 ):
-    """Bundles (``_step_skeleton.py``): ``table`` the address table, ``step`` the step (host numbers :data:`HOST`),
-    ``weights`` the bf16 write epilogue (``_bf16_weights.py``), ``state`` the 8-bit moments' (``_state8.py``)."""
+    """Bundles (``_step_skeleton.py``): ``table`` the address table, ``step`` the step (host numbers :data:`HOST`;
+    its switches ``STEP``), ``weights`` the bf16 write epilogue (``_bf16_weights.py``; its switches ``EPILOGUE``),
+    ``state`` the 8-bit moments' (``_state8.py``)."""
     pid = tl.program_id(0)
-    if HP_DEVICE:
+    if STEP.HP_DEVICE:
         # adam_hparams (fp16kit/optim/functional.py) on the device: float64 math, each value rounded once
         t_step = step_number(step)  # int64; ``t`` is the loop's tensor index (int32) below
-        lr = step_lr64(step, LR_TENSOR)
+        lr = step_lr64(step, STEP.LR_TENSOR)
         b1 = step_host64(step, 1)
         b2 = step_host64(step, 2)
         wd64 = step_host64(step, 4)
@@ -95,9 +91,9 @@ def _adam_kernel(
         one_minus_beta2 = (1.0 - b2).to(tl.float32)
         eps = step_host64(step, 3).to(tl.float32)
         wd = wd64.to(tl.float32)
-        neg_step_size = (-lr / bias_correction64(b1, t_step, BIAS_CORRECTION)).to(tl.float32)
-        bc2_sqrt = tl.sqrt(bias_correction64(b2, t_step, BIAS_CORRECTION)).to(tl.float32)
-        inv_scale = step_inv_scale64(step, HAS_SCALE).to(tl.float32)
+        neg_step_size = (-lr / bias_correction64(b1, t_step, STEP.BIAS_CORRECTION)).to(tl.float32)
+        bc2_sqrt = tl.sqrt(bias_correction64(b2, t_step, STEP.BIAS_CORRECTION)).to(tl.float32)
+        inv_scale = step_inv_scale64(step, STEP.HAS_SCALE).to(tl.float32)
         decay = (1.0 - lr * wd64).to(tl.float32)
     else:
         beta2 = tl.load(hp_ptr + 2).to(tl.float32)
@@ -110,11 +106,11 @@ def _adam_kernel(
         inv_scale = tl.load(hp_ptr + 9).to(tl.float32)
         decay = tl.load(hp_ptr + 10).to(tl.float32)
     skip, stop = skip_and_stop(found_inf_ptr, table[5])
-    rng = rng_step(weights, HP_DEVICE, WEIGHTS)
+    rng = rng_step(weights, STEP.HP_DEVICE, EPILOGUE)
     for c in range(pid, stop, tl.num_programs(0)):
         span, p_ptr, g_ptr, m_ptr, v_ptr = chunk_rows(table, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED)
         p, m, v = load_state(table, span, p_ptr, m_ptr, v_ptr, state, QSTATE, BLOCK, ALIGNED)
-        p = load_master(p, table, span, WEIGHTS, ALIGNED)
+        p = load_master(p, table, span, EPILOGUE, ALIGNED)
         g = load_grad(g_ptr, span) * inv_scale
         if L2_MODE:
             g = g + wd * p
@@ -127,8 +123,8 @@ def _adam_kernel(
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         p = p + neg_step_size * tl.div_rn(m, denom)
         store_state(table, span, m_ptr, v_ptr, m, v, state, QSTATE, BLOCK, ALIGNED)
-        store_weights(table, span, p_ptr, p, weights, rng, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED, WEIGHTS, ROW_IDX)
-    end_pass(skip, step, ADVANCE)
+        store_weights(table, span, p_ptr, p, weights, rng, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED, EPILOGUE)
+    end_pass(skip, step, STEP)
 
 
 def launch_adam(

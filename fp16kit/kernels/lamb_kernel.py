@@ -4,7 +4,7 @@ One address table per dtype combination with five rows: ``0`` params (the fp32 m
 mode), ``1`` grads, ``2`` exp_avg (fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (the low-precision
 model param in master-weights mode; row 0 again otherwise, and never written then; in split mode the int16
 low halves of the bf16 params' masters, read by both stages and written by stage 2: ``_bf16_weights.py``, the
-constexpr ``WEIGHTS``).
+constexpr ``EPILOGUE``).
 
 Hyper-parameters are read from ``hp``, a float32 device tensor (built by ``fp16kit.optim.functional``)::
 
@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._bf16_weights import Bf16Weights, epilogue_mode, launch_arguments, load_master, rng_step, store_weights
+from ._bf16_weights import Bf16Weights, Epilogue, epilogue_mode, launch_arguments, load_master, rng_step, store_weights
 from ._state8 import book, load_state, state_rows, store_state
 from ._step_scalars import DeviceStep, bias_correction64, step_host64, step_inv_scale64, step_lr64, step_number
 from ._step_skeleton import chunk_rows, end_pass, load_grad, skip_and_stop
@@ -86,15 +86,12 @@ HOST = ("lr", "beta1", "beta2", "beta3", "eps", "weight_decay", "max_grad_norm")
 
 
 @triton.jit
-def _lamb_scalars(
-    hp_ptr, step, gnorm_ptr, HP_DEVICE: tl.constexpr, LR_TENSOR: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BIAS_CORRECTION: tl.constexpr,
-):
+def _lamb_scalars(hp_ptr, step, gnorm_ptr, STEP: tl.constexpr):
     """The float32 hyper-parameters ``(lr, b1, b2, beta3, 1 - b2, eps, wd, bc1, bc2, inv_scale, clip)``: read
     from ``hp_ptr`` (the vector of the module docstring), or derived from the step bundle ``step`` (host numbers
     :data:`HOST`) on the device as ``fp16kit.optim.functional.lamb_hparams`` derives them (float64 math, each value
     rounded once; the clip divisor ``gnorm / max_grad_norm`` when ``0 < max_grad_norm < gnorm``, else 1)."""
-    if HP_DEVICE:
+    if STEP.HP_DEVICE:
         t = step_number(step)
         b1 = step_host64(step, 1)
         b2 = step_host64(step, 2)
@@ -102,16 +99,16 @@ def _lamb_scalars(
         mx = step_host64(step, 6)
         clip = tl.where((mx > 0) & (g > mx), g / mx, 1.0)
         return (
-            step_lr64(step, LR_TENSOR).to(tl.float32),
+            step_lr64(step, STEP.LR_TENSOR).to(tl.float32),
             b1.to(tl.float32),
             b2.to(tl.float32),
             step_host64(step, 3).to(tl.float32),
             (1.0 - b2).to(tl.float32),
             step_host64(step, 4).to(tl.float32),
             step_host64(step, 5).to(tl.float32),
-            bias_correction64(b1, t, BIAS_CORRECTION).to(tl.float32),
-            bias_correction64(b2, t, BIAS_CORRECTION).to(tl.float32),
-            step_inv_scale64(step, HAS_SCALE).to(tl.float32),
+            bias_correction64(b1, t, STEP.BIAS_CORRECTION).to(tl.float32),
+            bias_correction64(b2, t, STEP.BIAS_CORRECTION).to(tl.float32),
+            step_inv_scale64(step, STEP.HAS_SCALE).to(tl.float32),
             clip.to(tl.float32),
         )
     else:
@@ -131,13 +128,13 @@ def _lamb_scalars(
 
 
 @triton.jit
-def _lamb_moments(table, c, state, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, WEIGHTS: tl.constexpr,
+def _lamb_moments(table, c, state, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, EPILOGUE: tl.constexpr,
                   BLOCK: tl.constexpr, ALIGNED: tl.constexpr, QSTATE: tl.constexpr):
     """``(span, p_ptr, g_ptr, m_ptr, v_ptr, p, m, v)`` of chunk ``c`` as both stages start it: its span and rows
     (``chunk_rows``), the param (the split master reassembled) and the moments loaded (8-bit: dequantized)."""
     span, p_ptr, g_ptr, m_ptr, v_ptr = chunk_rows(table, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED)
     p, m, v = load_state(table, span, p_ptr, m_ptr, v_ptr, state, QSTATE, BLOCK, ALIGNED)
-    p = load_master(p, table, span, WEIGHTS, ALIGNED)
+    p = load_master(p, table, span, EPILOGUE, ALIGNED)
     return span, p_ptr, g_ptr, m_ptr, v_ptr, p, m, v
 
 
@@ -153,30 +150,26 @@ def _lamb_stage1_kernel(
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     L2_MODE: tl.constexpr,
-    WEIGHTS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
     DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HP_DEVICE: tl.constexpr,
-    LR_TENSOR: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    BIAS_CORRECTION: tl.constexpr,
-    ADVANCE: tl.constexpr,
+    STEP: tl.constexpr,
     FINISH_SUMS: tl.constexpr,
     QSTATE: tl.constexpr,
 ):
-    """Bundles (``_step_skeleton.py``): ``table``, ``step`` (host numbers :data:`HOST`), ``state`` (``_state8.py``),
-    and ``sums`` (:func:`launch_lamb_stage1`): ``u_partials, p_partials, done, chunk_counts, first_chunk, u_sumsq,
-    p_sumsq``."""
+    """Bundles (``_step_skeleton.py``): ``table``, ``step`` (host numbers :data:`HOST`; switches ``STEP``), ``state``
+    (``_state8.py``; ``EPILOGUE``: the split master's low half is read), and ``sums`` (:func:`launch_lamb_stage1`):
+    ``u_partials, p_partials, done, chunk_counts, first_chunk, u_sumsq, p_sumsq``."""
     pid = tl.program_id(0)
     _, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = _lamb_scalars(
-        hp_ptr, step, gnorm_ptr, HP_DEVICE, LR_TENSOR, HAS_SCALE, BIAS_CORRECTION
+        hp_ptr, step, gnorm_ptr, STEP
     )
     u_partials, p_partials, done_ptr, chunk_counts, first_chunk, u_sumsq, p_sumsq = sums
     # found_inf set: zero iterations, nothing read or written.
     _, stop = skip_and_stop(found_inf_ptr, table[5])
     for c in range(pid, stop, tl.num_programs(0)):
-        span, _p_ptr, g_ptr, m_ptr, v_ptr, p, m, v = _lamb_moments(table, c, state, P_DTYPE, G_DTYPE, WEIGHTS,
+        span, _p_ptr, g_ptr, m_ptr, v_ptr, p, m, v = _lamb_moments(table, c, state, P_DTYPE, G_DTYPE, EPILOGUE,
                                                                   BLOCK, ALIGNED, QSTATE)
         t = span[0]
         g = tl.div_rn(load_grad(g_ptr, span) * inv_scale, clip)
@@ -218,25 +211,18 @@ def _lamb_stage2_kernel(
     TRUST: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HP_DEVICE: tl.constexpr,
-    LR_TENSOR: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    BIAS_CORRECTION: tl.constexpr,
-    ADVANCE: tl.constexpr,
-    WEIGHTS: tl.constexpr,
-    ROW_IDX: tl.constexpr,
+    STEP: tl.constexpr,
+    EPILOGUE: tl.constexpr,
     QSTATE: tl.constexpr,
 ):
-    """Bundles (``_step_skeleton.py``): ``table``, ``step`` (host numbers :data:`HOST`), ``weights`` (the bf16 write
-    epilogue, ``_bf16_weights.py``), ``state`` (``_state8.py``)."""
+    """Bundles (``_step_skeleton.py``): ``table``, ``step`` (host numbers :data:`HOST`; switches ``STEP``),
+    ``weights`` (the bf16 write epilogue, ``_bf16_weights.py``; switches ``EPILOGUE``), ``state`` (``_state8.py``)."""
     pid = tl.program_id(0)
-    lr, _, _, _, _, eps, wd, bc1, bc2, _, _ = _lamb_scalars(
-        hp_ptr, step, gnorm_ptr, HP_DEVICE, LR_TENSOR, HAS_SCALE, BIAS_CORRECTION
-    )
+    lr, _, _, _, _, eps, wd, bc1, bc2, _, _ = _lamb_scalars(hp_ptr, step, gnorm_ptr, STEP)
     skip, stop = skip_and_stop(found_inf_ptr, table[5])
-    rng = rng_step(weights, HP_DEVICE, WEIGHTS)
+    rng = rng_step(weights, STEP.HP_DEVICE, EPILOGUE)
     for c in range(pid, stop, tl.num_programs(0)):
-        span, p_ptr, _grads, _m_ptr, _v_ptr, p, m, v = _lamb_moments(table, c, state, P_DTYPE, P_DTYPE, WEIGHTS,
+        span, p_ptr, _grads, _m_ptr, _v_ptr, p, m, v = _lamb_moments(table, c, state, P_DTYPE, P_DTYPE, EPILOGUE,
                                                                     BLOCK, ALIGNED, QSTATE)
         u = _lamb_update(m, v, p, span[2], eps, wd, bc1, bc2, DECOUPLED)
         ratio = lr
@@ -245,8 +231,8 @@ def _lamb_stage2_kernel(
             un = tl.sqrt_rn(tl.load(u_sumsq + span[0]))
             ratio = tl.where((pn != 0.0) & (un != 0.0), lr * tl.div_rn(pn, un), lr)
         p = p - ratio * u
-        store_weights(table, span, p_ptr, p, weights, rng, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED, WEIGHTS, ROW_IDX)
-    end_pass(skip, step, ADVANCE)
+        store_weights(table, span, p_ptr, p, weights, rng, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED, EPILOGUE)
+    end_pass(skip, step, STEP)
 
 
 def launch_lamb(
@@ -331,7 +317,7 @@ def launch_lamb_stage1(
         P_DTYPE=triton_dtype(params[0].dtype),
         G_DTYPE=triton_dtype(grads[0].dtype),
         L2_MODE=l2_mode,
-        WEIGHTS=epilogue_mode(weights, params, models is not None),
+        EPILOGUE=Epilogue(epilogue_mode(weights, params, models is not None)),
         DECOUPLED=decoupled,
         BLOCK=table.block,
         ALIGNED=table.aligned,

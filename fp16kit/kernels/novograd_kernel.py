@@ -38,6 +38,7 @@ from ._chunks import chunk_span, load_chunk, row_pointer
 from ._results import StepVerify, check_grad, chunk_end, lr_arms, nonfinite, pass_end, pass_start, step_arguments
 from ._rounding import to_fp32
 from ._step_scalars import (
+    HOST_VECTOR,
     DeviceStep,
     bias_correction64,
     join3,
@@ -133,37 +134,30 @@ def _novograd_kernel(
     VERIFY: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HP_DEVICE: tl.constexpr = False,
-    LR_TENSOR: tl.constexpr = False,
-    HAS_SCALE: tl.constexpr = False,
-    BIAS_CORRECTION: tl.constexpr = False,
-    ADVANCE: tl.constexpr = False,
-    OWN_FLAG: tl.constexpr = False,
-    FIRST: tl.constexpr = False,
-    COUNT: tl.constexpr = False,
+    STEP: tl.constexpr = HOST_VECTOR,
 ):
     """Bundles (``_step_skeleton.py``): ``table``, ``step`` (host numbers :data:`HOST`), ``results`` (the result
-    check's pointers, ``_results.step_arguments``)."""
+    check's pointers, ``_results.step_arguments``); ``STEP`` the step's switches (``_step_scalars.StepFlags``)."""
     pid = tl.program_id(0)
     # hp = [lr, beta1, beta3, weight_decay, bc1, inv_scale], or the same values derived on the device
-    neg_lr = hp_neg_lr(hp_ptr, step, HP_DEVICE, LR_TENSOR)
-    beta1 = hp_value(hp_ptr, step, 1, HP_DEVICE)
-    beta3 = hp_value(hp_ptr, step, 2, HP_DEVICE)
-    wd = hp_value(hp_ptr, step, 3, HP_DEVICE)
-    if HP_DEVICE:  # bc1 = 1 - beta1^t from the device step counter, in float64, rounded once
-        bc1 = bias_correction64(step_host64(step, 1), step_number(step), BIAS_CORRECTION).to(tl.float32)
+    neg_lr = hp_neg_lr(hp_ptr, step, STEP)
+    beta1 = hp_value(hp_ptr, step, 1, STEP)
+    beta3 = hp_value(hp_ptr, step, 2, STEP)
+    wd = hp_value(hp_ptr, step, 3, STEP)
+    if STEP.HP_DEVICE:  # bc1 = 1 - beta1^t from the device step counter, in float64, rounded once
+        bc1 = bias_correction64(step_host64(step, 1), step_number(step), STEP.BIAS_CORRECTION).to(tl.float32)
     else:
         bc1 = tl.load(hp_ptr + 4).to(tl.float32)
-    inv_scale = hp_inv_scale(hp_ptr, 5, step, HP_DEVICE, HAS_SCALE)
-    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, table[5], BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
+    inv_scale = hp_inv_scale(hp_ptr, 5, step, STEP)
+    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, table[5], BLOCK, VERIFY, STEP)
     for c in range(pid, stop, tl.num_programs(0)):
         # (not _results.chunk_start: the denominator is loaded between the rows' addresses and their data)
         span, p_ptr, g_ptr, m_ptr = chunk_rows_one_state(table, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED)
         t = span[0]
         denom = tl.load(denoms_ptr + t).to(tl.float32)
         p, g = load_param_grad(p_ptr, g_ptr, span, inv_scale)
-        gbad = check_grad(gbad, g, span, VERIFY, HP_DEVICE)
-        if HP_DEVICE and not VERIFY:  # noqa: SIM102  (a compile-time branch around a runtime one)
+        gbad = check_grad(gbad, g, span, VERIFY, STEP)
+        if STEP.HP_DEVICE and not VERIFY:  # noqa: SIM102  (a compile-time branch around a runtime one)
             # the tensor's new second moment (from _novograd_prepare_kernel), committed by its first chunk's program
             if tl.load(table[4] + c) == 0:
                 tl.store(tl.load(v_ptrs + t).to(tl.pointer_type(tl.float32)), tl.load(v_new_ptr + t))
@@ -177,7 +171,7 @@ def _novograd_kernel(
             u = tl.div_rn(tl.div_rn(m, bc1), denom) + wd * p
         p = p + neg_lr * u
         bad = chunk_end(table, span, p, m, p_ptr, m_ptr, bad, P_DTYPE, MODEL_DTYPE, True, HAS_MODEL, ALIGNED, VERIFY)
-    pass_end(found_inf_ptr, step, results, gbad, bad, neg_lr, entry, skip, VERIFY, HP_DEVICE, ADVANCE, FIRST, COUNT)
+    pass_end(found_inf_ptr, step, results, gbad, bad, neg_lr, entry, skip, VERIFY, STEP)
 
 
 @triton.jit

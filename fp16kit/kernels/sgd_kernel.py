@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._results import StepVerify, chunk_end, chunk_start, pass_end, pass_start, step_arguments
-from ._step_scalars import DeviceStep
+from ._step_scalars import HOST_VECTOR, DeviceStep
 from ._step_skeleton import hp_inv_scale, hp_neg_lr, hp_value, load_span
 from ._table import chunk_table, num_programs, triton_dtype
 
@@ -67,28 +67,21 @@ def _sgd_kernel(
     VERIFY: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HP_DEVICE: tl.constexpr = False,
-    LR_TENSOR: tl.constexpr = False,
-    HAS_SCALE: tl.constexpr = False,
-    BIAS_CORRECTION: tl.constexpr = False,
-    ADVANCE: tl.constexpr = False,
-    OWN_FLAG: tl.constexpr = False,
-    FIRST: tl.constexpr = False,
-    COUNT: tl.constexpr = False,
+    STEP: tl.constexpr = HOST_VECTOR,
 ):
     """Bundles (``_step_skeleton.py``): ``table``, ``step`` (host numbers :data:`HOST`), ``results`` (the result
-    check's pointers, ``_results.step_arguments``)."""
+    check's pointers, ``_results.step_arguments``); ``STEP`` the step's switches (``_step_scalars.StepFlags``)."""
     pid = tl.program_id(0)
     # hp = [lr, momentum, 1 - dampening, weight_decay, inv_scale], or the same values derived on the device
-    neg_lr = hp_neg_lr(hp_ptr, step, HP_DEVICE, LR_TENSOR)
-    momentum = hp_value(hp_ptr, step, 1, HP_DEVICE)
-    one_minus_dampening = hp_value(hp_ptr, step, 2, HP_DEVICE)
-    wd = hp_value(hp_ptr, step, 3, HP_DEVICE)
-    inv_scale = hp_inv_scale(hp_ptr, 4, step, HP_DEVICE, HAS_SCALE)
-    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, table[5], BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
+    neg_lr = hp_neg_lr(hp_ptr, step, STEP)
+    momentum = hp_value(hp_ptr, step, 1, STEP)
+    one_minus_dampening = hp_value(hp_ptr, step, 2, STEP)
+    wd = hp_value(hp_ptr, step, 3, STEP)
+    inv_scale = hp_inv_scale(hp_ptr, 4, step, STEP)
+    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, table[5], BLOCK, VERIFY, STEP)
     for c in range(pid, stop, tl.num_programs(0)):
         span, p_ptr, m_ptr, p, g, gbad = chunk_start(table, c, inv_scale, gbad, P_DTYPE, G_DTYPE, BLOCK, ALIGNED,
-                                                     VERIFY, HP_DEVICE)
+                                                     VERIFY, STEP)
         if WD and not WD_AFTER:
             g = g + wd * p
         if MOMENTUM:
@@ -107,7 +100,7 @@ def _sgd_kernel(
         p = p + neg_lr * g
         bad = chunk_end(table, span, p, m, p_ptr, m_ptr, bad, P_DTYPE, MODEL_DTYPE, MOMENTUM, HAS_MODEL, ALIGNED,
                         VERIFY)
-    pass_end(found_inf_ptr, step, results, gbad, bad, neg_lr, entry, skip, VERIFY, HP_DEVICE, ADVANCE, FIRST, COUNT)
+    pass_end(found_inf_ptr, step, results, gbad, bad, neg_lr, entry, skip, VERIFY, STEP)
 
 
 def launch_sgd(

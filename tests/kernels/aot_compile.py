@@ -38,7 +38,9 @@ from fp16kit.kernels import (
     sgd_kernel,
     unscale_kernel,
 )
+from fp16kit.kernels._bf16_weights import Epilogue
 from fp16kit.kernels._chunks import chunk_span, load_chunk, row_pointer, store_chunk
+from fp16kit.kernels._step_scalars import StepFlags
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "doctor"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -100,6 +102,22 @@ def _bundle_type(fn, name):
     else:
         members = BUNDLES[name]
     return tuple(_arg_type(m) for m in members)
+
+
+#: The kernels' constexpr named tuples (fp16kit/kernels/_step_skeleton.py): the cases here and in the tests name their
+#: switches one by one (``HP_DEVICE=True``, ``WEIGHTS=1``), :func:`pack` puts them in their tuple.
+GROUPS = {"STEP": StepFlags, "EPILOGUE": Epilogue}
+
+
+def pack(fn, constexprs):
+    """``constexprs`` with the switches of each named tuple the kernel takes (:data:`GROUPS`) packed into it (the
+    switches a case does not name keep their defaults, all off)."""
+    names = {p.name for p in fn.params}
+    out = dict(constexprs)
+    for group, cls in GROUPS.items():
+        if group in names and group not in out:
+            out[group] = cls(**{k: out.pop(k) for k in cls._fields if k in out})
+    return out
 
 
 def signature(fn, constexprs, overrides=None):
@@ -367,6 +385,7 @@ def _traffic_one(v, target) -> dict:
         fn, constexprs, overrides = _control_kernel, dict(BLOCK=4096, ALIGNED=True), {}
     else:
         fn, constexprs, overrides = traffic_case(v)
+    constexprs = pack(fn, constexprs)
     options = launch_options(fn, constexprs)
     src = ASTSource(fn=fn, signature=signature(fn, constexprs, overrides), constexprs=constexprs)
     ptx = triton.compile(src, target=target, options=options).asm["ptx"]
@@ -408,7 +427,7 @@ def main() -> None:
         if any(p.name == "QSTATE" for p in fn.params):  # the Adam/LAMB kernels: fp32 moments unless a case says
             constexprs = {"QSTATE": False, **constexprs}
         # ... and the plain write epilogue unless a case names a bf16 mode (fp16kit/kernels/_bf16_weights.py)
-        constexprs = {**{k: v for k, v in PLAIN.items() if any(p.name == k for p in fn.params)}, **constexprs}
+        constexprs = pack(fn, {**{k: v for k, v in PLAIN.items() if any(p.name == k for p in fn.params)}, **constexprs})
         try:
             options = launch_options(fn, constexprs)
             src = ASTSource(fn=fn, signature=signature(fn, constexprs, *overrides), constexprs=constexprs)
