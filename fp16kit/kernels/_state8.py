@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ._rounding import to_fp32
 from ._step_skeleton import load_param_moments, load_span, store_span, table_row
+from ._table import ChunkTable, chunk_table, step_block
 from .state8 import QBLOCK, SMALL_NUMEL, book, num_blocks
 
 _QB = tl.constexpr(QBLOCK)
@@ -225,3 +226,20 @@ def state_rows(
         return exp_avgs, exp_avg_sqs, (exp_avgs[0],)
     rows = [[x if x.dtype == torch.uint8 else _bytes_of(x) for x in xs] for xs in (exp_avgs, exp_avg_sqs)]
     return rows[0], rows[1], (book(device),)
+
+
+def moment_table(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor], models: Sequence[torch.Tensor] | None, state8: bool,
+) -> tuple[ChunkTable, tuple[torch.Tensor]]:
+    """``(table, state)`` of an Adam or LAMB launch: the address table of rows ``0`` params, ``1`` grads, ``2``/``3``
+    the moments as :func:`state_rows` puts them, ``4`` the model copies (the params again when there are none, never
+    written then), and the kernels' state bundle."""
+    device = params[0].device
+    exp_avgs, exp_avg_sqs, state = state_rows(exp_avgs, exp_avg_sqs, state8, device)
+    table = chunk_table(
+        [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
+        step_block(device),
+        written=(0, 2, 3) if models is None else (0, 2, 3, 4),
+    )
+    return table, state

@@ -36,10 +36,10 @@ import triton
 import triton.language as tl
 
 from ._bf16_weights import Bf16Weights, launch_arguments, load_master, rng_step, store_weights
-from ._state8 import load_state, state_rows, store_state
+from ._state8 import load_state, moment_table, store_state
 from ._step_scalars import DeviceStep, bias_correction64, step_host64, step_inv_scale64, step_lr64, step_number
 from ._step_skeleton import chunk_rows, end_pass, load_grad, skip_and_stop
-from ._table import STEP_PROGRAMS_PER_SM, STEP_WARPS_GPU, chunk_table, num_programs, step_block, triton_dtype
+from ._table import STEP_PROGRAMS_PER_SM, STEP_WARPS_GPU, num_programs, triton_dtype
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
@@ -151,12 +151,7 @@ def launch_adam(
     table of stochastic rounding's counters (``_bf16_weights.row_table``: each tensor's position in the update call
     and its first element's index in its whole tensor, int64, device), when not ``0..n-1`` and all 0."""
     device = params[0].device
-    exp_avgs, exp_avg_sqs, state = state_rows(exp_avgs, exp_avg_sqs, state8, device)
-    table = chunk_table(
-        [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
-        step_block(device),
-        written=(0, 2, 3) if models is None else (0, 2, 3, 4),
-    )
+    table, state = moment_table(params, grads, exp_avgs, exp_avg_sqs, models, state8)
     p_dtype = triton_dtype(params[0].dtype)
     hp_ptr, step, flags = DeviceStep.arguments(hp, table, HOST)
     epilogue, modes, has_model = launch_arguments(weights, params, models is not None, found_inf, row_idx)

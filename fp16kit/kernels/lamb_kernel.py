@@ -44,16 +44,14 @@ import triton
 import triton.language as tl
 
 from ._bf16_weights import Bf16Weights, Epilogue, epilogue_mode, launch_arguments, load_master, rng_step, store_weights
-from ._state8 import book, load_state, state_rows, store_state
+from ._state8 import book, load_state, moment_table, store_state
 from ._step_scalars import DeviceStep, bias_correction64, step_host64, step_inv_scale64, step_lr64, step_number
 from ._step_skeleton import chunk_rows, end_pass, load_grad, skip_and_stop
 from ._table import (
     STEP_PROGRAMS_PER_SM,
     STEP_WARPS_GPU,
     ChunkTable,
-    chunk_table,
     num_programs,
-    step_block,
     triton_dtype,
 )
 from .l2norm_kernel import segment_sums, segment_total
@@ -286,12 +284,7 @@ def launch_lamb_stage1(
     (``fp16kit/kernels/optimizers.py``); :func:`launch_lamb` hands them straight to :func:`launch_lamb_stage2`.
     """
     device = params[0].device
-    exp_avgs, exp_avg_sqs, state = state_rows(exp_avgs, exp_avg_sqs, state8, device)
-    table = chunk_table(
-        [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
-        step_block(device),
-        written=(0, 2, 3) if models is None else (0, 2, 3, 4),
-    )
+    table, state = moment_table(params, grads, exp_avgs, exp_avg_sqs, models, state8)
     hp_ptr, step, flags = DeviceStep.arguments(hp, table, HOST)
     finish = isinstance(hp, DeviceStep)
     n = table.num_tensors
