@@ -24,6 +24,7 @@ import triton.language as tl
 from ._rounding import round_to
 from ._step_scalars import DeviceStep, finish_ticket, step_advance
 from ._step_skeleton import chunk_rows_one_state, load_param_grad, skip_and_stop, store_span, table_row
+from ._table import triton_dtype
 
 
 @triton.jit
@@ -199,6 +200,16 @@ class StepVerify:
     nonfinite_count: torch.Tensor | None
     own_flag: bool
     launches: int = 0
+
+
+def row_constexprs(table: Any, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                   models: Sequence[torch.Tensor] | None) -> dict[str, Any]:
+    """The constexprs of an SGD, Adagrad or NovoGrad launch's rows: the param, grad and model-copy dtypes, whether
+    there are model copies, the table's chunk size and alignment."""
+    p_dtype = triton_dtype(params[0].dtype)
+    model_dtype = p_dtype if models is None else triton_dtype(models[0].dtype)
+    return {"P_DTYPE": p_dtype, "G_DTYPE": triton_dtype(grads[0].dtype), "MODEL_DTYPE": model_dtype,
+            "HAS_MODEL": models is not None, "BLOCK": table.block, "ALIGNED": table.aligned}
 
 
 def step_arguments(

@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._results import StepVerify, chunk_end, chunk_start, pass_end, pass_start, step_arguments
+from ._results import StepVerify, chunk_end, chunk_start, pass_end, pass_start, row_constexprs, step_arguments
 from ._step_scalars import HOST_VECTOR, DeviceStep
 from ._step_skeleton import hp_inv_scale, hp_neg_lr, hp_value, load_span
-from ._table import chunk_table, num_programs, triton_dtype
+from ._table import chunk_table, num_programs
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
@@ -109,7 +109,6 @@ def launch_adagrad(
         [params, grads, sums, params if models is None else models], written=(0, 2) if models is None else (0, 2, 3)
     )
     device = params[0].device
-    p_dtype = triton_dtype(params[0].dtype)
     hp_ptr, step, results, flags = step_arguments(hp, table, HOST, verify, check)
     _adagrad_kernel[(num_programs(device, table.num_chunks),)](
         table.leading_args(),
@@ -117,15 +116,10 @@ def launch_adagrad(
         found_inf,
         step,
         results,
-        P_DTYPE=p_dtype,
-        G_DTYPE=triton_dtype(grads[0].dtype),
-        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
-        HAS_MODEL=models is not None,
+        **row_constexprs(table, params, grads, models),
         L2_MODE=l2_mode,
         DECOUPLED=decoupled,
         VERIFY=verify,
-        BLOCK=table.block,
-        ALIGNED=table.aligned,
         **flags,
         **LAUNCH["_adagrad_kernel"],
     )

@@ -35,7 +35,17 @@ import triton.language as tl
 
 from . import l2norm_kernel
 from ._chunks import chunk_span, load_chunk, row_pointer
-from ._results import StepVerify, check_grad, chunk_end, lr_arms, nonfinite, pass_end, pass_start, step_arguments
+from ._results import (
+    StepVerify,
+    check_grad,
+    chunk_end,
+    lr_arms,
+    nonfinite,
+    pass_end,
+    pass_start,
+    row_constexprs,
+    step_arguments,
+)
 from ._rounding import to_fp32
 from ._step_scalars import (
     HOST_VECTOR,
@@ -251,7 +261,6 @@ def launch_novograd(
         written=(0, 2) if models is None else (0, 2, 3),
     )
     device = params[0].device
-    p_dtype = triton_dtype(params[0].dtype)
     device_step = isinstance(hp, DeviceStep)
     if device_step:
         if exp_avg_sqs is None:
@@ -273,14 +282,9 @@ def launch_novograd(
         results,
         v_ptrs,
         v_new,
-        P_DTYPE=p_dtype,
-        G_DTYPE=triton_dtype(grads[0].dtype),
-        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
-        HAS_MODEL=models is not None,
+        **row_constexprs(table, params, grads, models),
         REG_INSIDE=reg_inside_moment,
         VERIFY=verify,
-        BLOCK=table.block,
-        ALIGNED=table.aligned,
         **flags,
         **LAUNCH["_novograd_kernel"],
     )

@@ -32,10 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._results import StepVerify, chunk_end, chunk_start, pass_end, pass_start, step_arguments
+from ._results import StepVerify, chunk_end, chunk_start, pass_end, pass_start, row_constexprs, step_arguments
 from ._step_scalars import HOST_VECTOR, DeviceStep
 from ._step_skeleton import hp_inv_scale, hp_neg_lr, hp_value, load_span
-from ._table import chunk_table, num_programs, triton_dtype
+from ._table import chunk_table, num_programs
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
@@ -130,7 +130,6 @@ def launch_sgd(
     written = (0,) + ((2,) if momentum_buffers is not None else ()) + ((3,) if models is not None else ())
     table = chunk_table([*rows, params if models is None else models], written=written)
     device = params[0].device
-    p_dtype = triton_dtype(params[0].dtype)
     hp_ptr, step, results, flags = step_arguments(hp, table, HOST, verify, check)
     _sgd_kernel[(num_programs(device, table.num_chunks),)](
         table.leading_args(),
@@ -138,18 +137,13 @@ def launch_sgd(
         found_inf,
         step,
         results,
-        P_DTYPE=p_dtype,
-        G_DTYPE=triton_dtype(grads[0].dtype),
-        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
-        HAS_MODEL=models is not None,
+        **row_constexprs(table, params, grads, models),
         WD=weight_decay,
         WD_AFTER=wd_after_momentum,
         MOMENTUM=momentum_buffers is not None,
         NESTEROV=nesterov,
         FIRST_RUN=first_run,
         VERIFY=verify,
-        BLOCK=table.block,
-        ALIGNED=table.aligned,
         **flags,
         **LAUNCH["_sgd_kernel"],
     )
