@@ -12,6 +12,7 @@ from fp16kit.kernels.bf16_weights.modes import (
     PLAIN,
     SPLIT,
     STOCHASTIC,
+    Epilogue,
     epilogue_mode,
     launch_arguments,
     low_rows,
@@ -21,6 +22,7 @@ from fp16kit.kernels.bf16_weights.modes import (
     stochastic_round,
     stochastic_round_list,
 )
+from fp16kit.kernels.engine.step_scalars import StepFlags
 from fp16kit.optim import FusedAdam, FusedSGD
 
 
@@ -44,14 +46,14 @@ def test_epilogue_constexprs_and_launch_arguments_of_each_mode():
     step, spare, idx = torch.zeros(1), torch.empty(1), torch.zeros(2, dtype=torch.int64)
     args, const, model_row = launch_arguments(Bf16Weights("stochastic", 7, 3, step), bf, True, spare, idx)
     assert args[:2] == (7, 3) and args[2] is step and args[3] is idx
-    assert const == {"WEIGHTS": STOCHASTIC.value, "ROW_IDX": True} and model_row is True
+    assert const == {"EPILOGUE": Epilogue(WEIGHTS=STOCHASTIC.value, ROW_IDX=True)} and model_row is True
     args, const, model_row = launch_arguments(Bf16Weights("stochastic", 7, 3, step), bf, False, spare, None)
-    assert args[3] is spare and const["ROW_IDX"] is False and model_row is False
+    assert args[3] is spare and const["EPILOGUE"].ROW_IDX is False and model_row is False
     args, const, model_row = launch_arguments(Bf16Weights("split", 7, 3, step), bf, True, spare, idx)
     assert args[:2] == (0, 0) and args[2] is spare and args[3] is spare  # split reads no random-bit arguments
-    assert const == {"WEIGHTS": SPLIT.value, "ROW_IDX": False} and model_row is False  # row 4: the low halves
+    assert const == {"EPILOGUE": Epilogue(WEIGHTS=SPLIT.value, ROW_IDX=False)} and model_row is False  # row 4: halves
     args, const, model_row = launch_arguments(None, bf, True, spare, None)
-    assert const == {"WEIGHTS": PLAIN.value, "ROW_IDX": False} and model_row is True
+    assert const == {"EPILOGUE": Epilogue(WEIGHTS=PLAIN.value, ROW_IDX=False)} and model_row is True
     assert row_table([2, 5], [0, 16], torch.device("cpu")).tolist() == [2, 0, 5, 16]
     lo = torch.tensor([-1, 7], dtype=torch.int16)
     none, view = low_rows([None, lo])
@@ -64,7 +66,7 @@ def test_a_host_vector_gives_placeholders_and_every_device_flag_off():
     hp = torch.zeros(11)
     ptr, scalars, flags = DeviceStep.arguments(hp, None, ("lr", "beta1"))
     assert ptr is hp and all(s is hp for s in scalars[:4]) and scalars[4:] == (0.0,) * 6
-    assert flags == dict.fromkeys(("HP_DEVICE", "LR_TENSOR", "HAS_SCALE", "BIAS_CORRECTION", "ADVANCE"), False)
+    assert list(flags) == ["STEP"] and flags["STEP"]._asdict() == dict.fromkeys(StepFlags._fields, False)
 
 
 # fp16kit/kernels/optimizers.py:163:8:return_none, :163:15:const_bool (step_check with no grads)

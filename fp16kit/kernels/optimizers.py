@@ -585,7 +585,7 @@ def _eager_under_compile(fn: Any) -> Any:
     """Run ``fn`` eagerly when Dynamo traces a call to it (one graph break), directly otherwise.
 
     apex's SGD, Adagrad and NovoGrad passes have no dispatcher op (``library.py`` holds LAMB's and Adam's): their
-    launchers read ``data_ptr()`` and write through address tables (``_table.py``) that no graph can hold, so a
+    launchers read ``data_ptr()`` and write through address tables (``engine/table.py``) that no graph can hold, so a
     compiled step runs them as the eager step does, with the same arguments and the eager bits, instead of Dynamo
     tracing their planning piecewise (a graph break per table, a recompile per flag). (Under ``TRITON_INTERPRET=1``
     the interpreter's launches are kept out of Dynamo as well: ``backend.py``.)"""

@@ -21,7 +21,7 @@ Which tensors are "split" is decided from the param list alone (DTensor placemen
 the same collectives with the same sizes, even a rank whose shard of some parameter is empty.
 
 The two stages are public ops of ``fp16kit.kernels`` (``lamb_stage1``/``lamb_stage2``,
-fp16kit/kernels/optimizers.py): rows the Triton kernels take run ``lamb_kernel.py``'s own stage-1 and stage-2
+fp16kit/kernels/optimizers.py): rows the Triton kernels take run ``triton/lamb.py``'s own stage-1 and stage-2
 kernels with the all-reduce between them; the other rows run torch stages (the math of
 ``optim_fallback.py``'s ``lamb_``, with ``u`` kept between the stages). Both keep the skip on the device.
 """

@@ -37,7 +37,7 @@ class FusedNovoGrad(ApexStateOptimizer):
         p = p - lr u
 
     The per-tensor norms are one multi-tensor pass over the grads (``fp16kit.kernels.l2norm`` or the inf-norm
-    kernel of ``novograd_kernel.py``), the blend of ``v`` is float64 arithmetic on the N norms (rounded once to
+    kernel of ``kernels/triton/novograd.py``), the blend of ``v`` is float64 arithmetic on the N norms (rounded once to
     fp32: no overflow of ``n^2`` for large fp32 norms), and the update one fused pass reading g, p, m and
     writing p, m. A non-finite gradient skips the step (``v`` included) instead of writing NaN, and so does a
     step whose result would be non-finite (a norm beyond fp32, an overflowing moment: the result check,

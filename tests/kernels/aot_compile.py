@@ -26,35 +26,19 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from fp16kit.kernels.bf16_weights.modes import Epilogue
 from fp16kit.kernels.engine import table as _table
 from fp16kit.kernels.engine.chunks import chunk_span, load_chunk, row_pointer, store_chunk
-from fp16kit.kernels.triton import (
-    adagrad as adagrad_kernel,
-)
-from fp16kit.kernels.triton import (
-    adam as adam_kernel,
-)
-from fp16kit.kernels.triton import (
-    copy as copy_kernel,
-)
-from fp16kit.kernels.triton import (
-    histogram as histogram_kernel,
-)
-from fp16kit.kernels.triton import (
-    l2norm as l2norm_kernel,
-)
-from fp16kit.kernels.triton import (
-    lamb as lamb_kernel,
-)
-from fp16kit.kernels.triton import (
-    novograd as novograd_kernel,
-)
-from fp16kit.kernels.triton import (
-    sgd as sgd_kernel,
-)
-from fp16kit.kernels.triton import (
-    unscale as unscale_kernel,
-)
+from fp16kit.kernels.engine.step_scalars import StepFlags
+from fp16kit.kernels.triton import adagrad as adagrad_kernel
+from fp16kit.kernels.triton import adam as adam_kernel
+from fp16kit.kernels.triton import copy as copy_kernel
+from fp16kit.kernels.triton import histogram as histogram_kernel
+from fp16kit.kernels.triton import l2norm as l2norm_kernel
+from fp16kit.kernels.triton import lamb as lamb_kernel
+from fp16kit.kernels.triton import novograd as novograd_kernel
+from fp16kit.kernels.triton import sgd as sgd_kernel
+from fp16kit.kernels.triton import unscale as unscale_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "doctor"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -80,6 +64,60 @@ APEX_LEGACY = dict(**HP_LEGACY, OWN_FLAG=False, FIRST=False, COUNT=False)
 SUMSQ_PLAIN = dict(FINISH=False, NORM=True, OWN_FLAG=False, COUNT=False, SCALE_IS_GRAD_SCALE=False)
 
 
+#: The optimizer kernels' argument bundles (tuples; fp16kit/kernels/engine/skeleton.py): their members' names, typed
+#: by the rules of :func:`_arg_type`. ``step``: the pointers, then three float32 parts per host number of the
+#: kernel's module (its ``HOST``).
+BUNDLES = {
+    "table": ("ptrs", "num_tensors", "numels", "chunk_tensor", "chunk_start", "num_chunks"),
+    "results": ("bad_ptr", "result_ptr", "nonfinite_count_ptr", "result_count_ptr"),
+    "weights": ("seed", "stream", "rng_step_ptr", "row_idx_ptr"),
+    "state": ("book_ptr",),
+    "sums": ("u_partials", "p_partials", "done_ptr", "chunk_counts", "first_chunk", "u_sumsq", "p_sumsq"),
+}
+STEP_POINTERS = ("step_ptr", "ticket_ptr", "lr_ptr", "scale_ptr")
+
+
+def _arg_type(name):
+    if name in INT_ARGS:
+        return "i32"
+    if name in I64_ARGS:
+        return "i64"
+    if name.endswith(("_hi", "_mid", "_lo")) or name == "check_factor":  # float32 launch arguments
+        return "fp32"
+    if name in I32_STEP:
+        return "*i32"
+    if name in I64_STEP or name in I64_PTRS:
+        return "*i64"
+    if name in I32_PTRS:
+        return "*i32"
+    return "*fp32"
+
+
+def _bundle_type(fn, name):
+    if name == "step":
+        host = sys.modules[fn.fn.__module__].HOST
+        members = STEP_POINTERS + tuple(f"{h}_{part}" for h in host for part in ("hi", "mid", "lo"))
+    else:
+        members = BUNDLES[name]
+    return tuple(_arg_type(m) for m in members)
+
+
+#: The kernels' constexpr named tuples (fp16kit/kernels/engine/skeleton.py): the cases here and in the tests name their
+#: switches one by one (``HP_DEVICE=True``, ``WEIGHTS=1``), :func:`pack` puts them in their tuple.
+GROUPS = {"STEP": StepFlags, "EPILOGUE": Epilogue}
+
+
+def pack(fn, constexprs):
+    """``constexprs`` with the switches of each named tuple the kernel takes (:data:`GROUPS`) packed into it (the
+    switches a case does not name keep their defaults, all off)."""
+    names = {p.name for p in fn.params}
+    out = dict(constexprs)
+    for group, cls in GROUPS.items():
+        if group in names and group not in out:
+            out[group] = cls(**{k: out.pop(k) for k in cls._fields if k in out})
+    return out
+
+
 def signature(fn, constexprs, overrides=None):
     sig = {}
     for p in fn.params:
@@ -87,20 +125,10 @@ def signature(fn, constexprs, overrides=None):
             sig[p.name] = overrides[p.name]
         elif p.is_constexpr:
             sig[p.name] = "constexpr"
-        elif p.name in INT_ARGS:
-            sig[p.name] = "i32"
-        elif p.name in I64_ARGS:
-            sig[p.name] = "i64"
-        elif p.name.endswith(("_hi", "_mid", "_lo")) or p.name == "check_factor":  # float32 launch arguments
-            sig[p.name] = "fp32"
-        elif p.name in I32_STEP:
-            sig[p.name] = "*i32"
-        elif p.name in I64_STEP or p.name in I64_PTRS:
-            sig[p.name] = "*i64"
-        elif p.name in I32_PTRS:
-            sig[p.name] = "*i32"
+        elif p.name in BUNDLES or p.name == "step":
+            sig[p.name] = _bundle_type(fn, p.name)
         else:
-            sig[p.name] = "*fp32"
+            sig[p.name] = _arg_type(p.name)
     missing = {p.name for p in fn.params if p.is_constexpr} - set(constexprs)
     assert not missing, f"constexprs missing: {missing}"
     return sig
@@ -355,6 +383,7 @@ def _traffic_one(v, target) -> dict:
         fn, constexprs, overrides = _control_kernel, dict(BLOCK=4096, ALIGNED=True), {}
     else:
         fn, constexprs, overrides = traffic_case(v)
+    constexprs = pack(fn, constexprs)
     options = launch_options(fn, constexprs)
     src = ASTSource(fn=fn, signature=signature(fn, constexprs, overrides), constexprs=constexprs)
     ptx = triton.compile(src, target=target, options=options).asm["ptx"]
@@ -396,7 +425,7 @@ def main() -> None:
         if any(p.name == "QSTATE" for p in fn.params):  # the Adam/LAMB kernels: fp32 moments unless a case says
             constexprs = {"QSTATE": False, **constexprs}
         # ... and the plain write epilogue unless a case names a bf16 mode (fp16kit/kernels/bf16_weights/modes.py)
-        constexprs = {**{k: v for k, v in PLAIN.items() if any(p.name == k for p in fn.params)}, **constexprs}
+        constexprs = pack(fn, {**{k: v for k, v in PLAIN.items() if any(p.name == k for p in fn.params)}, **constexprs})
         try:
             options = launch_options(fn, constexprs)
             src = ASTSource(fn=fn, signature=signature(fn, constexprs, *overrides), constexprs=constexprs)

@@ -2,8 +2,9 @@
 
 An optimizer with ``master_weights="split"`` or ``"stochastic"`` (docs/optim.md, "bf16 weights without fp32
 masters") updates bf16 params with the same fp32 math as every other mode; only how the fp32 result is kept differs.
-The kernels select it with the constexpr ``WEIGHTS`` (:data:`PLAIN`, :data:`SPLIT`, :data:`STOCHASTIC`); the torch
-fallback calls the functions of the second half of this module. Both write the same bits for the same fp32 values.
+The kernels select it with the constexpr ``EPILOGUE.WEIGHTS`` (:class:`Epilogue`: :data:`PLAIN`, :data:`SPLIT`,
+:data:`STOCHASTIC`); the torch fallback calls the functions of the second half of this module. Both write the same bits
+for the same fp32 values.
 
 **Split ("16+16").** The fp32 master ``x`` is kept as two 16-bit halves: the bf16 param ``hi`` and an int16 state
 ``lo`` (``state["master_low"]``)::
@@ -45,14 +46,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..engine.chunks import load_chunk, row_pointer, store_chunk
-from ..engine.skeleton import store_param
+from ..engine.skeleton import load_span, store_param, store_span, table_row
 from ..fallback.step import _skip
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "SPLIT",
     "STOCHASTIC",
     "Bf16Weights",
+    "Epilogue",
     "join_halves",
     "philox_uint32",
     "split_halves",
@@ -80,6 +81,16 @@ _KEY_A = 0x9E3779B9
 _KEY_B = 0xBB67AE85
 _ROUNDS = 10
 _M32 = 0xFFFFFFFF
+
+
+class Epilogue(NamedTuple):
+    """The write epilogue's compile-time switches: one constexpr kernel argument ``EPILOGUE`` (a named tuple Triton
+    specializes on; :func:`launch_arguments`). ``WEIGHTS``: :data:`PLAIN`, :data:`SPLIT` or :data:`STOCHASTIC`;
+    ``ROW_IDX``: stochastic rounding reads the row table (:func:`row_table`). A new epilogue adds a mode or a field
+    here, not a parameter to every kernel."""
+
+    WEIGHTS: int = 0
+    ROW_IDX: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,7 +115,7 @@ class Bf16Weights:
         return 0 if self.offsets is None else self.offsets[row]
 
     def epilogue(self, param_dtype: torch.dtype, has_rows: bool) -> int:
-        """The kernel's ``WEIGHTS`` constexpr for a group of params of ``param_dtype`` (``has_rows``: low halves
+        """The kernel's ``EPILOGUE.WEIGHTS`` mode for a group of params of ``param_dtype`` (``has_rows``: low halves
         present): fp32 params in these modes are written plainly."""
         if self.mode == "split":
             return SPLIT.value if has_rows else PLAIN.value
@@ -112,26 +123,26 @@ class Bf16Weights:
 
 
 def epilogue_mode(weights: Bf16Weights | None, params: Sequence[torch.Tensor], has_rows: bool) -> int:
-    """The ``WEIGHTS`` constexpr of a launch over ``params`` (one dtype) with or without row 4."""
+    """The ``EPILOGUE.WEIGHTS`` mode of a launch over ``params`` (one dtype) with or without row 4."""
     return PLAIN.value if weights is None else weights.epilogue(params[0].dtype, has_rows)
 
 
 def launch_arguments(
     weights: Bf16Weights | None, params: Sequence[torch.Tensor], has_rows: bool, placeholder: torch.Tensor,
     row_idx: torch.Tensor | None,
-) -> tuple[tuple, dict[str, int | bool], bool]:
-    """``(args, constexprs, writes_model)`` of the epilogue for one kernel launch: the launch arguments ``seed,
-    stream, rng_step_ptr, row_idx_ptr``, the constexprs ``WEIGHTS, ROW_IDX``, and whether row 4 is a model copy
-    (``has_rows`` and not split). ``row_idx``: the launch's row table (:func:`row_table`), or None (launch tensor
-    ``t`` is row ``t`` of the call, a whole tensor). ``placeholder``: any device tensor, for pointers the epilogue
-    does not read."""
+) -> tuple[tuple, dict[str, Epilogue], bool]:
+    """``(args, constexprs, writes_model)`` of the epilogue for one kernel launch: the epilogue bundle (the kernel
+    argument ``weights``: ``seed, stream, rng_step_ptr, row_idx_ptr``), its switches ``{"EPILOGUE": Epilogue(...)}``
+    and whether row 4 is a model copy (``has_rows`` and not split). ``row_idx``: the launch's row table
+    (:func:`row_table`), or None (launch tensor ``t`` is row ``t`` of the call, a whole tensor). ``placeholder``: any
+    device tensor, for pointers the epilogue does not read."""
     mode = epilogue_mode(weights, params, has_rows)
     stochastic = mode == STOCHASTIC.value
     step = weights.step if stochastic and weights.step is not None else placeholder
     use_idx = stochastic and row_idx is not None
     args = (weights.seed if stochastic else 0, weights.stream if stochastic else 0, step,
             row_idx if use_idx else placeholder)
-    return args, {"WEIGHTS": mode, "ROW_IDX": use_idx}, has_rows and mode != SPLIT.value
+    return args, {"EPILOGUE": Epilogue(mode, use_idx)}, has_rows and mode != SPLIT.value
 
 
 def row_table(rows: Sequence[int], offsets: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -147,29 +158,29 @@ def low_rows(lows: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Triton device functions (called from triton/adam.py and triton/lamb.py under the WEIGHTS constexpr)
+# Triton device functions (called from triton/adam.py and triton/lamb.py under the EPILOGUE constexpr)
 
 
 @triton.jit
-def load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS: tl.constexpr, ALIGNED: tl.constexpr):
+def load_master(p, table, span, EPILOGUE: tl.constexpr, ALIGNED: tl.constexpr):
     """The fp32 value the update starts from: ``p`` (the widened param or master), or in split mode the master
     reassembled from ``p``'s bits (``hi << 16``, exact widening) and the low half in row 4."""
-    if WEIGHTS == SPLIT:
-        lo_ptr = row_pointer(ptrs, LOW_ROW, num_tensors, t, tl.int16, ALIGNED)
-        lo = load_chunk(lo_ptr, offs, mask, full).to(tl.int32).to(tl.uint32, bitcast=True)
+    if EPILOGUE.WEIGHTS == SPLIT:
+        lo_ptr = table_row(table, LOW_ROW, span[0], tl.int16, ALIGNED)
+        lo = load_span(lo_ptr, span).to(tl.int32).to(tl.uint32, bitcast=True)
         return (p.to(tl.uint32, bitcast=True) + lo).to(tl.float32, bitcast=True)
     else:
         return p
 
 
 @triton.jit
-def rng_step(step_ptr, AHEAD: tl.constexpr, WEIGHTS: tl.constexpr):
+def rng_step(weights, AHEAD: tl.constexpr, EPILOGUE: tl.constexpr):
     """The number of the step being taken, as a 32-bit counter word (stochastic rounding only; 0 otherwise, nothing
-    read): the group's float32 counter, plus one (a float32 add, as the counter itself advances) when the launch runs
-    before the counter advances (the device step), modulo ``2**32`` in 64-bit integers (a checkpoint's counter may
-    exceed ``2**31``), as the torch path takes it."""
-    if WEIGHTS == STOCHASTIC:
-        s = tl.load(step_ptr)
+    read): the group's float32 counter (``weights[2]``, :func:`launch_arguments`), plus one (a float32 add, as the
+    counter itself advances) when the launch runs before the counter advances (the device step), modulo ``2**32`` in
+    64-bit integers (a checkpoint's counter may exceed ``2**31``), as the torch path takes it."""
+    if EPILOGUE.WEIGHTS == STOCHASTIC:
+        s = tl.load(weights[2])
         if AHEAD:
             s = s + 1.0
         return (s.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
@@ -200,27 +211,28 @@ def _stochastic_bits(x, seed, offs, row, stream, step):
 
 
 @triton.jit
-def store_weights(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE: tl.constexpr, MODEL_DTYPE: tl.constexpr,
-                  HAS_MODEL: tl.constexpr, ALIGNED: tl.constexpr, WEIGHTS: tl.constexpr, seed, stream, step,
-                  row_idx_ptr, ROW_IDX: tl.constexpr):
+def store_weights(table, span, p_ptr, p, weights, step, P_DTYPE: tl.constexpr, MODEL_DTYPE: tl.constexpr,
+                  HAS_MODEL: tl.constexpr, ALIGNED: tl.constexpr, EPILOGUE: tl.constexpr):
     """Write the updated fp32 ``p``: plainly (``store_param``: round to nearest even, model copy), split into the
-    bf16 param and its low half (row 4), or stochastically rounded to bf16: with ``ROW_IDX``, ``row_idx_ptr[2 t]`` is
-    the tensor's position in the update call and ``row_idx_ptr[2 t + 1]`` its first element's index in its whole
-    tensor (an FSDP2 shard's offset; ``row_table``), else ``t`` and 0 are."""
-    if WEIGHTS == SPLIT:
+    bf16 param and its low half (row 4), or stochastically rounded to bf16 with the epilogue bundle ``weights``
+    (:func:`launch_arguments`: ``seed, stream, step counter, row table``) and ``step`` (:func:`rng_step`): with
+    ``EPILOGUE.ROW_IDX``, ``row_table[2 t]`` is the tensor's position in the update call and ``row_table[2 t + 1]`` its
+    first element's index in its whole tensor (an FSDP2 shard's offset; ``row_table``), else ``t`` and 0 are."""
+    t = span[0]
+    if EPILOGUE.WEIGHTS == SPLIT:
         hi, lo = _split_bits(p)
-        store_chunk(p_ptr, offs, hi, mask, full)
-        store_chunk(row_pointer(ptrs, LOW_ROW, num_tensors, t, tl.int16, ALIGNED), offs, lo, mask, full)
-    elif WEIGHTS == STOCHASTIC:
-        if ROW_IDX:  # a real branch: no load without the table
-            row = tl.load(row_idx_ptr + 2 * t).to(tl.uint32)
-            e = offs.to(tl.int64) + tl.load(row_idx_ptr + 2 * t + 1)
+        store_span(p_ptr, span, hi)
+        store_span(table_row(table, LOW_ROW, t, tl.int16, ALIGNED), span, lo)
+    elif EPILOGUE.WEIGHTS == STOCHASTIC:
+        if EPILOGUE.ROW_IDX:  # a real branch: no load without the table
+            row = tl.load(weights[3] + 2 * t).to(tl.uint32)
+            e = span[1].to(tl.int64) + tl.load(weights[3] + 2 * t + 1)
         else:
             row = t.to(tl.uint32)
-            e = offs
-        store_chunk(p_ptr, offs, _stochastic_bits(p, seed, e, row, stream, step), mask, full)
+            e = span[1]
+        store_span(p_ptr, span, _stochastic_bits(p, weights[0], e, row, weights[1], step))
     else:
-        store_param(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED)
+        store_param(table, span, p_ptr, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED)
 
 
 # ---------------------------------------------------------------------------------------------------------------

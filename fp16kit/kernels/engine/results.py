@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunks import store_chunk
 from .rounding import round_to
-from .skeleton import skip_and_stop
-from .step_scalars import DeviceStep, advance_step, finish_ticket
+from .skeleton import chunk_rows_one_state, load_param_grad, skip_and_stop, store_span, table_row
+from .step_scalars import DeviceStep, finish_ticket, step_advance
+from .table import triton_dtype
 
 
 @triton.jit
@@ -52,9 +52,7 @@ def check_or_store(
     p_ptr,
     state_ptr,
     model_ptr,
-    offs,
-    mask,
-    full,
+    span,
     bad,
     P_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
@@ -62,9 +60,10 @@ def check_or_store(
     HAS_MODEL: tl.constexpr,
     VERIFY: tl.constexpr,
 ):
-    """The end of one chunk of an update: with ``VERIFY``, ``bad`` (int32 lanes) or-ed with "a value this chunk
-    would store is inf/NaN" and nothing stored; else the fp32 ``state`` (``HAS_STATE``), the param rounded to
-    ``P_DTYPE`` and the model copy (``HAS_MODEL``) stored. Returns ``bad``."""
+    """The end of one chunk (``span``, ``skeleton.chunk_rows_one_state``) of an update: with ``VERIFY``,
+    ``bad`` (int32 lanes) or-ed with "a value this chunk would store is inf/NaN" and nothing stored; else the fp32
+    ``state`` (``HAS_STATE``), the param rounded to ``P_DTYPE`` and the model copy (``HAS_MODEL``) stored. Returns
+    ``bad``."""
     new_p = round_to(p, P_DTYPE)
     if VERIFY:
         out = nonfinite(new_p)
@@ -72,14 +71,35 @@ def check_or_store(
             out = out | nonfinite(state)
         if HAS_MODEL:
             out = out | nonfinite(round_to(p, MODEL_DTYPE))
-        bad = tl.maximum(bad, (mask & out).to(tl.int32))
+        bad = tl.maximum(bad, (span[2] & out).to(tl.int32))
     else:
         if HAS_STATE:
-            store_chunk(state_ptr, offs, state, mask, full)
-        store_chunk(p_ptr, offs, new_p, mask, full)
+            store_span(state_ptr, span, state)
+        store_span(p_ptr, span, new_p)
         if HAS_MODEL:
-            store_chunk(model_ptr, offs, round_to(p, MODEL_DTYPE), mask, full)
+            store_span(model_ptr, span, round_to(p, MODEL_DTYPE))
     return bad
+
+
+@triton.jit
+def chunk_start(table, c, inv_scale, gbad, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                ALIGNED: tl.constexpr, VERIFY: tl.constexpr, STEP: tl.constexpr):
+    """``(span, p_ptr, s_ptr, p, g, gbad)``, how an SGD/Adagrad/NovoGrad pass starts chunk ``c``: its rows
+    (``skeleton.chunk_rows_one_state``), its param and unscaled gradient (``load_param_grad``) and the check
+    pass's lanes (:func:`check_grad`)."""
+    span, p_ptr, g_ptr, s_ptr = chunk_rows_one_state(table, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED)
+    p, g = load_param_grad(p_ptr, g_ptr, span, inv_scale)
+    gbad = check_grad(gbad, g, span, VERIFY, STEP)
+    return span, p_ptr, s_ptr, p, g, gbad
+
+
+@triton.jit
+def chunk_end(table, span, p, state, p_ptr, state_ptr, bad, P_DTYPE: tl.constexpr, MODEL_DTYPE: tl.constexpr,
+              HAS_STATE: tl.constexpr, HAS_MODEL: tl.constexpr, ALIGNED: tl.constexpr, VERIFY: tl.constexpr):
+    """How an SGD/Adagrad/NovoGrad pass ends a chunk: :func:`check_or_store` with the model copy's row (3)."""
+    model_ptr = table_row(table, 3, span[0], MODEL_DTYPE, ALIGNED)
+    return check_or_store(p, state, p_ptr, state_ptr, model_ptr, span, bad, P_DTYPE, MODEL_DTYPE, HAS_STATE, HAS_MODEL,
+                          VERIFY)
 
 
 @triton.jit
@@ -93,14 +113,13 @@ def entry_flag(found_inf_ptr, OWN_FLAG: tl.constexpr):
 
 
 @triton.jit
-def pass_start(found_inf_ptr, num_chunks, BLOCK: tl.constexpr, VERIFY: tl.constexpr, HP_DEVICE: tl.constexpr,
-               OWN_FLAG: tl.constexpr):
+def pass_start(found_inf_ptr, num_chunks, BLOCK: tl.constexpr, VERIFY: tl.constexpr, STEP: tl.constexpr):
     """``(entry, skip, stop, bad, gbad)`` at the start of an SGD/Adagrad/NovoGrad pass: the flag as found
     (:func:`entry_flag`), whether the step is skipped, the chunk loop's end (0 when skipped: nothing read or
     written) and the zeroed result and grad lanes. A device step's check-and-verify launch is the check pass too,
     so it does not read an own flag's old value."""
-    entry = entry_flag(found_inf_ptr, OWN_FLAG)
-    if VERIFY and HP_DEVICE:
+    entry = entry_flag(found_inf_ptr, STEP.OWN_FLAG)
+    if VERIFY and STEP.HP_DEVICE:
         skip, stop = entry != 0, tl.where(entry != 0, 0, num_chunks)
     else:
         skip, stop = skip_and_stop(found_inf_ptr, num_chunks)
@@ -109,37 +128,37 @@ def pass_start(found_inf_ptr, num_chunks, BLOCK: tl.constexpr, VERIFY: tl.conste
 
 
 @triton.jit
-def check_grad(gbad, g, mask, VERIFY: tl.constexpr, HP_DEVICE: tl.constexpr):
+def check_grad(gbad, g, span, VERIFY: tl.constexpr, STEP: tl.constexpr):
     """The check pass's lanes in a device step's check-and-verify launch: ``gbad`` or-ed with "the unscaled
-    gradient ``g`` is inf/NaN" (unchanged elsewhere)."""
-    if VERIFY and HP_DEVICE:
-        gbad = tl.maximum(gbad, (mask & nonfinite(g)).to(tl.int32))
+    gradient ``g`` is inf/NaN" in the chunk ``span`` (unchanged elsewhere)."""
+    if VERIFY and STEP.HP_DEVICE:
+        gbad = tl.maximum(gbad, (span[2] & nonfinite(g)).to(tl.int32))
     return gbad
 
 
 @triton.jit
-def pass_end(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr, step_ptr, gbad,
-             bad, neg_lr, entry, skip, VERIFY: tl.constexpr, HP_DEVICE: tl.constexpr, ADVANCE: tl.constexpr,
-             FIRST: tl.constexpr, COUNT: tl.constexpr):
+def pass_end(found_inf_ptr, step, results, gbad, bad, neg_lr, entry, skip, VERIFY: tl.constexpr, STEP: tl.constexpr):
     """The end of an SGD/Adagrad/NovoGrad pass: a device step's check-and-verify finish
-    (:func:`finish_check_and_verify`), the host-vector result check's raise (:func:`raise_found_inf`), or, after a
-    device step's update that was not skipped, the step counter's advance (``_step_scalars.advance_step``)."""
-    if VERIFY and HP_DEVICE:
-        finish_check_and_verify(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr,
-                                gbad, bad, lr_arms(neg_lr), entry, FIRST, COUNT)
+    (:func:`finish_check_and_verify`, with the step bundle's ticket ``step[1]``), the host-vector result check's
+    raise (:func:`raise_found_inf`), or, after a device step's update that was not skipped, the step counter's
+    advance (``_step_scalars.step_advance``)."""
+    if VERIFY and STEP.HP_DEVICE:
+        finish_check_and_verify(found_inf_ptr, results, step[1], gbad, bad, lr_arms(neg_lr), entry, STEP.FIRST,
+                                STEP.COUNT)
     elif VERIFY:
         raise_found_inf(found_inf_ptr, bad, lr_arms(neg_lr))
-    elif HP_DEVICE and not skip:
-        advance_step(step_ptr, ticket_ptr, ADVANCE)
+    elif STEP.HP_DEVICE and not skip:
+        step_advance(step, STEP.ADVANCE)
 
 
 @triton.jit
-def finish_check_and_verify(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr,
-                            gbad, rbad, armed, entry, FIRST: tl.constexpr, COUNT: tl.constexpr):
+def finish_check_and_verify(found_inf_ptr, results, ticket_ptr, gbad, rbad, armed, entry, FIRST: tl.constexpr,
+                            COUNT: tl.constexpr):
     """The end of a device step's check-and-verify launch (the check pass and the result check in one read of
-    the grads; docs/optim.md, "The step on the device"). Every program or-s its lanes into ``bad_ptr`` (int32
-    ``[2]``: ``[0]`` an unscaled grad is inf/NaN, ``[1]`` a stored value would be); the program that takes the last
-    ticket (``_step_scalars.finish_ticket``) then, as the two passes of the host-vector step do:
+    the grads; docs/optim.md, "The step on the device"). ``results``: the bundle ``(bad_ptr, result_ptr,
+    nonfinite_count_ptr, result_count_ptr)`` (:func:`step_arguments`). Every program or-s its lanes into ``bad_ptr``
+    (int32 ``[2]``: ``[0]`` an unscaled grad is inf/NaN, ``[1]`` a stored value would be); the program that takes
+    the last ticket (``_step_scalars.finish_ticket``) then, as the two passes of the host-vector step do:
 
     * raises ``found_inf`` for a non-finite grad (the check pass), else, when the result check is ``armed`` (a
       valid ``lr``), for a non-finite result; the flag is written whole, ``max(entry, ...)``;
@@ -148,6 +167,7 @@ def finish_check_and_verify(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonf
     * with ``COUNT`` (the optimizer's own flag), adds 1 to ``nonfinite_count_ptr`` when this launch raised it.
 
     It resets ``bad_ptr`` for the next step."""
+    bad_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr = results
     tl.atomic_max(bad_ptr, tl.max(gbad, axis=0), sem="acq_rel")
     tl.atomic_max(bad_ptr + 1, tl.max(rbad, axis=0) * armed, sem="acq_rel")
     tl.debug_barrier()
@@ -182,11 +202,22 @@ class StepVerify:
     launches: int = 0
 
 
+def row_constexprs(table: Any, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                   models: Sequence[torch.Tensor] | None) -> dict[str, Any]:
+    """The constexprs of an SGD, Adagrad or NovoGrad launch's rows: the param, grad and model-copy dtypes, whether
+    there are model copies, the table's chunk size and alignment."""
+    p_dtype = triton_dtype(params[0].dtype)
+    model_dtype = p_dtype if models is None else triton_dtype(models[0].dtype)
+    return {"P_DTYPE": p_dtype, "G_DTYPE": triton_dtype(grads[0].dtype), "MODEL_DTYPE": model_dtype,
+            "HAS_MODEL": models is not None, "BLOCK": table.block, "ALIGNED": table.aligned}
+
+
 def step_arguments(
     hp: torch.Tensor | DeviceStep, table: Any, names: Sequence[str], verify: bool, check: StepVerify | None
-) -> tuple[Any, tuple, dict]:
-    """``(hp_ptr, scalars, constexprs)`` of the SGD, Adagrad and NovoGrad kernels: ``DeviceStep.arguments``
-    (``engine/step_scalars.py``), then the four pointers of the check-and-verify finish (placeholders outside it)."""
+) -> tuple[Any, tuple, tuple, dict]:
+    """``(hp_ptr, step, results, constexprs)`` of the SGD, Adagrad and NovoGrad kernels: ``DeviceStep.arguments``
+    (``engine/step_scalars.py``: the step bundle ``step``), then the bundle ``results`` of the check-and-verify finish's
+    four pointers (:func:`finish_check_and_verify`; placeholders outside it)."""
     device_verify = verify and isinstance(hp, DeviceStep)
     if device_verify:
         if check is None:
@@ -194,12 +225,12 @@ def step_arguments(
         hp = dataclasses.replace(hp, advance=True)  # for the table's ticket (the launch advances nothing)
     hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, names)
     if not device_verify or check is None:
-        return hp_ptr, scalars + (hp_ptr,) * 4, {**flags, "OWN_FLAG": False, "FIRST": False, "COUNT": False}
+        return hp_ptr, scalars, (hp_ptr,) * 4, flags
     bad = table.scratch_buffer("verify_bad", 2, torch.int32, zero=True)
     first = check.launches == 0
     check.launches += 1
     counts = check.nonfinite_count
-    tail = (bad, check.result, bad if counts is None else counts, check.result_count)
-    flags = {**flags, "ADVANCE": False, "OWN_FLAG": check.own_flag and first, "FIRST": first,
-             "COUNT": counts is not None}
-    return hp_ptr, scalars + tail, flags
+    results = (bad, check.result, bad if counts is None else counts, check.result_count)
+    step = flags["STEP"]._replace(ADVANCE=False, OWN_FLAG=check.own_flag and first, FIRST=first,
+                                  COUNT=counts is not None)
+    return hp_ptr, scalars, results, {"STEP": step}

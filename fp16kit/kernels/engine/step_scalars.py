@@ -29,14 +29,38 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["DeviceStep", "finish_ticket", "join3", "pow_int", "split3"]
+__all__ = ["DeviceStep", "StepFlags", "finish_ticket", "join3", "pow_int", "split3"]
+
+
+class StepFlags(NamedTuple):
+    """The step's compile-time switches: one constexpr kernel argument ``STEP`` (a named tuple Triton specializes
+    on), read as ``STEP.HP_DEVICE`` and so on, so that a new switch does not add a parameter to every kernel.
+
+    ``HP_DEVICE``: the hyper-parameters come from the step bundle (else from the float32 ``hp`` vector);
+    ``LR_TENSOR``: ``lr`` is a tensor (``step[2]``); ``HAS_SCALE``: unscale by a GradScaler's scale (``step[3]``);
+    ``BIAS_CORRECTION``: ``1 - beta^t`` (else 1); ``ADVANCE``: the launch advances the step counter. The SGD, Adagrad
+    and NovoGrad kernels' check-and-verify launch (``_results.finish_check_and_verify``) adds ``OWN_FLAG`` (the flag
+    is the optimizer's own, not read), ``FIRST`` (the step's first such launch) and ``COUNT`` (count the skip)."""
+
+    HP_DEVICE: bool = False
+    LR_TENSOR: bool = False
+    HAS_SCALE: bool = False
+    BIAS_CORRECTION: bool = False
+    ADVANCE: bool = False
+    OWN_FLAG: bool = False
+    FIRST: bool = False
+    COUNT: bool = False
+
+
+#: The host vector's switches (every one off).
+HOST_VECTOR = StepFlags()
 
 
 @dataclass(frozen=True)
@@ -68,23 +92,23 @@ class DeviceStep:
 
     @staticmethod
     def arguments(hp: torch.Tensor | DeviceStep, table: Any, names: Sequence[str]) -> tuple[Any, tuple, dict]:
-        """``(hp_ptr, scalars, constexprs)`` for a kernel with the device-step signature: the pointers
-        ``step, ticket, lr, scale`` and three float32 parts per name of ``names``, after ``found_inf``.
-        A float32 ``hp`` vector (the legacy layout) gives placeholders and ``HP_DEVICE=False``."""
+        """``(hp_ptr, scalars, constexprs)`` for a kernel with the device-step signature: ``scalars`` is the step
+        bundle (the kernel argument ``step``, after ``found_inf``: the pointers ``step, ticket, lr, scale`` and three
+        float32 parts per name of ``names``; read by ``step_host64`` and its siblings), ``constexprs`` its
+        :class:`StepFlags` (``{"STEP": ...}``). A float32 ``hp`` vector (the legacy layout) gives placeholders and
+        every switch off."""
         if isinstance(hp, torch.Tensor):
-            flags = {"HP_DEVICE": False, "LR_TENSOR": False, "HAS_SCALE": False, "BIAS_CORRECTION": False,
-                     "ADVANCE": False}
-            return hp, (hp, hp, hp, hp) + (0.0,) * (3 * len(names)), flags
+            return hp, (hp, hp, hp, hp) + (0.0,) * (3 * len(names)), {"STEP": HOST_VECTOR}
         step = hp.step
         parts: tuple[float, ...] = ()
         host = hp.host
         for name in names:
             parts += split3_cached(float(host.get(name, 0.0)))
-        flags = {"HP_DEVICE": True, "LR_TENSOR": hp.lr is not None, "HAS_SCALE": hp.scale is not None,
-                 "BIAS_CORRECTION": hp.bias_correction, "ADVANCE": hp.advance}
+        flags = StepFlags(HP_DEVICE=True, LR_TENSOR=hp.lr is not None, HAS_SCALE=hp.scale is not None,
+                          BIAS_CORRECTION=hp.bias_correction, ADVANCE=hp.advance)
         pointers = (step, table.scratch_ticket() if hp.advance else step,
                     step if hp.lr is None else hp.lr, step if hp.scale is None else hp.scale)
-        return step, pointers + parts, flags
+        return step, pointers + parts, {"STEP": flags}
 
 
 _SPLITS: dict[float, tuple[float, float, float]] = {}
@@ -176,6 +200,43 @@ def inv_scale64(scale_ptr, HAS_SCALE: tl.constexpr):
         return 1.0 / tl.load(scale_ptr).to(tl.float64)
     else:
         return tl.full((), 1.0, tl.float64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The step bundle: ``DeviceStep.arguments``' scalars as one kernel argument ``step`` (a tuple): the pointers
+# ``step, ticket, lr, scale`` (``[0:4]``), then three float32 parts per host number in the launcher's ``names``
+# order (``[4 + 3 i : 7 + 3 i]``). A kernel hands the bundle on whole, so a new host number or pointer changes the
+# launcher's ``names`` and the code that reads it, not every kernel's and device function's argument list.
+
+
+@triton.jit
+def step_host64(step, i: tl.constexpr):
+    """Host number ``i`` of the step bundle (``names[i]``) in float64 (:func:`join3`)."""
+    return join3(step[4 + 3 * i], step[5 + 3 * i], step[6 + 3 * i])
+
+
+@triton.jit
+def step_lr64(step, LR_TENSOR: tl.constexpr):
+    """:func:`lr64` of the step bundle: its tensor ``lr`` (``step[2]``) or its host number 0."""
+    return lr64(step[4], step[5], step[6], step[2], LR_TENSOR)
+
+
+@triton.jit
+def step_number(step):
+    """:func:`next_step` of the step bundle's counter (``step[0]``)."""
+    return next_step(step[0])
+
+
+@triton.jit
+def step_inv_scale64(step, HAS_SCALE: tl.constexpr):
+    """:func:`inv_scale64` of the step bundle's loss scale (``step[3]``)."""
+    return inv_scale64(step[3], HAS_SCALE)
+
+
+@triton.jit
+def step_advance(step, ADVANCE: tl.constexpr):
+    """:func:`advance_step` of the step bundle's counter and ticket (``step[0]``, ``step[1]``)."""
+    advance_step(step[0], step[1], ADVANCE)
 
 
 @triton.jit

@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..engine.chunks import load_chunk, row_pointer, store_chunk
 from ..engine.rounding import to_fp32
-from ..engine.skeleton import load_param_moments
+from ..engine.skeleton import load_param_moments, load_span, store_span, table_row
+from ..engine.table import ChunkTable, chunk_table, step_block
 from .rule import QBLOCK, SMALL_NUMEL, book, num_blocks
 
 _QB = tl.constexpr(QBLOCK)
@@ -76,69 +76,69 @@ def _block_span(offs, numel, BLOCK: tl.constexpr, QB: tl.constexpr):
 
 
 @triton.jit
-def _absmax_pointer(ptrs, row, num_tensors, t, n):
+def _absmax_pointer(table, row, t, n):
     """The fp32 absmax of tensor ``t``'s 8-bit moment in row ``row``: ``align16(n)`` bytes after its codes."""
-    addr = tl.load(ptrs + row * num_tensors + t) + ((n + 15) // 16) * 16
+    addr = tl.load(table[0] + row * table[1] + t) + ((n + 15) // 16) * 16
     return tl.multiple_of(addr.to(tl.pointer_type(tl.float32)), 16)
 
 
 @triton.jit
-def _load_moment(ptrs, row, num_tensors, t, n, offs, mask, full, book_ptr, SIGNED: tl.constexpr,
-                 BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-    """The fp32 values of state row ``row`` in the chunk: dequantized for a tensor of ``n >= SMALL_NUMEL``
+def _load_moment(table, row, n, span, book_ptr, SIGNED: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """The fp32 values of state row ``row`` in the chunk ``span``: dequantized for a tensor of ``n >= SMALL_NUMEL``
     elements (uint8 codes and its absmax), else the row's fp32 values."""
     if n >= _QSMALL:
-        codes = load_chunk(row_pointer(ptrs, row, num_tensors, t, tl.uint8, ALIGNED), offs, mask, full)
-        b, bmask = _block_span(offs, n, BLOCK, _QB)
-        amax = tl.load(_absmax_pointer(ptrs, row, num_tensors, t, n) + b, mask=bmask, other=0.0)
-        x = dequantize_block(codes, amax, mask, book_ptr, SIGNED, BLOCK, _QB)
+        codes = load_span(table_row(table, row, span[0], tl.uint8, ALIGNED), span)
+        b, bmask = _block_span(span[1], n, BLOCK, _QB)
+        amax = tl.load(_absmax_pointer(table, row, span[0], n) + b, mask=bmask, other=0.0)
+        x = dequantize_block(codes, amax, span[2], book_ptr, SIGNED, BLOCK, _QB)
     else:
-        x = load_chunk(row_pointer(ptrs, row, num_tensors, t, tl.float32, ALIGNED), offs, mask, full)
+        x = load_span(table_row(table, row, span[0], tl.float32, ALIGNED), span)
     return x
 
 
 @triton.jit
-def _store_moment(ptrs, row, num_tensors, t, n, offs, mask, full, x, book_ptr, SIGNED: tl.constexpr,
-                  BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+def _store_moment(table, row, n, span, x, book_ptr, SIGNED: tl.constexpr, BLOCK: tl.constexpr,
+                  ALIGNED: tl.constexpr):
     """Store the chunk's new moment ``x`` into row ``row`` (quantized, codes and absmax, for a tensor of
     ``n >= SMALL_NUMEL`` elements, else as is); returns the values as stored."""
     if n >= _QSMALL:
-        codes, amax, x = quantize_block(x, mask, book_ptr, SIGNED, BLOCK, _QB)
-        store_chunk(row_pointer(ptrs, row, num_tensors, t, tl.uint8, ALIGNED), offs, codes, mask, full)
-        b, bmask = _block_span(offs, n, BLOCK, _QB)
-        tl.store(_absmax_pointer(ptrs, row, num_tensors, t, n) + b, amax, mask=bmask)
+        codes, amax, x = quantize_block(x, span[2], book_ptr, SIGNED, BLOCK, _QB)
+        store_span(table_row(table, row, span[0], tl.uint8, ALIGNED), span, codes)
+        b, bmask = _block_span(span[1], n, BLOCK, _QB)
+        tl.store(_absmax_pointer(table, row, span[0], n) + b, amax, mask=bmask)
     else:
-        store_chunk(row_pointer(ptrs, row, num_tensors, t, tl.float32, ALIGNED), offs, x, mask, full)
+        store_span(table_row(table, row, span[0], tl.float32, ALIGNED), span, x)
     return x
 
 
 @triton.jit
-def load_state(ptrs, num_tensors, numels, t, p_ptr, m_ptr, v_ptr, offs, mask, full, book_ptr,
-               QSTATE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+def load_state(table, span, p_ptr, m_ptr, v_ptr, state, QSTATE: tl.constexpr, BLOCK: tl.constexpr,
+               ALIGNED: tl.constexpr):
     """``(p, m, v)`` of the chunk in fp32: ``load_param_moments``, or with ``QSTATE`` (``state_bits=8``) the
-    moments dequantized where the tensor's state is 8-bit."""
+    moments dequantized where the tensor's state is 8-bit. ``state``: the state bundle (``state_rows``: the code
+    book)."""
     if QSTATE:
-        n = tl.load(numels + t)
-        p = to_fp32(load_chunk(p_ptr, offs, mask, full))
-        m = _load_moment(ptrs, 2, num_tensors, t, n, offs, mask, full, book_ptr, True, BLOCK, ALIGNED)
-        v = _load_moment(ptrs, 3, num_tensors, t, n, offs, mask, full, book_ptr, False, BLOCK, ALIGNED)
+        n = tl.load(table[2] + span[0])
+        p = to_fp32(load_span(p_ptr, span))
+        m = _load_moment(table, 2, n, span, state[0], True, BLOCK, ALIGNED)
+        v = _load_moment(table, 3, n, span, state[0], False, BLOCK, ALIGNED)
     else:
-        p, m, v = load_param_moments(p_ptr, m_ptr, v_ptr, offs, mask, full)
+        p, m, v = load_param_moments(p_ptr, m_ptr, v_ptr, span)
     return p, m, v
 
 
 @triton.jit
-def store_state(ptrs, num_tensors, numels, t, m_ptr, v_ptr, offs, mask, full, m, v, book_ptr,
-                QSTATE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+def store_state(table, span, m_ptr, v_ptr, m, v, state, QSTATE: tl.constexpr, BLOCK: tl.constexpr,
+                ALIGNED: tl.constexpr):
     """Write the chunk's new moments; returns them as stored (with ``QSTATE``, dequantized where 8-bit: LAMB's
     update and norms are computed from these, so stage 2, which reloads them, sees the same values)."""
     if QSTATE:
-        n = tl.load(numels + t)
-        m = _store_moment(ptrs, 2, num_tensors, t, n, offs, mask, full, m, book_ptr, True, BLOCK, ALIGNED)
-        v = _store_moment(ptrs, 3, num_tensors, t, n, offs, mask, full, v, book_ptr, False, BLOCK, ALIGNED)
+        n = tl.load(table[2] + span[0])
+        m = _store_moment(table, 2, n, span, m, state[0], True, BLOCK, ALIGNED)
+        v = _store_moment(table, 3, n, span, v, state[0], False, BLOCK, ALIGNED)
     else:
-        store_chunk(m_ptr, offs, m, mask, full)
-        store_chunk(v_ptr, offs, v, mask, full)
+        store_span(m_ptr, span, m)
+        store_span(v_ptr, span, v)
     return m, v
 
 
@@ -218,10 +218,28 @@ def _bytes_of(x: torch.Tensor) -> torch.Tensor:
 
 def state_rows(
     exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], state8: bool, device: torch.device
-) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], torch.Tensor]:
-    """The moment rows as a launcher puts them in its table, and the code-book tensor (``state8``: uint8 rows,
-    fp32 moments of small tensors as their bytes; else the rows as given and a placeholder)."""
+) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], tuple[torch.Tensor]]:
+    """The moment rows as a launcher puts them in its table, and the kernels' state bundle (the argument ``state``
+    of :func:`load_state`/:func:`store_state`: ``state8``, uint8 rows, fp32 moments of small tensors as their bytes,
+    and the code book; else the rows as given and a placeholder)."""
     if not state8:
-        return exp_avgs, exp_avg_sqs, exp_avgs[0]
+        return exp_avgs, exp_avg_sqs, (exp_avgs[0],)
     rows = [[x if x.dtype == torch.uint8 else _bytes_of(x) for x in xs] for xs in (exp_avgs, exp_avg_sqs)]
-    return rows[0], rows[1], book(device)
+    return rows[0], rows[1], (book(device),)
+
+
+def moment_table(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor], models: Sequence[torch.Tensor] | None, state8: bool,
+) -> tuple[ChunkTable, tuple[torch.Tensor]]:
+    """``(table, state)`` of an Adam or LAMB launch: the address table of rows ``0`` params, ``1`` grads, ``2``/``3``
+    the moments as :func:`state_rows` puts them, ``4`` the model copies (the params again when there are none, never
+    written then), and the kernels' state bundle."""
+    device = params[0].device
+    exp_avgs, exp_avg_sqs, state = state_rows(exp_avgs, exp_avg_sqs, state8, device)
+    table = chunk_table(
+        [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
+        step_block(device),
+        written=(0, 2, 3) if models is None else (0, 2, 3, 4),
+    )
+    return table, state

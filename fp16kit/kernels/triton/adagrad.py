@@ -30,11 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..engine.chunks import load_chunk, row_pointer
-from ..engine.results import StepVerify, check_grad, check_or_store, pass_end, pass_start, step_arguments
-from ..engine.skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
-from ..engine.step_scalars import DeviceStep
-from ..engine.table import chunk_table, num_programs, triton_dtype
+from ..engine.results import StepVerify, chunk_end, chunk_start, pass_end, pass_start, row_constexprs, step_arguments
+from ..engine.skeleton import hp_inv_scale, hp_neg_lr, hp_value, load_span
+from ..engine.step_scalars import HOST_VECTOR, DeviceStep
+from ..engine.table import chunk_table, num_programs
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
@@ -43,27 +42,17 @@ LAUNCH: dict[str, dict] = {
 }
 
 
+#: The host numbers of a device step, in the order of the step bundle and of ``hp`` (``skeleton.hp_value``).
+HOST = ("lr", "eps", "weight_decay")
+
+
 @triton.jit
 def _adagrad_kernel(
-    ptrs,
-    num_tensors,
-    numels,
-    chunk_tensor,
-    chunk_start,
-    num_chunks,
+    table,
     hp_ptr,
     found_inf_ptr,
-    step_ptr,
-    ticket_ptr,
-    lr_ptr,
-    scale_ptr,
-    lr_hi, lr_mid, lr_lo,
-    eps_hi, eps_mid, eps_lo,
-    wd_hi, wd_mid, wd_lo,
-    bad_ptr,
-    result_ptr,
-    nonfinite_count_ptr,
-    result_count_ptr,
+    step,
+    results,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
@@ -73,29 +62,21 @@ def _adagrad_kernel(
     VERIFY: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HP_DEVICE: tl.constexpr = False,
-    LR_TENSOR: tl.constexpr = False,
-    HAS_SCALE: tl.constexpr = False,
-    BIAS_CORRECTION: tl.constexpr = False,
-    ADVANCE: tl.constexpr = False,
-    OWN_FLAG: tl.constexpr = False,
-    FIRST: tl.constexpr = False,
-    COUNT: tl.constexpr = False,
+    STEP: tl.constexpr = HOST_VECTOR,
 ):
+    """Bundles (``engine/skeleton.py``): ``table``, ``step`` (host numbers :data:`HOST`), ``results`` (the result
+    check's pointers, ``_results.step_arguments``); ``STEP`` the step's switches (``_step_scalars.StepFlags``)."""
     pid = tl.program_id(0)
     # hp = [lr, eps, weight_decay, inv_scale], or the same values derived on the device
-    neg_lr = hp_neg_lr(hp_ptr, lr_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR)
-    eps = hp_value(hp_ptr, 1, eps_hi, eps_mid, eps_lo, HP_DEVICE)
-    wd = hp_value(hp_ptr, 2, wd_hi, wd_mid, wd_lo, HP_DEVICE)
-    inv_scale = hp_inv_scale(hp_ptr, 3, scale_ptr, HP_DEVICE, HAS_SCALE)
-    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, num_chunks, BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
+    neg_lr = hp_neg_lr(hp_ptr, step, STEP)
+    eps = hp_value(hp_ptr, step, 1, STEP)
+    wd = hp_value(hp_ptr, step, 2, STEP)
+    inv_scale = hp_inv_scale(hp_ptr, 3, step, STEP)
+    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, table[5], BLOCK, VERIFY, STEP)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full, p_ptr, g_ptr, h_ptr = chunk_rows_one_state(ptrs, num_tensors, numels, chunk_tensor,
-                                                                        chunk_start, c, P_DTYPE, G_DTYPE, BLOCK,
-                                                                        ALIGNED)
-        p, g = load_param_grad(p_ptr, g_ptr, offs, mask, full, inv_scale)
-        gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
-        h = load_chunk(h_ptr, offs, mask, full)
+        span, p_ptr, h_ptr, p, g, gbad = chunk_start(table, c, inv_scale, gbad, P_DTYPE, G_DTYPE, BLOCK, ALIGNED,
+                                                     VERIFY, STEP)
+        h = load_span(h_ptr, span)
         if L2_MODE:
             g = g + wd * p
         h = h + g * g
@@ -103,11 +84,8 @@ def _adagrad_kernel(
         if DECOUPLED:
             u = u + wd * p
         p = p + neg_lr * u
-        model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
-        bad = check_or_store(p, h, p_ptr, h_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, True,
-                             HAS_MODEL, VERIFY)
-    pass_end(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr, step_ptr, gbad, bad,
-             neg_lr, entry, skip, VERIFY, HP_DEVICE, ADVANCE, FIRST, COUNT)
+        bad = chunk_end(table, span, p, h, p_ptr, h_ptr, bad, P_DTYPE, MODEL_DTYPE, True, HAS_MODEL, ALIGNED, VERIFY)
+    pass_end(found_inf_ptr, step, results, gbad, bad, neg_lr, entry, skip, VERIFY, STEP)
 
 
 def launch_adagrad(
@@ -131,22 +109,17 @@ def launch_adagrad(
         [params, grads, sums, params if models is None else models], written=(0, 2) if models is None else (0, 2, 3)
     )
     device = params[0].device
-    p_dtype = triton_dtype(params[0].dtype)
-    hp_ptr, scalars, flags = step_arguments(hp, table, ("lr", "eps", "weight_decay"), verify, check)
+    hp_ptr, step, results, flags = step_arguments(hp, table, HOST, verify, check)
     _adagrad_kernel[(num_programs(device, table.num_chunks),)](
-        *table.leading_args(),
+        table.leading_args(),
         hp_ptr,
         found_inf,
-        *scalars,
-        P_DTYPE=p_dtype,
-        G_DTYPE=triton_dtype(grads[0].dtype),
-        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
-        HAS_MODEL=models is not None,
+        step,
+        results,
+        **row_constexprs(table, params, grads, models),
         L2_MODE=l2_mode,
         DECOUPLED=decoupled,
         VERIFY=verify,
-        BLOCK=table.block,
-        ALIGNED=table.aligned,
         **flags,
         **LAUNCH["_adagrad_kernel"],
     )

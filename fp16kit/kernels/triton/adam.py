@@ -3,7 +3,7 @@
 Address-table rows: ``0`` params (the fp32 master in master-weights mode), ``1`` grads, ``2`` exp_avg
 (fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (row 0 again when there is none; never written then), or in
 split mode the int16 low halves of the bf16 params' masters. The param is read through ``load_master`` and written
-through ``store_weights`` (``bf16_weights/modes.py``: plain, split or stochastic rounding, the constexpr ``WEIGHTS``).
+through ``store_weights`` (``bf16_weights/modes.py``: plain, split or stochastic rounding, the constexpr ``EPILOGUE``).
 
 Hyper-parameters come from ``hp``, a float32 device tensor (built by ``fp16kit.optim.functional``; the
 derived values are computed in float64 and rounded once, as torch does with its Python-float scalars)::
@@ -36,10 +36,10 @@ import triton
 import triton.language as tl
 
 from ..bf16_weights.modes import Bf16Weights, launch_arguments, load_master, rng_step, store_weights
-from ..engine.skeleton import chunk_rows, load_grad, skip_and_stop
-from ..engine.step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
-from ..engine.table import STEP_PROGRAMS_PER_SM, STEP_WARPS_GPU, chunk_table, num_programs, step_block, triton_dtype
-from ..state8.triton import load_state, state_rows, store_state
+from ..engine.skeleton import chunk_rows, end_pass, load_grad, skip_and_stop
+from ..engine.step_scalars import DeviceStep, bias_correction64, step_host64, step_inv_scale64, step_lr64, step_number
+from ..engine.table import STEP_PROGRAMS_PER_SM, STEP_WARPS_GPU, num_programs, triton_dtype
+from ..state8.triton import load_state, moment_table, store_state
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
@@ -51,30 +51,18 @@ LAUNCH: dict[str, dict] = {
 }
 
 
+#: The host numbers of a device step, in the order of the step bundle (``_step_scalars.step_host64``).
+HOST = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
 @triton.jit
 def _adam_kernel(
-    ptrs,
-    num_tensors,
-    numels,
-    chunk_tensor,
-    chunk_start,
-    num_chunks,
+    table,
     hp_ptr,
     found_inf_ptr,
-    step_ptr,
-    ticket_ptr,
-    lr_ptr,
-    scale_ptr,
-    lr_hi, lr_mid, lr_lo,
-    b1_hi, b1_mid, b1_lo,
-    b2_hi, b2_mid, b2_lo,
-    eps_hi, eps_mid, eps_lo,
-    wd_hi, wd_mid, wd_lo,
-    seed,
-    stream,
-    rng_step_ptr,
-    row_idx_ptr,
-    book_ptr,
+    step,
+    weights,
+    state,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
@@ -83,31 +71,29 @@ def _adam_kernel(
     DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HP_DEVICE: tl.constexpr,
-    LR_TENSOR: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    BIAS_CORRECTION: tl.constexpr,
-    ADVANCE: tl.constexpr,
-    WEIGHTS: tl.constexpr,
-    ROW_IDX: tl.constexpr,
+    STEP: tl.constexpr,
+    EPILOGUE: tl.constexpr,
     QSTATE: tl.constexpr,
 ):
+    """Bundles (``engine/skeleton.py``): ``table`` the address table, ``step`` the step (host numbers :data:`HOST`;
+    its switches ``STEP``), ``weights`` the bf16 write epilogue (``bf16_weights/modes.py``; its switches ``EPILOGUE``),
+    ``state`` the 8-bit moments' (``state8/triton.py``)."""
     pid = tl.program_id(0)
-    if HP_DEVICE:
+    if STEP.HP_DEVICE:
         # adam_hparams (fp16kit/optim/functional.py) on the device: float64 math, each value rounded once
-        t_step = next_step(step_ptr)  # int64; ``t`` is the loop's tensor index (int32) below
-        lr = lr64(lr_hi, lr_mid, lr_lo, lr_ptr, LR_TENSOR)
-        b1 = join3(b1_hi, b1_mid, b1_lo)
-        b2 = join3(b2_hi, b2_mid, b2_lo)
-        wd64 = join3(wd_hi, wd_mid, wd_lo)
+        t_step = step_number(step)  # int64; ``t`` is the loop's tensor index (int32) below
+        lr = step_lr64(step, STEP.LR_TENSOR)
+        b1 = step_host64(step, 1)
+        b2 = step_host64(step, 2)
+        wd64 = step_host64(step, 4)
         beta2 = b2.to(tl.float32)
         one_minus_beta1 = (1.0 - b1).to(tl.float32)
         one_minus_beta2 = (1.0 - b2).to(tl.float32)
-        eps = join3(eps_hi, eps_mid, eps_lo).to(tl.float32)
+        eps = step_host64(step, 3).to(tl.float32)
         wd = wd64.to(tl.float32)
-        neg_step_size = (-lr / bias_correction64(b1, t_step, BIAS_CORRECTION)).to(tl.float32)
-        bc2_sqrt = tl.sqrt(bias_correction64(b2, t_step, BIAS_CORRECTION)).to(tl.float32)
-        inv_scale = inv_scale64(scale_ptr, HAS_SCALE).to(tl.float32)
+        neg_step_size = (-lr / bias_correction64(b1, t_step, STEP.BIAS_CORRECTION)).to(tl.float32)
+        bc2_sqrt = tl.sqrt(bias_correction64(b2, t_step, STEP.BIAS_CORRECTION)).to(tl.float32)
+        inv_scale = step_inv_scale64(step, STEP.HAS_SCALE).to(tl.float32)
         decay = (1.0 - lr * wd64).to(tl.float32)
     else:
         beta2 = tl.load(hp_ptr + 2).to(tl.float32)
@@ -119,16 +105,13 @@ def _adam_kernel(
         bc2_sqrt = tl.load(hp_ptr + 8).to(tl.float32)
         inv_scale = tl.load(hp_ptr + 9).to(tl.float32)
         decay = tl.load(hp_ptr + 10).to(tl.float32)
-    skip, stop = skip_and_stop(found_inf_ptr, num_chunks)
-    rng = rng_step(rng_step_ptr, HP_DEVICE, WEIGHTS)
+    skip, stop = skip_and_stop(found_inf_ptr, table[5])
+    rng = rng_step(weights, STEP.HP_DEVICE, EPILOGUE)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full, p_ptr, g_ptr, m_ptr, v_ptr = chunk_rows(
-            ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED
-        )
-        p, m, v = load_state(ptrs, num_tensors, numels, t, p_ptr, m_ptr, v_ptr, offs, mask, full, book_ptr, QSTATE,
-                             BLOCK, ALIGNED)
-        p = load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS, ALIGNED)
-        g = load_grad(g_ptr, offs, mask, full) * inv_scale
+        span, p_ptr, g_ptr, m_ptr, v_ptr = chunk_rows(table, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED)
+        p, m, v = load_state(table, span, p_ptr, m_ptr, v_ptr, state, QSTATE, BLOCK, ALIGNED)
+        p = load_master(p, table, span, EPILOGUE, ALIGNED)
+        g = load_grad(g_ptr, span) * inv_scale
         if L2_MODE:
             g = g + wd * p
         # torch.lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w).
@@ -139,12 +122,9 @@ def _adam_kernel(
             p = p * decay
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         p = p + neg_step_size * tl.div_rn(m, denom)
-        store_state(ptrs, num_tensors, numels, t, m_ptr, v_ptr, offs, mask, full, m, v, book_ptr, QSTATE, BLOCK,
-                    ALIGNED)
-        store_weights(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED,
-                      WEIGHTS, seed, stream, rng, row_idx_ptr, ROW_IDX)
-    if not skip:
-        advance_step(step_ptr, ticket_ptr, ADVANCE)
+        store_state(table, span, m_ptr, v_ptr, m, v, state, QSTATE, BLOCK, ALIGNED)
+        store_weights(table, span, p_ptr, p, weights, rng, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED, EPILOGUE)
+    end_pass(skip, step, STEP)
 
 
 def launch_adam(
@@ -171,22 +151,17 @@ def launch_adam(
     table of stochastic rounding's counters (``_bf16_weights.row_table``: each tensor's position in the update call
     and its first element's index in its whole tensor, int64, device), when not ``0..n-1`` and all 0."""
     device = params[0].device
-    exp_avgs, exp_avg_sqs, book = state_rows(exp_avgs, exp_avg_sqs, state8, device)
-    table = chunk_table(
-        [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
-        step_block(device),
-        written=(0, 2, 3) if models is None else (0, 2, 3, 4),
-    )
+    table, state = moment_table(params, grads, exp_avgs, exp_avg_sqs, models, state8)
     p_dtype = triton_dtype(params[0].dtype)
-    hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, ("lr", "beta1", "beta2", "eps", "weight_decay"))
+    hp_ptr, step, flags = DeviceStep.arguments(hp, table, HOST)
     epilogue, modes, has_model = launch_arguments(weights, params, models is not None, found_inf, row_idx)
     _adam_kernel[(num_programs(device, table.num_chunks, STEP_PROGRAMS_PER_SM),)](
-        *table.leading_args(),
+        table.leading_args(),
         hp_ptr,
         found_inf,
-        *scalars,
-        *epilogue,
-        book,
+        step,
+        epilogue,
+        state,
         P_DTYPE=p_dtype,
         G_DTYPE=triton_dtype(grads[0].dtype),
         MODEL_DTYPE=p_dtype if not has_model else triton_dtype(models[0].dtype),

@@ -4,7 +4,7 @@ One address table per dtype combination with five rows: ``0`` params (the fp32 m
 mode), ``1`` grads, ``2`` exp_avg (fp32), ``3`` exp_avg_sq (fp32), ``4`` model copy (the low-precision
 model param in master-weights mode; row 0 again otherwise, and never written then; in split mode the int16
 low halves of the bf16 params' masters, read by both stages and written by stage 2: ``bf16_weights/modes.py``, the
-constexpr ``WEIGHTS``).
+constexpr ``EPILOGUE``).
 
 Hyper-parameters are read from ``hp``, a float32 device tensor (built by ``fp16kit.optim.functional``)::
 
@@ -43,19 +43,25 @@ import torch
 import triton
 import triton.language as tl
 
-from ..bf16_weights.modes import Bf16Weights, epilogue_mode, launch_arguments, load_master, rng_step, store_weights
-from ..engine.skeleton import chunk_rows, load_grad, skip_and_stop
-from ..engine.step_scalars import DeviceStep, advance_step, bias_correction64, inv_scale64, join3, lr64, next_step
+from ..bf16_weights.modes import (
+    Bf16Weights,
+    Epilogue,
+    epilogue_mode,
+    launch_arguments,
+    load_master,
+    rng_step,
+    store_weights,
+)
+from ..engine.skeleton import chunk_rows, end_pass, load_grad, skip_and_stop
+from ..engine.step_scalars import DeviceStep, bias_correction64, step_host64, step_inv_scale64, step_lr64, step_number
 from ..engine.table import (
     STEP_PROGRAMS_PER_SM,
     STEP_WARPS_GPU,
     ChunkTable,
-    chunk_table,
     num_programs,
-    step_block,
     triton_dtype,
 )
-from ..state8.triton import book, load_state, state_rows, store_state
+from ..state8.triton import book, load_state, moment_table, store_state
 from .l2norm import segment_sums, segment_total
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -81,35 +87,34 @@ def _lamb_update(m, v, p, mask, eps, wd, bc1, bc2, DECOUPLED: tl.constexpr):
     return tl.where(mask, u, 0.0)
 
 
+#: The host numbers of a device step, in the order of the step bundle (``_step_scalars.step_host64``).
+HOST = ("lr", "beta1", "beta2", "beta3", "eps", "weight_decay", "max_grad_norm")
+
+
 @triton.jit
-def _lamb_scalars(
-    hp_ptr, step_ptr, lr_ptr, scale_ptr, gnorm_ptr,
-    lr_hi, lr_mid, lr_lo, b1_hi, b1_mid, b1_lo, b2_hi, b2_mid, b2_lo, b3_hi, b3_mid, b3_lo,
-    eps_hi, eps_mid, eps_lo, wd_hi, wd_mid, wd_lo, mx_hi, mx_mid, mx_lo,
-    HP_DEVICE: tl.constexpr, LR_TENSOR: tl.constexpr, HAS_SCALE: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
-):
+def _lamb_scalars(hp_ptr, step, gnorm_ptr, STEP: tl.constexpr):
     """The float32 hyper-parameters ``(lr, b1, b2, beta3, 1 - b2, eps, wd, bc1, bc2, inv_scale, clip)``: read
-    from ``hp_ptr`` (the vector of the module docstring), or derived on the device as
-    ``fp16kit.optim.functional.lamb_hparams`` derives them (float64 math, each value rounded once; the clip
-    divisor ``gnorm / max_grad_norm`` when ``0 < max_grad_norm < gnorm``, else 1)."""
-    if HP_DEVICE:
-        t = next_step(step_ptr)
-        b1 = join3(b1_hi, b1_mid, b1_lo)
-        b2 = join3(b2_hi, b2_mid, b2_lo)
+    from ``hp_ptr`` (the vector of the module docstring), or derived from the step bundle ``step`` (host numbers
+    :data:`HOST`) on the device as ``fp16kit.optim.functional.lamb_hparams`` derives them (float64 math, each value
+    rounded once; the clip divisor ``gnorm / max_grad_norm`` when ``0 < max_grad_norm < gnorm``, else 1)."""
+    if STEP.HP_DEVICE:
+        t = step_number(step)
+        b1 = step_host64(step, 1)
+        b2 = step_host64(step, 2)
         g = tl.load(gnorm_ptr).to(tl.float64)
-        mx = join3(mx_hi, mx_mid, mx_lo)
+        mx = step_host64(step, 6)
         clip = tl.where((mx > 0) & (g > mx), g / mx, 1.0)
         return (
-            lr64(lr_hi, lr_mid, lr_lo, lr_ptr, LR_TENSOR).to(tl.float32),
+            step_lr64(step, STEP.LR_TENSOR).to(tl.float32),
             b1.to(tl.float32),
             b2.to(tl.float32),
-            join3(b3_hi, b3_mid, b3_lo).to(tl.float32),
+            step_host64(step, 3).to(tl.float32),
             (1.0 - b2).to(tl.float32),
-            join3(eps_hi, eps_mid, eps_lo).to(tl.float32),
-            join3(wd_hi, wd_mid, wd_lo).to(tl.float32),
-            bias_correction64(b1, t, BIAS_CORRECTION).to(tl.float32),
-            bias_correction64(b2, t, BIAS_CORRECTION).to(tl.float32),
-            inv_scale64(scale_ptr, HAS_SCALE).to(tl.float32),
+            step_host64(step, 4).to(tl.float32),
+            step_host64(step, 5).to(tl.float32),
+            bias_correction64(b1, t, STEP.BIAS_CORRECTION).to(tl.float32),
+            bias_correction64(b2, t, STEP.BIAS_CORRECTION).to(tl.float32),
+            step_inv_scale64(step, STEP.HAS_SCALE).to(tl.float32),
             clip.to(tl.float32),
         )
     else:
@@ -129,69 +134,58 @@ def _lamb_scalars(
 
 
 @triton.jit
+def _lamb_moments(table, c, state, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, EPILOGUE: tl.constexpr,
+                  BLOCK: tl.constexpr, ALIGNED: tl.constexpr, QSTATE: tl.constexpr):
+    """``(span, p_ptr, g_ptr, m_ptr, v_ptr, p, m, v)`` of chunk ``c`` as both stages start it: its span and rows
+    (``chunk_rows``), the param (the split master reassembled) and the moments loaded (8-bit: dequantized)."""
+    span, p_ptr, g_ptr, m_ptr, v_ptr = chunk_rows(table, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED)
+    p, m, v = load_state(table, span, p_ptr, m_ptr, v_ptr, state, QSTATE, BLOCK, ALIGNED)
+    p = load_master(p, table, span, EPILOGUE, ALIGNED)
+    return span, p_ptr, g_ptr, m_ptr, v_ptr, p, m, v
+
+
+@triton.jit
 def _lamb_stage1_kernel(
-    ptrs,
-    num_tensors,
-    numels,
-    chunk_tensor,
-    chunk_start,
-    num_chunks,
+    table,
     hp_ptr,
     found_inf_ptr,
-    step_ptr,
-    ticket_ptr,
-    lr_ptr,
-    scale_ptr,
-    lr_hi, lr_mid, lr_lo, b1_hi, b1_mid, b1_lo, b2_hi, b2_mid, b2_lo, b3_hi, b3_mid, b3_lo,
-    eps_hi, eps_mid, eps_lo, wd_hi, wd_mid, wd_lo, mx_hi, mx_mid, mx_lo,
+    step,
     gnorm_ptr,
-    u_partials,
-    p_partials,
-    done_ptr,
-    chunk_counts,
-    first_chunk,
-    u_sumsq,
-    p_sumsq,
-    book_ptr,
+    sums,
+    state,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     L2_MODE: tl.constexpr,
-    WEIGHTS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
     DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HP_DEVICE: tl.constexpr,
-    LR_TENSOR: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    BIAS_CORRECTION: tl.constexpr,
-    ADVANCE: tl.constexpr,
+    STEP: tl.constexpr,
     FINISH_SUMS: tl.constexpr,
     QSTATE: tl.constexpr,
 ):
+    """Bundles (``engine/skeleton.py``): ``table``, ``step`` (host numbers :data:`HOST`; switches ``STEP``),
+    ``state`` (``state8/triton.py``; ``EPILOGUE``: the split master's low half is read), and ``sums``
+    (:func:`launch_lamb_stage1`):
+    ``u_partials, p_partials, done, chunk_counts, first_chunk, u_sumsq, p_sumsq``."""
     pid = tl.program_id(0)
     _, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = _lamb_scalars(
-        hp_ptr, step_ptr, lr_ptr, scale_ptr, gnorm_ptr,
-        lr_hi, lr_mid, lr_lo, b1_hi, b1_mid, b1_lo, b2_hi, b2_mid, b2_lo, b3_hi, b3_mid, b3_lo,
-        eps_hi, eps_mid, eps_lo, wd_hi, wd_mid, wd_lo, mx_hi, mx_mid, mx_lo,
-        HP_DEVICE, LR_TENSOR, HAS_SCALE, BIAS_CORRECTION,
+        hp_ptr, step, gnorm_ptr, STEP
     )
+    u_partials, p_partials, done_ptr, chunk_counts, first_chunk, u_sumsq, p_sumsq = sums
     # found_inf set: zero iterations, nothing read or written.
-    _, stop = skip_and_stop(found_inf_ptr, num_chunks)
+    _, stop = skip_and_stop(found_inf_ptr, table[5])
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full, p_ptr, g_ptr, m_ptr, v_ptr = chunk_rows(
-            ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED
-        )
-        p, m, v = load_state(ptrs, num_tensors, numels, t, p_ptr, m_ptr, v_ptr, offs, mask, full, book_ptr, QSTATE,
-                             BLOCK, ALIGNED)
-        p = load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS, ALIGNED)
-        g = tl.div_rn(load_grad(g_ptr, offs, mask, full) * inv_scale, clip)
+        span, _p_ptr, g_ptr, m_ptr, v_ptr, p, m, v = _lamb_moments(table, c, state, P_DTYPE, G_DTYPE, EPILOGUE,
+                                                                  BLOCK, ALIGNED, QSTATE)
+        t = span[0]
+        g = tl.div_rn(load_grad(g_ptr, span) * inv_scale, clip)
         if L2_MODE:
             g = g + wd * p
         m = m * beta1 + beta3 * g
         v = v * beta2 + one_minus_beta2 * g * g
-        m, v = store_state(ptrs, num_tensors, numels, t, m_ptr, v_ptr, offs, mask, full, m, v, book_ptr, QSTATE, BLOCK,
-                           ALIGNED)
-        u = _lamb_update(m, v, p, mask, eps, wd, bc1, bc2, DECOUPLED)
+        m, v = store_state(table, span, m_ptr, v_ptr, m, v, state, QSTATE, BLOCK, ALIGNED)
+        u = _lamb_update(m, v, p, span[2], eps, wd, bc1, bc2, DECOUPLED)
         tl.store(u_partials + c, tl.sum(u * u, axis=0))
         tl.store(p_partials + c, tl.sum(p * p, axis=0))
         if FINISH_SUMS:
@@ -208,28 +202,15 @@ def _lamb_stage1_kernel(
 
 @triton.jit
 def _lamb_stage2_kernel(
-    ptrs,
-    num_tensors,
-    numels,
-    chunk_tensor,
-    chunk_start,
-    num_chunks,
+    table,
     hp_ptr,
     found_inf_ptr,
-    step_ptr,
-    ticket_ptr,
-    lr_ptr,
-    scale_ptr,
-    lr_hi, lr_mid, lr_lo, b1_hi, b1_mid, b1_lo, b2_hi, b2_mid, b2_lo, b3_hi, b3_mid, b3_lo,
-    eps_hi, eps_mid, eps_lo, wd_hi, wd_mid, wd_lo, mx_hi, mx_mid, mx_lo,
+    step,
     gnorm_ptr,
     u_sumsq,
     p_sumsq,
-    seed,
-    stream,
-    rng_step_ptr,
-    row_idx_ptr,
-    book_ptr,
+    weights,
+    state,
     P_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
     HAS_MODEL: tl.constexpr,
@@ -237,45 +218,29 @@ def _lamb_stage2_kernel(
     TRUST: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HP_DEVICE: tl.constexpr,
-    LR_TENSOR: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    BIAS_CORRECTION: tl.constexpr,
-    ADVANCE: tl.constexpr,
-    WEIGHTS: tl.constexpr,
-    ROW_IDX: tl.constexpr,
+    STEP: tl.constexpr,
+    EPILOGUE: tl.constexpr,
     QSTATE: tl.constexpr,
 ):
+    """Bundles (``engine/skeleton.py``): ``table``, ``step`` (host numbers :data:`HOST`; switches ``STEP``),
+    ``weights`` (the bf16 write epilogue, ``bf16_weights/modes.py``; switches ``EPILOGUE``), ``state``
+    (``state8/triton.py``)."""
     pid = tl.program_id(0)
-    lr, _, _, _, _, eps, wd, bc1, bc2, _, _ = _lamb_scalars(
-        hp_ptr, step_ptr, lr_ptr, scale_ptr, gnorm_ptr,
-        lr_hi, lr_mid, lr_lo, b1_hi, b1_mid, b1_lo, b2_hi, b2_mid, b2_lo, b3_hi, b3_mid, b3_lo,
-        eps_hi, eps_mid, eps_lo, wd_hi, wd_mid, wd_lo, mx_hi, mx_mid, mx_lo,
-        HP_DEVICE, LR_TENSOR, HAS_SCALE, BIAS_CORRECTION,
-    )
-    skip, stop = skip_and_stop(found_inf_ptr, num_chunks)
-    rng = rng_step(rng_step_ptr, HP_DEVICE, WEIGHTS)
+    lr, _, _, _, _, eps, wd, bc1, bc2, _, _ = _lamb_scalars(hp_ptr, step, gnorm_ptr, STEP)
+    skip, stop = skip_and_stop(found_inf_ptr, table[5])
+    rng = rng_step(weights, STEP.HP_DEVICE, EPILOGUE)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full, p_ptr, _grads, m_ptr, v_ptr = chunk_rows(
-            ptrs, num_tensors, numels, chunk_tensor, chunk_start, c, P_DTYPE, P_DTYPE, BLOCK, ALIGNED
-        )
-        p, m, v = load_state(ptrs, num_tensors, numels, t, p_ptr, m_ptr, v_ptr, offs, mask, full, book_ptr, QSTATE,
-                             BLOCK, ALIGNED)
-        p = load_master(p, ptrs, num_tensors, t, offs, mask, full, WEIGHTS, ALIGNED)
-        u = _lamb_update(m, v, p, mask, eps, wd, bc1, bc2, DECOUPLED)
+        span, p_ptr, _grads, _m_ptr, _v_ptr, p, m, v = _lamb_moments(table, c, state, P_DTYPE, P_DTYPE, EPILOGUE,
+                                                                    BLOCK, ALIGNED, QSTATE)
+        u = _lamb_update(m, v, p, span[2], eps, wd, bc1, bc2, DECOUPLED)
         ratio = lr
         if TRUST:
-            pn = tl.sqrt_rn(tl.load(p_sumsq + t))
-            un = tl.sqrt_rn(tl.load(u_sumsq + t))
+            pn = tl.sqrt_rn(tl.load(p_sumsq + span[0]))
+            un = tl.sqrt_rn(tl.load(u_sumsq + span[0]))
             ratio = tl.where((pn != 0.0) & (un != 0.0), lr * tl.div_rn(pn, un), lr)
         p = p - ratio * u
-        store_weights(ptrs, num_tensors, t, p_ptr, offs, mask, full, p, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED,
-                      WEIGHTS, seed, stream, rng, row_idx_ptr, ROW_IDX)
-    if not skip:
-        advance_step(step_ptr, ticket_ptr, ADVANCE)
-
-
-_LAMB_HOST = ("lr", "beta1", "beta2", "beta3", "eps", "weight_decay", "max_grad_norm")
+        store_weights(table, span, p_ptr, p, weights, rng, P_DTYPE, MODEL_DTYPE, HAS_MODEL, ALIGNED, EPILOGUE)
+    end_pass(skip, step, STEP)
 
 
 def launch_lamb(
@@ -329,13 +294,8 @@ def launch_lamb_stage1(
     (``fp16kit/kernels/optimizers.py``); :func:`launch_lamb` hands them straight to :func:`launch_lamb_stage2`.
     """
     device = params[0].device
-    exp_avgs, exp_avg_sqs, qbook = state_rows(exp_avgs, exp_avg_sqs, state8, device)
-    table = chunk_table(
-        [params, grads, exp_avgs, exp_avg_sqs, params if models is None else models],
-        step_block(device),
-        written=(0, 2, 3) if models is None else (0, 2, 3, 4),
-    )
-    hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, _LAMB_HOST)
+    table, state = moment_table(params, grads, exp_avgs, exp_avg_sqs, models, state8)
+    hp_ptr, step, flags = DeviceStep.arguments(hp, table, HOST)
     finish = isinstance(hp, DeviceStep)
     n = table.num_tensors
     if finish:  # per-tensor sums finished in the launch: buffers of the table, made once
@@ -349,23 +309,18 @@ def launch_lamb_stage1(
         p_partials = torch.empty(table.num_chunks, dtype=torch.float32, device=device)
         sums = done = gnorm = u_partials
     _lamb_stage1_kernel[(num_programs(device, table.num_chunks, STEP_PROGRAMS_PER_SM),)](
-        *table.leading_args(),
+        table.leading_args(),
         hp_ptr,
         found_inf,
-        *scalars,
+        step,
         gnorm,
-        u_partials,
-        p_partials,
-        done,
-        table.chunk_counts,
-        table.first_chunk,
-        sums[n:] if finish else sums,
-        sums[:n] if finish else sums,
-        qbook,
+        (u_partials, p_partials, done, table.chunk_counts, table.first_chunk, sums[n:] if finish else sums,
+         sums[:n] if finish else sums),
+        state,
         P_DTYPE=triton_dtype(params[0].dtype),
         G_DTYPE=triton_dtype(grads[0].dtype),
         L2_MODE=l2_mode,
-        WEIGHTS=epilogue_mode(weights, params, models is not None),
+        EPILOGUE=Epilogue(epilogue_mode(weights, params, models is not None)),
         DECOUPLED=decoupled,
         BLOCK=table.block,
         ALIGNED=table.aligned,
@@ -398,19 +353,19 @@ def launch_lamb_stage2(
     ratio from the completed sums; model copies written."""
     device = params[0].device
     p_dtype = triton_dtype(params[0].dtype)
-    hp_ptr, scalars, flags = DeviceStep.arguments(hp, table, _LAMB_HOST)
+    hp_ptr, step, flags = DeviceStep.arguments(hp, table, HOST)
     gnorm = hp.gnorm if isinstance(hp, DeviceStep) and hp.gnorm is not None else hp_ptr
     epilogue, modes, has_model = launch_arguments(weights, params, models is not None, found_inf, row_idx)
     _lamb_stage2_kernel[(num_programs(device, table.num_chunks, STEP_PROGRAMS_PER_SM),)](
-        *table.leading_args(),
+        table.leading_args(),
         hp_ptr,
         found_inf,
-        *scalars,
+        step,
         gnorm,
         u_sumsq,
         p_sumsq,
-        *epilogue,
-        book(device) if state8 else p_sumsq,
+        epilogue,
+        (book(device) if state8 else p_sumsq,),
         P_DTYPE=p_dtype,
         MODEL_DTYPE=p_dtype if not has_model else triton_dtype(models[0].dtype),
         HAS_MODEL=has_model,

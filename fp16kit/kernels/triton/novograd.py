@@ -37,18 +37,29 @@ from ..engine.chunks import chunk_span, load_chunk, row_pointer
 from ..engine.results import (
     StepVerify,
     check_grad,
-    check_or_store,
+    chunk_end,
     lr_arms,
     nonfinite,
     pass_end,
     pass_start,
+    row_constexprs,
     step_arguments,
 )
 from ..engine.rounding import to_fp32
-from ..engine.skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
-from ..engine.step_scalars import DeviceStep, bias_correction64, join3, lr64, next_step, split3_cached
+from ..engine.skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad, load_span
+from ..engine.step_scalars import (
+    HOST_VECTOR,
+    DeviceStep,
+    bias_correction64,
+    join3,
+    lr64,
+    next_step,
+    split3_cached,
+    step_host64,
+    step_number,
+)
 from ..engine.table import STEP_PROGRAMS_PER_SM, chunk_table, num_programs, step_block, triton_dtype
-from . import l2norm as l2norm_kernel
+from . import l2norm_kernel
 from .l2norm import segment_total
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
@@ -110,29 +121,19 @@ def absmax_per_tensor(tensors: Sequence[torch.Tensor], pre_scale: torch.Tensor) 
     return torch.segment_reduce(partials, "max", lengths=table.chunk_counts)
 
 
+#: The host numbers of the update's device step, in the order of the step bundle and of ``hp``
+#: (``skeleton.hp_value``).
+HOST = ("lr", "beta1", "beta3", "weight_decay")
+
+
 @triton.jit
 def _novograd_kernel(
-    ptrs,
-    num_tensors,
-    numels,
-    chunk_tensor,
-    chunk_start,
-    num_chunks,
+    table,
     hp_ptr,
     denoms_ptr,
     found_inf_ptr,
-    step_ptr,
-    ticket_ptr,
-    lr_ptr,
-    scale_ptr,
-    lr_hi, lr_mid, lr_lo,
-    b1_hi, b1_mid, b1_lo,
-    b3_hi, b3_mid, b3_lo,
-    wd_hi, wd_mid, wd_lo,
-    bad_ptr,
-    result_ptr,
-    nonfinite_count_ptr,
-    result_count_ptr,
+    step,
+    results,
     v_ptrs,
     v_new_ptr,
     P_DTYPE: tl.constexpr,
@@ -143,39 +144,34 @@ def _novograd_kernel(
     VERIFY: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HP_DEVICE: tl.constexpr = False,
-    LR_TENSOR: tl.constexpr = False,
-    HAS_SCALE: tl.constexpr = False,
-    BIAS_CORRECTION: tl.constexpr = False,
-    ADVANCE: tl.constexpr = False,
-    OWN_FLAG: tl.constexpr = False,
-    FIRST: tl.constexpr = False,
-    COUNT: tl.constexpr = False,
+    STEP: tl.constexpr = HOST_VECTOR,
 ):
+    """Bundles (``engine/skeleton.py``): ``table``, ``step`` (host numbers :data:`HOST`), ``results`` (the result
+    check's pointers, ``_results.step_arguments``); ``STEP`` the step's switches (``_step_scalars.StepFlags``)."""
     pid = tl.program_id(0)
     # hp = [lr, beta1, beta3, weight_decay, bc1, inv_scale], or the same values derived on the device
-    neg_lr = hp_neg_lr(hp_ptr, lr_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR)
-    beta1 = hp_value(hp_ptr, 1, b1_hi, b1_mid, b1_lo, HP_DEVICE)
-    beta3 = hp_value(hp_ptr, 2, b3_hi, b3_mid, b3_lo, HP_DEVICE)
-    wd = hp_value(hp_ptr, 3, wd_hi, wd_mid, wd_lo, HP_DEVICE)
-    if HP_DEVICE:  # bc1 = 1 - beta1^t from the device step counter, in float64, rounded once
-        bc1 = bias_correction64(join3(b1_hi, b1_mid, b1_lo), next_step(step_ptr), BIAS_CORRECTION).to(tl.float32)
+    neg_lr = hp_neg_lr(hp_ptr, step, STEP)
+    beta1 = hp_value(hp_ptr, step, 1, STEP)
+    beta3 = hp_value(hp_ptr, step, 2, STEP)
+    wd = hp_value(hp_ptr, step, 3, STEP)
+    if STEP.HP_DEVICE:  # bc1 = 1 - beta1^t from the device step counter, in float64, rounded once
+        bc1 = bias_correction64(step_host64(step, 1), step_number(step), STEP.BIAS_CORRECTION).to(tl.float32)
     else:
         bc1 = tl.load(hp_ptr + 4).to(tl.float32)
-    inv_scale = hp_inv_scale(hp_ptr, 5, scale_ptr, HP_DEVICE, HAS_SCALE)
-    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, num_chunks, BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
+    inv_scale = hp_inv_scale(hp_ptr, 5, step, STEP)
+    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, table[5], BLOCK, VERIFY, STEP)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full, p_ptr, g_ptr, m_ptr = chunk_rows_one_state(ptrs, num_tensors, numels, chunk_tensor,
-                                                                        chunk_start, c, P_DTYPE, G_DTYPE, BLOCK,
-                                                                        ALIGNED)
+        # (not _results.chunk_start: the denominator is loaded between the rows' addresses and their data)
+        span, p_ptr, g_ptr, m_ptr = chunk_rows_one_state(table, c, P_DTYPE, G_DTYPE, BLOCK, ALIGNED)
+        t = span[0]
         denom = tl.load(denoms_ptr + t).to(tl.float32)
-        p, g = load_param_grad(p_ptr, g_ptr, offs, mask, full, inv_scale)
-        gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
-        if HP_DEVICE and not VERIFY:  # noqa: SIM102  (a compile-time branch around a runtime one)
+        p, g = load_param_grad(p_ptr, g_ptr, span, inv_scale)
+        gbad = check_grad(gbad, g, span, VERIFY, STEP)
+        if STEP.HP_DEVICE and not VERIFY:  # noqa: SIM102  (a compile-time branch around a runtime one)
             # the tensor's new second moment (from _novograd_prepare_kernel), committed by its first chunk's program
-            if tl.load(chunk_start + c) == 0:
+            if tl.load(table[4] + c) == 0:
                 tl.store(tl.load(v_ptrs + t).to(tl.pointer_type(tl.float32)), tl.load(v_new_ptr + t))
-        m = load_chunk(m_ptr, offs, mask, full)
+        m = load_span(m_ptr, span)
         if REG_INSIDE:
             g = tl.div_rn(g, denom) + wd * p
             m = beta1 * m + beta3 * g
@@ -184,11 +180,8 @@ def _novograd_kernel(
             m = beta1 * m + beta3 * g
             u = tl.div_rn(tl.div_rn(m, bc1), denom) + wd * p
         p = p + neg_lr * u
-        model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
-        bad = check_or_store(p, m, p_ptr, m_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, True,
-                             HAS_MODEL, VERIFY)
-    pass_end(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr, step_ptr, gbad, bad,
-             neg_lr, entry, skip, VERIFY, HP_DEVICE, ADVANCE, FIRST, COUNT)
+        bad = chunk_end(table, span, p, m, p_ptr, m_ptr, bad, P_DTYPE, MODEL_DTYPE, True, HAS_MODEL, ALIGNED, VERIFY)
+    pass_end(found_inf_ptr, step, results, gbad, bad, neg_lr, entry, skip, VERIFY, STEP)
 
 
 @triton.jit
@@ -268,7 +261,6 @@ def launch_novograd(
         written=(0, 2) if models is None else (0, 2, 3),
     )
     device = params[0].device
-    p_dtype = triton_dtype(params[0].dtype)
     device_step = isinstance(hp, DeviceStep)
     if device_step:
         if exp_avg_sqs is None:
@@ -280,23 +272,19 @@ def launch_novograd(
             _novograd_prepare(table, grads, hp, v_ptrs, v_new, denoms, init_zero)
     else:
         v_ptrs = v_new = denoms
-    hp_ptr, scalars, flags = step_arguments(hp, table, ("lr", "beta1", "beta3", "weight_decay"), verify, check)
+    hp_ptr, step, results, flags = step_arguments(hp, table, HOST, verify, check)
     _novograd_kernel[(num_programs(device, table.num_chunks),)](
-        *table.leading_args(),
+        table.leading_args(),
         hp_ptr,
         denoms,
         found_inf,
-        *scalars,
+        step,
+        results,
         v_ptrs,
         v_new,
-        P_DTYPE=p_dtype,
-        G_DTYPE=triton_dtype(grads[0].dtype),
-        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
-        HAS_MODEL=models is not None,
+        **row_constexprs(table, params, grads, models),
         REG_INSIDE=reg_inside_moment,
         VERIFY=verify,
-        BLOCK=table.block,
-        ALIGNED=table.aligned,
         **flags,
         **LAUNCH["_novograd_kernel"],
     )

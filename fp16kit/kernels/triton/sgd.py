@@ -32,11 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..engine.chunks import load_chunk, row_pointer
-from ..engine.results import StepVerify, check_grad, check_or_store, pass_end, pass_start, step_arguments
-from ..engine.skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad
-from ..engine.step_scalars import DeviceStep
-from ..engine.table import chunk_table, num_programs, triton_dtype
+from ..engine.results import StepVerify, chunk_end, chunk_start, pass_end, pass_start, row_constexprs, step_arguments
+from ..engine.skeleton import hp_inv_scale, hp_neg_lr, hp_value, load_span
+from ..engine.step_scalars import HOST_VECTOR, DeviceStep
+from ..engine.table import chunk_table, num_programs
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
@@ -45,28 +44,17 @@ LAUNCH: dict[str, dict] = {
 }
 
 
+#: The host numbers of a device step, in the order of the step bundle and of ``hp`` (``skeleton.hp_value``).
+HOST = ("lr", "momentum", "one_minus_dampening", "weight_decay")
+
+
 @triton.jit
 def _sgd_kernel(
-    ptrs,
-    num_tensors,
-    numels,
-    chunk_tensor,
-    chunk_start,
-    num_chunks,
+    table,
     hp_ptr,
     found_inf_ptr,
-    step_ptr,
-    ticket_ptr,
-    lr_ptr,
-    scale_ptr,
-    lr_hi, lr_mid, lr_lo,
-    mom_hi, mom_mid, mom_lo,
-    omd_hi, omd_mid, omd_lo,
-    wd_hi, wd_mid, wd_lo,
-    bad_ptr,
-    result_ptr,
-    nonfinite_count_ptr,
-    result_count_ptr,
+    step,
+    results,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
@@ -79,36 +67,28 @@ def _sgd_kernel(
     VERIFY: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HP_DEVICE: tl.constexpr = False,
-    LR_TENSOR: tl.constexpr = False,
-    HAS_SCALE: tl.constexpr = False,
-    BIAS_CORRECTION: tl.constexpr = False,
-    ADVANCE: tl.constexpr = False,
-    OWN_FLAG: tl.constexpr = False,
-    FIRST: tl.constexpr = False,
-    COUNT: tl.constexpr = False,
+    STEP: tl.constexpr = HOST_VECTOR,
 ):
+    """Bundles (``engine/skeleton.py``): ``table``, ``step`` (host numbers :data:`HOST`), ``results`` (the result
+    check's pointers, ``_results.step_arguments``); ``STEP`` the step's switches (``_step_scalars.StepFlags``)."""
     pid = tl.program_id(0)
     # hp = [lr, momentum, 1 - dampening, weight_decay, inv_scale], or the same values derived on the device
-    neg_lr = hp_neg_lr(hp_ptr, lr_ptr, lr_hi, lr_mid, lr_lo, HP_DEVICE, LR_TENSOR)
-    momentum = hp_value(hp_ptr, 1, mom_hi, mom_mid, mom_lo, HP_DEVICE)
-    one_minus_dampening = hp_value(hp_ptr, 2, omd_hi, omd_mid, omd_lo, HP_DEVICE)
-    wd = hp_value(hp_ptr, 3, wd_hi, wd_mid, wd_lo, HP_DEVICE)
-    inv_scale = hp_inv_scale(hp_ptr, 4, scale_ptr, HP_DEVICE, HAS_SCALE)
-    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, num_chunks, BLOCK, VERIFY, HP_DEVICE, OWN_FLAG)
+    neg_lr = hp_neg_lr(hp_ptr, step, STEP)
+    momentum = hp_value(hp_ptr, step, 1, STEP)
+    one_minus_dampening = hp_value(hp_ptr, step, 2, STEP)
+    wd = hp_value(hp_ptr, step, 3, STEP)
+    inv_scale = hp_inv_scale(hp_ptr, 4, step, STEP)
+    entry, skip, stop, bad, gbad = pass_start(found_inf_ptr, table[5], BLOCK, VERIFY, STEP)
     for c in range(pid, stop, tl.num_programs(0)):
-        t, offs, mask, full, p_ptr, g_ptr, m_ptr = chunk_rows_one_state(ptrs, num_tensors, numels, chunk_tensor,
-                                                                        chunk_start, c, P_DTYPE, G_DTYPE, BLOCK,
-                                                                        ALIGNED)
-        p, g = load_param_grad(p_ptr, g_ptr, offs, mask, full, inv_scale)
-        gbad = check_grad(gbad, g, mask, VERIFY, HP_DEVICE)
+        span, p_ptr, m_ptr, p, g, gbad = chunk_start(table, c, inv_scale, gbad, P_DTYPE, G_DTYPE, BLOCK, ALIGNED,
+                                                     VERIFY, STEP)
         if WD and not WD_AFTER:
             g = g + wd * p
         if MOMENTUM:
             if FIRST_RUN:  # noqa: SIM108  (a compile-time branch: the buffer is not even loaded)
                 m = g
             else:
-                m = load_chunk(m_ptr, offs, mask, full) * momentum + one_minus_dampening * g
+                m = load_span(m_ptr, span) * momentum + one_minus_dampening * g
             if NESTEROV:  # noqa: SIM108  (a compile-time branch)
                 g = g + momentum * m
             else:
@@ -118,11 +98,9 @@ def _sgd_kernel(
         if WD and WD_AFTER:
             g = g + wd * p
         p = p + neg_lr * g
-        model_ptr = row_pointer(ptrs, 3, num_tensors, t, MODEL_DTYPE, ALIGNED)
-        bad = check_or_store(p, m, p_ptr, m_ptr, model_ptr, offs, mask, full, bad, P_DTYPE, MODEL_DTYPE, MOMENTUM,
-                             HAS_MODEL, VERIFY)
-    pass_end(found_inf_ptr, bad_ptr, ticket_ptr, result_ptr, nonfinite_count_ptr, result_count_ptr, step_ptr, gbad, bad,
-             neg_lr, entry, skip, VERIFY, HP_DEVICE, ADVANCE, FIRST, COUNT)
+        bad = chunk_end(table, span, p, m, p_ptr, m_ptr, bad, P_DTYPE, MODEL_DTYPE, MOMENTUM, HAS_MODEL, ALIGNED,
+                        VERIFY)
+    pass_end(found_inf_ptr, step, results, gbad, bad, neg_lr, entry, skip, VERIFY, STEP)
 
 
 def launch_sgd(
@@ -152,27 +130,20 @@ def launch_sgd(
     written = (0,) + ((2,) if momentum_buffers is not None else ()) + ((3,) if models is not None else ())
     table = chunk_table([*rows, params if models is None else models], written=written)
     device = params[0].device
-    p_dtype = triton_dtype(params[0].dtype)
-    hp_ptr, scalars, flags = step_arguments(
-        hp, table, ("lr", "momentum", "one_minus_dampening", "weight_decay"), verify, check
-    )
+    hp_ptr, step, results, flags = step_arguments(hp, table, HOST, verify, check)
     _sgd_kernel[(num_programs(device, table.num_chunks),)](
-        *table.leading_args(),
+        table.leading_args(),
         hp_ptr,
         found_inf,
-        *scalars,
-        P_DTYPE=p_dtype,
-        G_DTYPE=triton_dtype(grads[0].dtype),
-        MODEL_DTYPE=p_dtype if models is None else triton_dtype(models[0].dtype),
-        HAS_MODEL=models is not None,
+        step,
+        results,
+        **row_constexprs(table, params, grads, models),
         WD=weight_decay,
         WD_AFTER=wd_after_momentum,
         MOMENTUM=momentum_buffers is not None,
         NESTEROV=nesterov,
         FIRST_RUN=first_run,
         VERIFY=verify,
-        BLOCK=table.block,
-        ALIGNED=table.aligned,
         **flags,
         **LAUNCH["_sgd_kernel"],
     )
