@@ -174,7 +174,7 @@ def lamb_hparams(
     clip64: torch.Tensor,
     device: torch.device,
 ) -> torch.Tensor:
-    """float64 ``[lr, b1, b2, beta3, 1 - b2, eps, wd, bc1, bc2, inv_scale, clip]`` (layout of kernels/triton/lamb.py)."""
+    """float64 ``[lr, b1, b2, beta3, 1 - b2, eps, wd, bc1, bc2, inv_scale, clip]`` (triton/lamb.py)."""
     b1, b2 = float(betas[0]), float(betas[1])
     beta3 = 1.0 - b1 if grad_averaging else 1.0
     consts = _constant((b1, b2, beta3, 1.0 - b2, float(eps), float(weight_decay)), device)
@@ -194,7 +194,7 @@ def adam_hparams(
     inv_scale64: torch.Tensor,
     device: torch.device,
 ) -> torch.Tensor:
-    """float64 ``[lr, b1, b2, 1 - b1, 1 - b2, eps, wd, -lr/bc1, sqrt(bc2), inv_scale, 1 - lr*wd]`` (kernels/triton/adam.py)."""
+    """float64 ``[lr, b1, b2, 1 - b1, 1 - b2, eps, wd, -lr/bc1, sqrt(bc2), inv_scale, 1 - lr*wd]`` (triton/adam.py)."""
     b1, b2, wd = float(betas[0]), float(betas[1]), float(weight_decay)
     consts = _constant((b1, b2, 1.0 - b1, 1.0 - b2, float(eps), wd), device)
     lr64 = _scalar64("lr", lr, device)
