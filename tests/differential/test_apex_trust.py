@@ -521,10 +521,10 @@ APEX_HP_LEGACY = {"HP_DEVICE": False, "LR_TENSOR": False, "HAS_SCALE": False, "B
 @pytest.mark.parametrize(
     ("module", "kernel", "constexprs"),
     [
-        ("sgd_kernel", "_sgd_kernel", {"WD": True, "WD_AFTER": False, "MOMENTUM": True, "NESTEROV": True,
+        ("sgd", "_sgd_kernel", {"WD": True, "WD_AFTER": False, "MOMENTUM": True, "NESTEROV": True,
                                        "FIRST_RUN": False, **APEX_HP_LEGACY}),
-        ("adagrad_kernel", "_adagrad_kernel", {"L2_MODE": True, "DECOUPLED": False, **APEX_HP_LEGACY}),
-        ("novograd_kernel", "_novograd_kernel", {"REG_INSIDE": False, **APEX_HP_LEGACY}),
+        ("adagrad", "_adagrad_kernel", {"L2_MODE": True, "DECOUPLED": False, **APEX_HP_LEGACY}),
+        ("novograd", "_novograd_kernel", {"REG_INSIDE": False, **APEX_HP_LEGACY}),
     ],
 )
 def test_result_check_kernels_compile_for_sm90_and_store_nothing(module, kernel, constexprs):

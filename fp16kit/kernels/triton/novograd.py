@@ -59,7 +59,7 @@ from ..engine.step_scalars import (
     step_number,
 )
 from ..engine.table import STEP_PROGRAMS_PER_SM, chunk_table, num_programs, step_block, triton_dtype
-from . import l2norm_kernel
+from . import l2norm as l2norm_kernel
 from .l2norm import segment_total
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
