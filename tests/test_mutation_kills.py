@@ -418,3 +418,4 @@ def test_an_override_of_one_callable_decides_the_aten_op_both_reach(overridden):
     assert _dispatch._desired()["binary_cross_entropy"][0][0] is Rule.BANNED
     with policy_override({overridden: "fp32"}):
         assert _dispatch._desired()["binary_cross_entropy"][0][:1] == (Rule.FP32,)
+
