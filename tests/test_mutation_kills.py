@@ -338,28 +338,32 @@ def test_the_triton_quantizer_codes_an_all_zero_block_as_torch_does(signed):
     assert torch.equal(values.view(torch.int32), rule.dequantize(want_codes, want_absmax, signed).view(torch.int32))
 
 
-# fp16kit/kernels/state8/triton.py:124:81:const_bool (load_state: exp_avg_sq is read with the unsigned book; a
-# first step reads all-zero codes, which both books decode to zero, so it takes a second step to see the book)
+# fp16kit/kernels/state8/triton.py:124:81 and :138:85:const_bool (load_state/store_state: exp_avg_sq is read and
+# written with the unsigned book; a first step reads all-zero codes, which both books decode to zero, so it takes a
+# second step to see the book), :140:8 and :141:8:stmt_delete (store_state: fp32 moments are stored)
 @pytest.mark.interpreter
-@pytest.mark.parametrize("opt_name", ["FusedAdam"])  # (LAMB's clip factor differs by an ulp: its moments too)
-def test_eight_bit_moments_after_three_kernel_steps_equal_the_torch_implementations(opt_name):
-    import fp16kit.optim as optim
+@pytest.mark.parametrize("state_bits", [8, 32])
+def test_moments_after_three_kernel_steps_equal_the_torch_implementations(state_bits):
     from fp16kit.kernels import state8_absmax
 
     def run():
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(8192))
-        opt = getattr(optim, opt_name)([p], lr=1e-2, state_bits=8)
+        opt = FusedAdam([p], lr=1e-2, state_bits=state_bits)
         for _ in range(3):
             p.grad = torch.randn(8192)
             opt.step()
         st = opt.state[p]
-        return p.detach().clone(), [(st[k].clone(), state8_absmax(st[k]).clone()) for k in ("exp_avg", "exp_avg_sq")]
+        moments = [st[k] for k in ("exp_avg", "exp_avg_sq")]
+        absmax = [state8_absmax(m).clone() if state_bits == 8 else None for m in moments]
+        return p.detach().clone(), [m.clone() for m in moments], absmax
 
     out = _on_both_backends(run)
-    for (codes_k, absmax_k), (codes_t, absmax_t) in zip(out["auto"][1], out["torch"][1]):
-        assert torch.equal(codes_k, codes_t) and torch.equal(absmax_k, absmax_t)
-    # the params within the fp32 backends' own budget (as in tests/optim/test_state8.py)
+    for kernel, a_kernel, torch_side, a_torch in zip(*out["auto"][1:], *out["torch"][1:]):
+        if state_bits == 8:  # codes and absmax bit for bit (docs/optim.md, "8-bit moments")
+            assert torch.equal(kernel, torch_side) and torch.equal(a_kernel, a_torch)
+        else:  # a loose check (the backends round the fp32 moments differently); an unstored moment stays 0
+            torch.testing.assert_close(kernel, torch_side, rtol=1e-3, atol=0.0)
     torch.testing.assert_close(out["auto"][0], out["torch"][0], rtol=2**-18, atol=2**-30)
 
 
