@@ -148,13 +148,17 @@ def unscale_and_check(
     outputs = rows[-1]
     with_norm = sq_norm is not None
     if not plan.kernel and not with_norm and len(plan.rest) == 1 and not plan.neg_inputs:
-        direct = plan.rest[0].memo.get("direct")
+        # the group's own pairs, not the whole list: empty tensors of another dtype are in no group, and must not
+        # decide the math dtype of the ones that are (an empty fp16 grad beside a float64 one)
+        group = plan.rest[0]
+        ins, outs = group.pick(inputs), group.pick(outputs)
+        direct = group.memo.get("direct")
         if direct is None:
-            in_place = fb_unscale.in_place_pairs(inputs, outputs)
-            direct = plan.rest[0].memo["direct"] = fb_unscale.fused_unscale_mode(inputs, outputs, in_place)
+            in_place = fb_unscale.in_place_pairs(ins, outs)
+            direct = group.memo["direct"] = fb_unscale.fused_unscale_mode(ins, outs, in_place)
         if direct:  # the common torch-backend call: torch's own fused op, nothing else per tensor
-            fb_unscale.fused_unscale_(inputs, outputs, direct == "widen", _scale32(inv_scale, device), found_inf)
-            _bump([found_inf, *outputs])  # torch's fused unscale bumps no version (it writes behind autograd)
+            fb_unscale.fused_unscale_(ins, outs, direct == "widen", _scale32(inv_scale, device), found_inf)
+            _bump([found_inf, *outs])  # torch's fused unscale bumps no version (it writes behind autograd)
             return
     if plan.neg_inputs:  # resolved into temporaries (new addresses every call): no recorded tables for them
         inputs = resolve_inputs(list(inputs))

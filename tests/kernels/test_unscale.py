@@ -141,3 +141,18 @@ def test_non_contiguous_and_float64_are_handled(backend):
     assert torch.equal(inputs[0], strided * 0.25)
     assert torch.equal(inputs[1], dbl * 0.25)
     assert not bool(found)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
+def test_a_float64_tensor_beside_empty_fp16_ones_is_unscaled_in_float64(backend):
+    """Empty tensors of another dtype belong to no group of the plan and must not decide the math dtype of the
+    tensors that do: the float64 one is multiplied by the float64 scale, not by its fp32 rounding (found by
+    Hypothesis in tests/differential/test_kernels_differential.py::test_unscale_and_check)."""
+    from fp16kit.kernels import use_backend
+
+    x = torch.tensor([-3.3359724367661406e-48, 1.0 / 3.0], dtype=torch.float64)
+    empty = torch.empty(3, 0, dtype=torch.float16)
+    y = x.clone()
+    with use_backend(backend):
+        unscale_and_check([empty, y, empty, empty], 0.1, torch.zeros(1))
+    assert torch.equal(y, x * 0.1)
