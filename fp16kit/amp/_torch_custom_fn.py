@@ -7,16 +7,25 @@ torch's pair records torch's autocast state for one device type on the Function'
 ``TorchFunctionMode``) is not in that state, so the backward of such a Function ran under torch's table (dispatcher
 engine) or with nothing cast (mode engine) where its forward ran under fp16kit's rows.
 
-:func:`install` makes ``_fwd_used_autocast`` a data descriptor on ``torch.autograd.function.BackwardCFunction``, the
-class of every custom Function's ``ctx``. Setting it (torch's ``custom_fwd``, in the forward) also stores
-``capture()`` on the ctx, when an fp16kit region is active. Reading it while that ctx is the autograd node running
-on this thread (torch's ``custom_bwd``, in the backward, right before it enters ``torch.autocast``) marks the ctx as
-pending; :func:`backward_state` hands the recorded state to the ``torch.autocast`` hook (``_nesting`` ->
-``autocast_mode.torch_region_enter``), which re-enters it around the backward: the backward's ops see the rows, dtype
-and cache setting of the forward's region, as with ``fp16kit.amp.custom_bwd``. Any other code path (a Function
-without torch's decorators, a forward outside every region, the attribute read elsewhere) is left as it was; the
-value read and written is the value torch set. Eager only: under ``torch.compile`` Dynamo traces the ctx
-symbolically, and the decorators' backward runs under torch's state alone (docs/autocast.md, "Decorators").
+:func:`install` makes ``_fwd_used_autocast`` a property of ``torch.autograd.function.FunctionCtx``, a base of
+``BackwardCFunction``, the class of every custom Function's ``ctx``. Setting it (torch's ``custom_fwd``, in the
+forward) also stores ``capture()`` on the ctx, when an fp16kit region is active. Reading it while that ctx is the
+autograd node running on this thread (torch's ``custom_bwd``, in the backward, right before it enters
+``torch.autocast``) marks the ctx as pending; :func:`backward_state` hands the recorded state to the
+``torch.autocast`` hook (``_nesting`` -> ``autocast_mode.torch_region_enter``), which re-enters it around the
+backward: the backward's ops see the rows, dtype and cache setting of the forward's region, as with
+``fp16kit.amp.custom_bwd``. Any other code path (a Function without torch's decorators, a forward outside every
+region, the attribute read elsewhere) is left as it was; the value read and written is the value torch set.
+
+Under ``torch.compile`` Dynamo traces the forward with a symbolic ctx (a ``FunctionCtx``) and bakes torch's
+autocast state into the compiled backward, where fp16kit's part of the region would be lost. So the property sits
+on ``FunctionCtx``, the class Dynamo traces the ctx as, and is a ``property`` of module functions because Dynamo
+inlines those (not an arbitrary descriptor object): traced outside every fp16kit region, the setter only stores the
+value (torch's decorators compile as without fp16kit, ``fullgraph=True`` included); traced inside a region, it
+calls itself through :func:`call_eagerly`, which Dynamo may not trace, so the Function runs eagerly and its
+backward re-enters the region as above: the compiled code gives the eager bits
+(``tests/amp/test_checkpointing.py::test_compiled_torch_amp_custom_fwd_bwd_equal_eager``). With ``fullgraph=True``
+that graph break is an error whose message says why and what to do; ``fp16kit.amp.custom_fwd`` takes the same exit.
 """
 
 from __future__ import annotations
@@ -29,43 +38,66 @@ from typing import Any
 
 import torch
 
-__all__ = ["backward_state", "install", "installed", "recorded"]
+__all__ = ["backward_state", "call_eagerly", "install", "installed", "recorded"]
 
 _NAME = "_fwd_used_autocast"  # what torch's custom_fwd sets on ctx and custom_bwd reads
 _STATE = "_fp16kit_region_state"
-_HOOKS: list[Callable[[], Any]] = []
+_HOOKS: list[Callable[[], Any]] = []  # [capture, traced_region]
 _RECORDED: list[bool] = []  # one entry once a ctx recorded a region: until then the torch.autocast hook skips this
 _WARNED: list[bool] = []  # the cast_inputs warning, once per process
 _tls = threading.local()
 
 
-class _FwdUsedAutocast:
-    """The data descriptor installed as ``BackwardCFunction._fwd_used_autocast`` (see the module docstring)."""
+def _get(ctx: Any) -> Any:
+    """``ctx._fwd_used_autocast`` (see the module docstring): marks the ctx pending when torch's ``custom_bwd`` reads
+    it in the backward of a Function whose forward recorded a region."""
+    d = ctx.__dict__
+    if torch.compiler.is_compiling():  # a traced backward: the value only (a ctx traced in a region ran eagerly)
+        return d[_NAME]
+    try:
+        value = d[_NAME]
+    except KeyError:
+        raise AttributeError(f"{type(ctx).__name__!r} object has no attribute {_NAME!r}") from None
+    if _STATE in d and torch._C._current_autograd_node() is ctx:
+        _tls.pending = ctx  # torch's custom_bwd: it enters torch.autocast next
+    return value
 
-    def __get__(self, ctx: Any, owner: type | None = None) -> Any:
-        if ctx is None:
-            return self
-        d = ctx.__dict__
-        try:
-            value = d[_NAME]
-        except KeyError:
-            raise AttributeError(f"{type(ctx).__name__!r} object has no attribute {_NAME!r}") from None
-        if _STATE in d and torch._C._current_autograd_node() is ctx:
-            _tls.pending = ctx  # torch's custom_bwd: it enters torch.autocast next
-        return value
 
-    def __set__(self, ctx: Any, value: Any) -> None:
-        d = ctx.__dict__
-        d[_NAME] = value
-        state = _HOOKS[0]()
-        if state is None:
-            d.pop(_STATE, None)
-            return
-        d[_STATE] = state
-        if not _RECORDED:
-            _RECORDED.append(True)
-        if state[0] == "mode" and not value and not _WARNED:
-            _warn_if_cast_inputs(sys._getframe(1))
+def _set(ctx: Any, value: Any) -> None:
+    """``ctx._fwd_used_autocast = value`` (torch's ``custom_fwd``): also records the region, inside one."""
+    if torch.compiler.is_compiling():
+        if _HOOKS[1]():  # inside a region: leave the trace, record it eagerly
+            call_eagerly(_set, ctx, value)
+        else:
+            ctx.__dict__[_NAME] = value
+        return
+    d = ctx.__dict__
+    d[_NAME] = value
+    state = _HOOKS[0]()
+    if state is None:
+        d.pop(_STATE, None)
+        return
+    d[_STATE] = state
+    if not _RECORDED:
+        _RECORDED.append(True)
+    if state[0] == "mode" and not value and not _WARNED:
+        _warn_if_cast_inputs(sys._getframe(1))
+
+
+def _delete(ctx: Any) -> None:
+    ctx.__dict__.pop(_NAME, None)
+    ctx.__dict__.pop(_STATE, None)
+
+
+@torch._dynamo.disable(
+    reason="fp16kit: an autograd.Function decorated with torch.amp.custom_fwd or fp16kit.amp.custom_fwd, called inside "
+    "an fp16kit.amp.autocast region, runs eagerly: its backward must run under the region, which a traced backward "
+    "cannot (it would run under torch's autocast table alone). Compile without fullgraph=True (the rest of the "
+    "code still compiles), or call the Function outside the compiled code."
+)
+def call_eagerly(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` outside Dynamo's trace: a graph break whose reason says why (see the module docstring)."""
+    return fn(*args)
 
 
 def _warn_if_cast_inputs(frame: Any) -> None:
@@ -83,10 +115,6 @@ def _warn_if_cast_inputs(frame: Any) -> None:
         UserWarning,
         stacklevel=3,
     )
-
-    def __delete__(self, ctx: Any) -> None:
-        ctx.__dict__.pop(_NAME, None)
-        ctx.__dict__.pop(_STATE, None)
 
 
 def _torch_sets_the_attribute() -> bool:
@@ -106,22 +134,24 @@ def _torch_sets_the_attribute() -> bool:
     )
 
 
-def install(capture: Callable[[], Any]) -> bool:
-    """Install the descriptor (once); ``capture()`` returns this thread's region state, or None outside every
-    region. Returns False, installing nothing, when torch's decorators no longer use ``_fwd_used_autocast`` (a torch
-    outside fp16kit's tested range: their backward then runs under torch's state alone, as documented)."""
+def install(capture: Callable[[], Any], traced_region: Callable[[], bool]) -> bool:
+    """Install the property (once); ``capture()`` returns this thread's region state, or None outside every
+    region; ``traced_region()``, which Dynamo must be able to trace, is True inside a region. Returns False,
+    installing nothing, when torch's decorators no longer use ``_fwd_used_autocast`` (a torch outside fp16kit's tested
+    range: their backward then runs under torch's state alone, as documented)."""
     if _HOOKS:
         return True
-    cls = torch.autograd.function.BackwardCFunction
-    if _NAME in vars(cls) or not _torch_sets_the_attribute():
+    classes = (torch.autograd.function.FunctionCtx, torch.autograd.function.BackwardCFunction)
+    if any(_NAME in vars(cls) for cls in classes) or not _torch_sets_the_attribute():
         return False
-    _HOOKS.append(capture)
-    setattr(cls, _NAME, _FwdUsedAutocast())
+    _HOOKS.extend((capture, traced_region))
+    accessor = property(_get, _set, _delete, "fp16kit/amp/_torch_custom_fn.py")
+    setattr(torch.autograd.function.FunctionCtx, _NAME, accessor)
     return True
 
 
 def installed() -> bool:
-    """True once :func:`install` put the descriptor on ``BackwardCFunction``."""
+    """True once :func:`install` put the property on ``FunctionCtx``."""
     return bool(_HOOKS)
 
 

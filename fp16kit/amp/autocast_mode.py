@@ -53,6 +53,7 @@ __all__ = [
     "AutocastDisabledWarning",
     "CompiledCheckpointWarning",
     "autocast",
+    "call_eagerly",
     "disable_casts",
     "engine",
     "is_autocast_enabled",
@@ -61,6 +62,7 @@ __all__ = [
     "set_engine",
     "torch_region_enter",
     "torch_region_exit",
+    "traced_inside_a_region",
     "use_engine",
 ]
 
@@ -589,6 +591,17 @@ def _state_inside_a_region() -> tuple[Any, ...] | None:
     return None if active_mode() is None else region_state()
 
 
+call_eagerly = _torch_custom_fn.call_eagerly  # fn(*args) outside Dynamo's trace, with the reason
+
+
+def traced_inside_a_region() -> bool:
+    """True inside a region on this thread, in a form Dynamo traces (it guards on torch's autocast state): the
+    dispatcher engine's marker is on in every enabled region; the mode engine's mode is thread state."""
+    if _engine[0] == "dispatch":
+        return torch.is_autocast_enabled(_dispatch.MARKER)
+    return getattr(_tls, "mode", None) is not None
+
+
 def torch_region_enter(device: str, enabled: bool, dtype: torch.dtype) -> tuple[Any, ...] | None:
     """Called (by :mod:`fp16kit.amp._nesting`) when a ``torch.autocast(device, dtype, enabled)`` is entered on this
     thread; returns ``(takes_over, cache_off)`` for :func:`torch_region_exit`, or None when it changes nothing here.
@@ -819,7 +832,8 @@ class autocast:
         if not _HOOKED and not _is_compiling():
             _recompute.install(region_state, replay)  # checkpoint recomputation re-enters the forward's region
             _nesting.install(torch_region_enter, torch_region_exit)  # torch.autocast inside a region
-            _torch_custom_fn.install(_state_inside_a_region)  # torch.amp.custom_bwd re-enters the forward's region
+            # torch.amp.custom_bwd re-enters the forward's region (eagerly, also under torch.compile)
+            _torch_custom_fn.install(_state_inside_a_region, traced_inside_a_region)
             _HOOKED.append(True)
         if _engine[0] == "dispatch":
             if self.enabled and torch._C._are_functorch_transforms_active() and _inside_vmap():

@@ -25,12 +25,14 @@ from . import policy
 from .autocast_mode import (
     active_mode,
     autocast,
+    call_eagerly,
     cast_all,
     disable_casts,
     region_state,
     replay,
     rule_wrapper,
     table_wrapper,
+    traced_inside_a_region,
 )
 from .policy import Rule
 
@@ -141,6 +143,9 @@ def custom_fwd(fwd: Any = None, *, device_type: str | None = None, cast_inputs: 
         return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if torch.compiler.is_compiling() and traced_inside_a_region():
+            # the backward must run under the region, which a traced backward cannot: run the Function eagerly
+            return call_eagerly(run, args, kwargs)
         ctx, args = args[0], args[1:]
         mode = active_mode()
         enabled = mode is not None and mode.enabled

@@ -344,14 +344,15 @@ def _exp_function(fwd, bwd, **fwd_kwargs) -> type[torch.autograd.Function]:
     return ExpGrad
 
 
-def _exp_run(fn: type[torch.autograd.Function], fwd_region, bwd_region=contextlib.nullcontext):
-    x = torch.full((2, 4), 12.0, dtype=torch.float16, requires_grad=True)
+def _exp_run(fn: type[torch.autograd.Function], fwd_region, bwd_region=contextlib.nullcontext, apply=None,
+             x_dtype: torch.dtype = torch.float16):
+    x = torch.full((2, 4), 12.0, dtype=x_dtype, requires_grad=True)
     w = torch.full((4, 3), 0.25, requires_grad=True)
     with fwd_region():
-        y = fn.apply(x, w)
+        y = (apply or fn.apply)(x, w)
     with bwd_region():
         y.float().sum().backward()
-    return y.grad_fn.bwd_dtypes, [y.detach(), x.grad, w.grad]
+    return getattr(y.grad_fn, "bwd_dtypes", None), [y.detach(), x.grad, w.grad]
 
 
 def test_torch_amp_custom_fwd_bwd_run_the_backward_under_the_region(engine):
@@ -376,6 +377,42 @@ def test_torch_amp_custom_fwd_bwd_run_the_backward_under_the_region(engine):
     dtypes, got = _exp_run(theirs, torch_fp16)
     assert dtypes == (torch.float16, torch.float16)  # torch's CPU table; the matmul's row as under fp16kit's region
     assert not got[1].isfinite().all()  # exp(12) overflowed in fp16: torch's own behaviour, left alone
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_torch_amp_custom_fwd_bwd_equal_eager(engine):
+    """Under ``torch.compile``, a Function with torch's or fp16kit's decorators called inside a region runs eagerly
+    (fp16kit/amp/_torch_custom_fn.py): its backward re-enters the forward's region, so the compiled code gives the
+    eager bits (the oracle: fp16kit's decorators, eager), fp16 and bf16, where a traced backward would run torch's
+    table (``exp(12)`` in fp16: inf). Outside every region torch's decorators compile whole as without fp16kit
+    (``fullgraph=True``, beside the eager run); with ``fullgraph=True`` inside a region the graph break is an error
+    that says why and what to do."""
+    ours = _exp_function(amp.custom_fwd, amp.custom_bwd)
+    theirs = _exp_function(torch.amp.custom_fwd, torch.amp.custom_bwd)
+
+    def compiled(fn, fullgraph=False):
+        return torch.compile(lambda x, w: fn.apply(x, w), backend="aot_eager", fullgraph=fullgraph)
+
+    for low in LOW:
+        region = lambda low=low: amp.autocast(dtype=low)
+        ref_dtypes, ref = _exp_run(ours, region)
+        assert all(t.isfinite().all() for t in ref)
+        for fn in (theirs, ours):
+            torch._dynamo.reset()
+            dtypes, got = _exp_run(fn, region, apply=compiled(fn))
+            assert dtypes == ref_dtypes, (engine, low, dtypes)
+            _assert_same(ref, got, f"{engine} {low} compiled {fn.forward.__module__}")
+
+    torch._dynamo.reset()
+    eager_dtypes, eager = _exp_run(theirs, contextlib.nullcontext, x_dtype=torch.float32)
+    dtypes, got = _exp_run(theirs, contextlib.nullcontext, apply=compiled(theirs, True), x_dtype=torch.float32)
+    assert eager_dtypes == (torch.float32, torch.float32)
+    assert dtypes is None  # traced whole: the output's grad_fn is the compiled graph's, not the Function's node
+    _assert_same(eager, got, f"{engine} no region, fullgraph")
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"fp16kit: an autograd\.Function .* runs eagerly.*fullgraph=True"):
+        _exp_run(theirs, lambda: amp.autocast(dtype=torch.float16), apply=compiled(theirs, True))
 
 
 def test_torch_amp_custom_fwd_cast_inputs_inside_a_region(engine, monkeypatch):
