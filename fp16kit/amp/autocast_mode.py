@@ -46,12 +46,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _versions
-from . import _bytecode, _dispatch, _nesting, _recompute, _torch_custom_fn, policy
+from . import _bytecode, _dispatch, _nesting, _recompute, _threads, _torch_custom_fn, policy
 from .policy import Rule
 
 __all__ = [
     "AutocastDisabledWarning",
     "CompiledCheckpointWarning",
+    "DataParallelRegionWarning",
     "autocast",
     "call_eagerly",
     "disable_casts",
@@ -623,6 +624,7 @@ def torch_region_enter(device: str, enabled: bool, dtype: torch.dtype) -> tuple[
             return (False, False, region)
     dispatch = _engine[0] == "dispatch"
     if not (getattr(_tls, "depth", 0) if dispatch else getattr(_tls, "mode", None)):
+        _threads.check_worker()  # a DataParallel replica's thread while a region is open elsewhere: say so
         return None  # outside every fp16kit region (plain torch.autocast code): the common case, first
     if device == _dispatch.MARKER or getattr(_tls, "own", 0) or _is_compiling():
         return None
@@ -707,6 +709,9 @@ def _torch_autocast_restore(off: tuple[str, ...]) -> None:
 
 class AutocastDisabledWarning(UserWarning):
     """``autocast(device_type, ...)`` disabled itself where ``torch.autocast`` with the same arguments does."""
+
+
+DataParallelRegionWarning = _threads.DataParallelRegionWarning  # a DataParallel replica runs outside the region
 
 
 class CompiledCheckpointWarning(UserWarning):
@@ -850,6 +855,8 @@ class autocast:
             cache = self.cache_enabled and not (self.enabled and _cache_may_hold_other(self.dtype))
             region = _dispatch_region(self.dtype, self.enabled, cache)
             counted = self.enabled or getattr(_tls, "depth", 0) > 0  # a disabled outermost region opens none
+            if counted and not getattr(_tls, "depth", 0):
+                _threads.opened()
             _tls.depth = getattr(_tls, "depth", 0) + counted
             if self.enabled:
                 _cached_dtypes().append(self.dtype)
@@ -864,6 +871,7 @@ class autocast:
             mode = _MODE_CLASS()
             mode.__enter__()
             _tls.mode = mode
+            _threads.opened()
             self._saved.append((mode, True, mode.dtype, mode.cache_enabled, torch_state))
         else:
             self._saved.append((None, mode.enabled, mode.dtype, mode.cache_enabled, torch_state))
@@ -874,6 +882,8 @@ class autocast:
         saved = self._saved.pop()
         if len(saved) == 2:  # the dispatch engine's (region, counted)
             _tls.depth -= saved[1]
+            if saved[1] and not _tls.depth:
+                _threads.closed()
             if self.enabled:
                 _cached_dtypes().pop()
             saved[0].__exit__(*exc)
@@ -883,6 +893,7 @@ class autocast:
         if pushed is not None:
             pushed.cache.clear()
             _tls.mode = None
+            _threads.closed()
             pushed.__exit__(*exc)
         elif mode is not None:
             mode.enabled, mode.dtype, mode.cache_enabled = enabled, dtype, cache_enabled
@@ -950,6 +961,7 @@ class replay:
             mode = _MODE_CLASS()
             mode.__enter__()
             _tls.mode = mode
+            _threads.opened()
             self._saved.append((mode, mode, None))
         else:
             # backward called inside a region: the autograd engine runs the node with an empty torch-function mode
@@ -972,6 +984,7 @@ class replay:
         if pushed is not None:
             pushed.cache.clear()
             _tls.mode = None
+            _threads.closed()
             pushed.__exit__(*exc)
         elif mode is not None and previous is not None:
             if isinstance(previous, tuple):
