@@ -179,6 +179,16 @@ def dynamo_traces_any_id(version: str | None = None) -> bool:
     return got is not None and got >= (2, 13)
 
 
+def dynamo_calls_ctx_property_setters(version: str | None = None) -> bool:
+    """Does Dynamo, tracing an autograd.Function's forward, run a ``property`` setter of its ``ctx`` class? torch 2.13
+    inlines it; torch 2.11 stores the attribute without calling it. Where it does, a Function with
+    ``torch.amp.custom_fwd`` called inside an fp16kit region under ``torch.compile`` runs eagerly, so its backward
+    re-enters the region (``fp16kit/amp/_torch_custom_fn.py``); where it does not, the compiled backward runs under
+    torch's table (docs/autocast.md, "Decorators"). 2.12 is untested and counted with 2.11."""
+    got = parse(installed_version("torch") if version is None else version)
+    return got is not None and got >= (2, 13)
+
+
 def inductor_cache_keys_autocast_dtype(version: str | None = None) -> bool:
     """Do Inductor's persistent caches (the FX graph cache and the AOT-autograd cache) key a graph by the autocast
     dtype it was traced under? torch 2.13 does; torch 2.11 does not: a model compiled under

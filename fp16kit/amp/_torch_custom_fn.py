@@ -26,6 +26,8 @@ calls itself through :func:`call_eagerly`, which Dynamo may not trace, so the Fu
 backward re-enters the region as above: the compiled code gives the eager bits
 (``tests/amp/test_checkpointing.py::test_compiled_torch_amp_custom_fwd_bwd_equal_eager``). With ``fullgraph=True``
 that graph break is an error whose message says why and what to do; ``fp16kit.amp.custom_fwd`` takes the same exit.
+torch 2.11's Dynamo stores the traced ctx's attribute without calling the setter
+(``fp16kit._versions.dynamo_calls_ctx_property_setters``): there the Function still traces whole (docs/autocast.md).
 """
 
 from __future__ import annotations

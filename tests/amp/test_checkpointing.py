@@ -25,7 +25,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from fp16kit import amp
+from fp16kit import _versions, amp
 from fp16kit.amp import _torch_custom_fn, autocast_mode
 
 ENGINES = ("dispatch", "mode")
@@ -400,6 +400,16 @@ def test_compiled_torch_amp_custom_fwd_bwd_equal_eager(engine):
         for fn in (theirs, ours):
             torch._dynamo.reset()
             dtypes, got = _exp_run(fn, region, apply=compiled(fn))
+            if fn is theirs and not _versions.dynamo_calls_ctx_property_setters():
+                # torch 2.11's Dynamo stores ctx attributes without calling the setter: traced whole; the dispatcher
+                # engine's backward runs torch's table, the documented limit of that version (exp(12) in fp16
+                # overflows); the mode engine's traced backward is under its mode, with the eager bits
+                assert dtypes is None, (engine, low)
+                if engine == "mode":
+                    _assert_same(ref, got, f"{engine} {low} compiled, torch 2.11")
+                else:
+                    assert low is torch.bfloat16 or not got[1].isfinite().all()
+                continue
             assert dtypes == ref_dtypes, (engine, low, dtypes)
             _assert_same(ref, got, f"{engine} {low} compiled {fn.forward.__module__}")
 
@@ -410,9 +420,10 @@ def test_compiled_torch_amp_custom_fwd_bwd_equal_eager(engine):
     assert dtypes is None  # traced whole: the output's grad_fn is the compiled graph's, not the Function's node
     _assert_same(eager, got, f"{engine} no region, fullgraph")
 
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"fp16kit: an autograd\.Function .* runs eagerly.*fullgraph=True"):
-        _exp_run(theirs, lambda: amp.autocast(dtype=torch.float16), apply=compiled(theirs, True))
+    if _versions.dynamo_calls_ctx_property_setters():
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=r"fp16kit: an autograd\.Function .* runs eagerly.*fullgraph=True"):
+            _exp_run(theirs, lambda: amp.autocast(dtype=torch.float16), apply=compiled(theirs, True))
 
 
 def test_torch_amp_custom_fwd_cast_inputs_inside_a_region(engine, monkeypatch):
