@@ -1,12 +1,10 @@
 """FusedAdagrad (apex's constructor and math) against the float64 reference and torch.optim.Adagrad, on both
-backends; skipping, scalers, amp O2, checkpoints, bad input.
+backends; checkpoints, bad input (edge values, skipping, scalers, amp O2: ``test_apex_contracts.py``).
 
 Tolerances: ``apex_optim_helpers.adagrad_step_and_check`` budgets; against torch (both fp32) twice the budget.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import pytest
 import torch
@@ -14,44 +12,30 @@ from apex_optim_helpers import (
     APEX_HP_DEVICE,
     APEX_HP_DEVICE_VERIFY,
     APEX_HP_LEGACY,
+    SHAPES,
     adagrad_step_and_check,
+    apex_reference_tests,
     assert_backends_agree,
-    check_amp_o2,
-    check_edge_values,
-    check_grad_scaler,
-    check_nonfinite_grad_skips,
-    check_state_dict_round_trip,
     compile_for_sm90,
     step_both_backends,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from optim_helpers import U32, K, assert_within, checked_steps, clone_params, make_params, reference_tests, set_grads
+from optim_helpers import U32, K, assert_within, clone_params, make_params, set_grads
 
-from fp16kit.kernels import use_backend
 from fp16kit.optim import FusedAdagrad
 
-SHAPES = st.lists(st.sampled_from([(1,), (7,), (3, 5), (2, 3, 4), (64,)]), min_size=1, max_size=3)
-CONFIG = {
-    "dtype": st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    "seed": st.integers(0, 2**16),
-    "lr": st.sampled_from([1e-3, 1e-2, 0.5]),
-    "eps": st.sampled_from([1e-10, 1e-6, 1.0]),
-    "weight_decay": st.sampled_from([0.0, 1e-4, 0.1]),
-    "adagrad_w_mode": st.booleans(),
-    "master": st.booleans(),
-    "grad_exp": st.integers(-12, 6),
-    "zero": st.sampled_from(["none", "param", "grad", "both"]),
-}
-
-
-def _run_reference_check(shapes, seed, dtype, master, grad_exp, zero, steps, **hp):
-    make = partial(FusedAdagrad, master_weights=master, **hp)
-    checked_steps(make, adagrad_step_and_check, shapes, dtype, seed, steps, grad_exp=grad_exp, zero=zero)
-
-
-test_matches_reference_torch_backend, test_matches_reference_triton_interpreter = reference_tests(
-    _run_reference_check, SHAPES, CONFIG, examples=40, interpreter_examples=6
+test_matches_reference_torch_backend, test_matches_reference_triton_interpreter = apex_reference_tests(
+    FusedAdagrad,
+    adagrad_step_and_check,
+    {
+        "lr": st.sampled_from([1e-3, 1e-2, 0.5]),
+        "eps": st.sampled_from([1e-10, 1e-6, 1.0]),
+        "weight_decay": st.sampled_from([0.0, 1e-4, 0.1]),
+        "adagrad_w_mode": st.booleans(),
+    },
+    examples=40,
+    interpreter_examples=6,
 )
 
 
@@ -112,32 +96,6 @@ def test_never_updated_entries_stay_finite():
     p0 = params[0].detach().clone()
     FusedAdagrad(params, eps=1e-10).step()
     assert torch.equal(params[0].detach(), p0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
-def test_edge_values(dtype, backend):
-    """±0, subnormals, tiny and huge values (as params and grads), an all-zero gradient and an all-zero param:
-    finite results within budget of the float64 reference, on both backends."""
-    with use_backend(backend):
-        check_edge_values(lambda ps: FusedAdagrad(ps, lr=1e-3, weight_decay=1e-4), adagrad_step_and_check, dtype)
-
-
-def test_nonfinite_grad_skips():
-    check_nonfinite_grad_skips(lambda ps: FusedAdagrad(ps, lr=0.1, weight_decay=0.01))
-
-
-@pytest.mark.parametrize("scaler_kind", ["torch", "fp16kit"])
-def test_with_grad_scaler(scaler_kind):
-    check_grad_scaler(lambda ps: FusedAdagrad(ps, lr=0.05, weight_decay=0.01, adagrad_w_mode=True), scaler_kind)
-
-
-def test_amp_o2():
-    check_amp_o2(lambda ps: FusedAdagrad(ps, lr=0.05))
-
-
-def test_state_dict_round_trip_and_mismatch():
-    check_state_dict_round_trip(lambda ps: FusedAdagrad(ps, lr=0.1, weight_decay=0.01, master_weights=True))
 
 
 @pytest.mark.parametrize(
