@@ -77,6 +77,17 @@ def set_grads(params: Sequence[torch.Tensor], seed: int, scale: float = 1.0) -> 
         p.grad = (torch.randn(p.shape, generator=gen, dtype=F64) * scale).to(p.dtype)
 
 
+def scaled_step(opt: torch.optim.Optimizer, scaler=None) -> None:
+    """``opt.step()``, or through ``scaler`` (a GradScaler): ``scale`` (which its ``step`` needs first), ``step``,
+    ``update``."""
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.scale(torch.ones(()))
+        scaler.step(opt)
+        scaler.update()
+
+
 def _updated_tensor(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
     """The tensor the optimizer updates for ``p``: its fp32 master if it has one."""
     state = opt.state.get(p, {})
