@@ -27,6 +27,7 @@ __all__ = [
     "check_state_tensor",
     "check_step_value",
     "naming_group",
+    "refuse_amsgrad",
     "state_dtype",
 ]
 
@@ -151,6 +152,12 @@ def _check_step_sizes(fn: str, name: Any, lr: float, beta1: float, wd: float) ->
                 f"{fn}: {name('lr')}={lr!r} makes {what} = {value:.4g}, beyond {_FP32_TOP}: the kernels compute in "
                 f"float32, where it is inf, and the step would write inf or NaN into the weights. Use {fix}."
             )
+
+
+def refuse_amsgrad(fn: str, amsgrad: bool) -> None:
+    """apex's RuntimeError for ``amsgrad=True`` (FusedAdam, FusedLAMB, FusedNovoGrad have no AMSGrad variant)."""
+    if amsgrad:
+        raise RuntimeError(f"{fn} does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
 
 
 def check_step_value(fn: str, group: int, value: float) -> None:
