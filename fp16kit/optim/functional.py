@@ -232,20 +232,17 @@ _VERDICTS_MAX = 64
 
 def _check_lists(
     fn: str,
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
+    given: tuple[Sequence[torch.Tensor], ...],
     model_params: Sequence[torch.Tensor | None] | None,
     step: torch.Tensor,
     found_inf: torch.Tensor | None,
 ) -> tuple[torch.device | None, list[torch.Tensor | None]]:
-    """The functional steps' validation (messages name the list and index); the list checks' verdict is
-    remembered per list shape under a C++ metadata guard (``_verdicts``), so a repeated call costs one guard
-    check over its tensors (~0.07 us each) instead of per-tensor Python (~1.7 us per row)."""
-    given = (params, grads, exp_avgs, exp_avg_sqs)
+    """The functional steps' validation of ``given`` (params, grads, exp_avgs, exp_avg_sqs), the model copies,
+    ``step`` and ``found_inf`` (messages name the list and index); the list checks' verdict is remembered per list
+    shape under a C++ metadata guard (``_verdicts``), so a repeated call costs one guard check over its tensors
+    (~0.07 us each) instead of per-tensor Python (~1.7 us per row)."""
     if any(isinstance(x, torch.Tensor) for x in given):  # a single tensor, not a list: the checks say so
-        _check_tensor_lists(fn, *given, [])
+        _check_tensor_lists(fn, given, [])
     lists = [x if type(x) is list else list(x) for x in given]
     models: list[torch.Tensor | None] = [None] * len(lists[0]) if model_params is None else list(model_params)
     present = tuple(map(is_not, models, repeat(None)))
@@ -256,7 +253,7 @@ def _check_lists(
     if entry is not None and entry[0].check(*flat):
         device = entry[1]
     else:
-        device = _check_tensor_lists(fn, *lists, models)
+        device = _check_tensor_lists(fn, lists, models)
         if not torch.compiler.is_compiling():
             _verdicts[key] = (metadata_guard(flat), device)
             if len(_verdicts) > _VERDICTS_MAX:
@@ -274,14 +271,11 @@ def _check_lists(
 
 
 def _check_tensor_lists(
-    fn: str,
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: list[torch.Tensor | None],
+    fn: str, lists: Sequence[Sequence[torch.Tensor]], models: list[torch.Tensor | None]
 ) -> torch.device | None:
-    """Every check of the tensor lists (per tensor, naming list and index); returns their one device."""
+    """Every check of the tensor ``lists`` (params, grads, exp_avgs, exp_avg_sqs) and ``models`` (per tensor,
+    naming list and index); returns their one device."""
+    params, grads, exp_avgs, exp_avg_sqs = lists
     ps = check_tensor_list(fn, "params", params)
     gs = check_tensor_list(fn, "grads", grads)
     ms = check_tensor_list(fn, "exp_avgs", exp_avgs)
@@ -323,7 +317,7 @@ def _step_lists(
     flag)`` over the grads (its result goes to ``hparams``); the skip (the flag, raised for a bad tensor ``lr``);
     ``step += 1`` unless skipped; ``hparams(device, inv_scale64, checked)``, the float64 hyper-parameter vector; then
     ``update`` (``lamb_update`` or ``adam_update``) with ``modes``. Returns the flag."""
-    device, models = _check_lists(fn, *lists, model_params, step, found_inf)
+    device, models = _check_lists(fn, lists, model_params, step, found_inf)
     if device is None:
         return new_found_inf(step.device) if found_inf is None else found_inf
     flag = new_found_inf(device) if found_inf is None else found_inf
