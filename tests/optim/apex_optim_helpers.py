@@ -41,7 +41,7 @@ FLOOR = K * 2.0**-149
 SHAPES = st.lists(st.sampled_from([(1,), (7,), (3, 5), (2, 3, 4), (64,)]), min_size=1, max_size=3)
 
 
-def apex_reference_tests(make, step_and_check, hyper: dict, *, examples: int, interpreter_examples: int):
+def apex_reference_tests(make, step_and_check, hyper: dict, *, examples: int = 40, interpreter_examples: int = 6):
     """An apex optimizer's ``test_matches_reference_*`` pair (``optim_helpers.reference_tests``): steps of
     ``make(params, master_weights=master, **hp)``, each checked by ``step_and_check`` against its float64 reference,
     ``hp`` drawn from the optimizer's own ``hyper`` strategies; the param dtype, seed, masters, grad magnitude
@@ -153,6 +153,19 @@ def novograd_step_and_check(opt) -> None:
             # squares below fp32's smallest subnormal vanish from the norm: sqrt(n 2^-149) absolute at most
             lost = math.sqrt(g.numel() * 2.0**-149)
             assert_within(opt.state[p]["exp_avg_sq"], v, rel * v.abs() + U32 * v.abs() + lost, f"exp_avg_sq {i}")
+
+
+def restart_torch_from(opt, ref, ours, theirs, seed: int, key: str) -> None:
+    """New grads for ``ours`` (``set_grads(ours, seed)``) and torch's optimizer ``ref`` restarted from our state:
+    ``theirs`` get our params and grads, ``ref.state[q][key]`` our ``opt.state[p][key]`` where we keep one (the
+    differential tests against torch.optim, so each step is compared from the same state)."""
+    set_grads(ours, seed)
+    for p, q in zip(ours, theirs):
+        q.grad = p.grad.clone()
+        with torch.no_grad():
+            q.copy_(p)
+        if opt.state[p].get(key) is not None:
+            ref.state[q][key].copy_(opt.state[p][key])
 
 
 def step_both_backends(make, step_and_check, dtype: torch.dtype, seed: int, steps: int = 2) -> dict:
