@@ -35,6 +35,20 @@ def _on_both_backends(run):
     return out
 
 
+def _two_steps_agree(make):
+    """Two steps of ``make()``'s ``(optimizer, param)`` on each backend: both count 2 steps and leave the param the
+    same, bit for bit."""
+
+    def run():
+        opt, p = make()
+        opt.step()
+        opt.step()
+        return float(opt.param_groups[0]["step"]), p.detach().clone()
+
+    out = _on_both_backends(run)
+    assert out["auto"][0] == out["torch"][0] == 2.0 and torch.equal(out["auto"][1], out["torch"][1])
+
+
 # fp16kit/kernels/bf16_weights/modes.py:116:4:return_none, :116:71:const_int (epilogue_mode)
 def test_epilogue_constexprs_and_launch_arguments_of_each_mode():
     bf, fp = [torch.zeros(3, dtype=torch.bfloat16)], [torch.zeros(3)]
@@ -125,16 +139,12 @@ def test_a_group_without_grads_counts_its_step_as_the_host_step_does():
 # fp16kit/kernels/optimizers.py:210:12:stmt_delete (_lamb_or_adam: a device step whose rows all go to the fallback)
 @pytest.mark.interpreter
 def test_a_device_step_with_only_fallback_rows_still_advances_its_counter():
-    def run():
+    def make():
         p = torch.nn.Parameter(torch.zeros(3, 5))
         p.grad = torch.ones(5, 3).t()  # not contiguous: the torch rows of the step
-        opt = FusedAdam([p], lr=0.1)
-        opt.step()
-        opt.step()
-        return float(opt.param_groups[0]["step"]), p.detach().clone()
+        return FusedAdam([p], lr=0.1), p
 
-    out = _on_both_backends(run)
-    assert out["auto"][0] == out["torch"][0] == 2.0 and torch.equal(out["auto"][1], out["torch"][1])
+    _two_steps_agree(make)
 
 
 # fp16kit/optim/_base.py:872:42:binop_Mult (_step_on_device: the torch check pass of several grad dtypes)
@@ -164,16 +174,12 @@ def test_step_check_leaves_a_list_with_fallback_rows_to_the_torch_passes():
 # fp16kit/kernels/optimizers.py:548:11:binop_Sub (_kernel_hps: the last launch advances the counter)
 @pytest.mark.interpreter
 def test_fused_sgd_device_step_advances_its_counter_like_the_torch_step():
-    def run():
+    def make():
         p = torch.nn.Parameter(torch.zeros(4))
         p.grad = torch.ones(4)
-        opt = FusedSGD([p], lr=0.1, momentum=0.9)
-        opt.step()
-        opt.step()
-        return float(opt.param_groups[0]["step"]), p.detach().clone()
+        return FusedSGD([p], lr=0.1, momentum=0.9), p
 
-    out = _on_both_backends(run)
-    assert out["auto"][0] == out["torch"][0] == 2.0 and torch.equal(out["auto"][1], out["torch"][1])
+    _two_steps_agree(make)
 
 
 # fp16kit/kernels/optimizers.py:229:57:const_int (_lamb_or_adam: version counters of the kernels' writes)

@@ -27,6 +27,7 @@ __all__ = [
     "check_state_tensor",
     "check_step_value",
     "naming_group",
+    "refuse_amsgrad",
     "state_dtype",
 ]
 
@@ -103,12 +104,7 @@ def check_hyperparams(
     if group is None and not torch.compiler.is_compiling():  # Dynamo cannot trace ContextVar.get
         group = _GROUP.get()
     name = lambda key: _label(group, key)
-    lr_value = _number(fn, name("lr"), lr)
-    if lr_value is not None and not (0.0 <= lr_value <= FP32_MAX):
-        raise ValueError(
-            f"{fn}: invalid learning rate {name('lr')}={lr!r}; it must be a finite number >= 0 and <= {_FP32_TOP} "
-            f"(the kernels compute in float32)."
-        )
+    lr_value = _bounded(fn, name("lr"), lr, tensor_ok=True, what="learning rate ")
     if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
         raise ValueError(f"{fn}: {name('betas')} must be a pair (beta1, beta2), got {betas!r}.")
     for i, beta in enumerate(betas):
@@ -117,28 +113,30 @@ def check_hyperparams(
             raise ValueError(
                 f"{fn}: invalid beta{i + 1}={beta!r} in {name('betas')}={tuple(betas)!r}; each must lie in [0, 1)."
             )
-    eps_value = _number(fn, name("eps"), eps)
-    if eps_value is None or not (EPS_MIN <= eps_value <= FP32_MAX):
-        raise ValueError(
-            f"{fn}: invalid {name('eps')}={eps!r}; it must be a finite number >= {EPS_MIN:.3g} (e.g. 1e-8 for Adam, "
-            f"1e-6 for LAMB) and <= {_FP32_TOP}. eps = 0 is not allowed: a zero gradient would divide 0/0 and write "
-            f"NaN into the weights."
-        )
-    wd_value = _number(fn, name("weight_decay"), weight_decay)
-    if wd_value is None or not (0.0 <= wd_value <= FP32_MAX):
-        raise ValueError(
-            f"{fn}: invalid {name('weight_decay')}={weight_decay!r}; it must be a finite number >= 0 and <= "
-            f"{_FP32_TOP} (the kernels compute in float32)."
-        )
+    _bounded(
+        fn, name("eps"), eps, low=EPS_MIN, low_note=" (e.g. 1e-8 for Adam, 1e-6 for LAMB)",
+        note=". eps = 0 is not allowed: a zero gradient would divide 0/0 and write NaN into the weights.",
+    )
+    wd_value = _bounded(fn, name("weight_decay"), weight_decay)
     if max_grad_norm is not None:
-        mgn = _number(fn, name("max_grad_norm"), max_grad_norm)
-        if mgn is None or not (0.0 <= mgn <= FP32_MAX):
-            raise ValueError(
-                f"{fn}: invalid {name('max_grad_norm')}={max_grad_norm!r}; it must be a finite number >= 0 "
-                f"(0 disables clipping) and <= {_FP32_TOP}."
-            )
+        _bounded(fn, name("max_grad_norm"), max_grad_norm, low_note=" (0 disables clipping)", note=".")
     if lr_value is not None:
         _check_step_sizes(fn, name, lr_value, float(betas[0]), wd_value)
+
+
+def _bounded(
+    fn: str, label: str, raw: Any, *, low: float = 0.0, tensor_ok: bool = False, what: str = "", low_note: str = "",
+    note: str = " (the kernels compute in float32).",
+) -> Any:
+    """``raw`` as a float in ``[low, FP32_MAX]`` (None for a tensor where ``tensor_ok``: checked on the device), else
+    a ValueError naming ``label`` and the range (``low_note`` after the lower bound, ``note`` at the end)."""
+    value = _number(fn, label, raw)
+    if (value is None and not tensor_ok) or (value is not None and not (low <= value <= FP32_MAX)):
+        raise ValueError(
+            f"{fn}: invalid {what}{label}={raw!r}; it must be a finite number >= {low:.3g}{low_note} and <= "
+            f"{_FP32_TOP}{note}"
+        )
+    return value
 
 
 def _check_step_sizes(fn: str, name: Any, lr: float, beta1: float, wd: float) -> None:
@@ -154,6 +152,12 @@ def _check_step_sizes(fn: str, name: Any, lr: float, beta1: float, wd: float) ->
                 f"{fn}: {name('lr')}={lr!r} makes {what} = {value:.4g}, beyond {_FP32_TOP}: the kernels compute in "
                 f"float32, where it is inf, and the step would write inf or NaN into the weights. Use {fix}."
             )
+
+
+def refuse_amsgrad(fn: str, amsgrad: bool) -> None:
+    """apex's RuntimeError for ``amsgrad=True`` (FusedAdam, FusedLAMB, FusedNovoGrad have no AMSGrad variant)."""
+    if amsgrad:
+        raise RuntimeError(f"{fn} does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
 
 
 def check_step_value(fn: str, group: int, value: float) -> None:

@@ -13,7 +13,7 @@ from . import functional as F
 from ._base import FusedOptimizer
 from ._rows import _Rows
 from ._sharding import ShardedSteps
-from ._validate import check_hyperparams
+from ._validate import check_hyperparams, refuse_amsgrad
 
 __all__ = ["FusedAdam"]
 
@@ -69,8 +69,7 @@ class FusedAdam(ShardedSteps, FusedOptimizer):
         rounding_seed: int | None = None,
         state_bits: int = 32,
     ) -> None:
-        if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
+        refuse_amsgrad("FusedAdam", amsgrad)
         defaults = {
             "lr": lr,
             "bias_correction": bias_correction,

@@ -21,7 +21,7 @@ rounded beta, which is off by up to 1.3e-5 relative for beta2 = 0.999: we follow
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import compress, repeat
 from operator import is_not
 from typing import Any
@@ -232,20 +232,17 @@ _VERDICTS_MAX = 64
 
 def _check_lists(
     fn: str,
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
+    given: tuple[Sequence[torch.Tensor], ...],
     model_params: Sequence[torch.Tensor | None] | None,
     step: torch.Tensor,
     found_inf: torch.Tensor | None,
 ) -> tuple[torch.device | None, list[torch.Tensor | None]]:
-    """The functional steps' validation (messages name the list and index); the list checks' verdict is
-    remembered per list shape under a C++ metadata guard (``_verdicts``), so a repeated call costs one guard
-    check over its tensors (~0.07 us each) instead of per-tensor Python (~1.7 us per row)."""
-    given = (params, grads, exp_avgs, exp_avg_sqs)
+    """The functional steps' validation of ``given`` (params, grads, exp_avgs, exp_avg_sqs), the model copies,
+    ``step`` and ``found_inf`` (messages name the list and index); the list checks' verdict is remembered per list
+    shape under a C++ metadata guard (``_verdicts``), so a repeated call costs one guard check over its tensors
+    (~0.07 us each) instead of per-tensor Python (~1.7 us per row)."""
     if any(isinstance(x, torch.Tensor) for x in given):  # a single tensor, not a list: the checks say so
-        _check_tensor_lists(fn, *given, [])
+        _check_tensor_lists(fn, given, [])
     lists = [x if type(x) is list else list(x) for x in given]
     models: list[torch.Tensor | None] = [None] * len(lists[0]) if model_params is None else list(model_params)
     present = tuple(map(is_not, models, repeat(None)))
@@ -256,7 +253,7 @@ def _check_lists(
     if entry is not None and entry[0].check(*flat):
         device = entry[1]
     else:
-        device = _check_tensor_lists(fn, *lists, models)
+        device = _check_tensor_lists(fn, lists, models)
         if not torch.compiler.is_compiling():
             _verdicts[key] = (metadata_guard(flat), device)
             if len(_verdicts) > _VERDICTS_MAX:
@@ -274,14 +271,11 @@ def _check_lists(
 
 
 def _check_tensor_lists(
-    fn: str,
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: list[torch.Tensor | None],
+    fn: str, lists: Sequence[Sequence[torch.Tensor]], models: list[torch.Tensor | None]
 ) -> torch.device | None:
-    """Every check of the tensor lists (per tensor, naming list and index); returns their one device."""
+    """Every check of the tensor ``lists`` (params, grads, exp_avgs, exp_avg_sqs) and ``models`` (per tensor,
+    naming list and index); returns their one device."""
+    params, grads, exp_avgs, exp_avg_sqs = lists
     ps = check_tensor_list(fn, "params", params)
     gs = check_tensor_list(fn, "grads", grads)
     ms = check_tensor_list(fn, "exp_avgs", exp_avgs)
@@ -303,6 +297,37 @@ def _check_tensor_lists(
         if m is not None and m.shape != p.shape:
             raise ValueError(f"{fn}: model_params[{i}] has shape {tuple(m.shape)}, params[{i}] {tuple(p.shape)}.")
     return common_device(fn, ps, gs, ms, vs, present)
+
+
+def _step_lists(
+    fn: str,
+    update: Callable[..., Any],
+    lists: tuple[Sequence[torch.Tensor], ...],
+    model_params: Sequence[torch.Tensor | None] | None,
+    step: torch.Tensor,
+    lr: Scalar,
+    inv_scale: Scalar | None,
+    found_inf: torch.Tensor | None,
+    check_pass: Callable[[torch.device, torch.Tensor, torch.Tensor], Any],
+    hparams: Callable[[torch.device, torch.Tensor, Any], torch.Tensor],
+    **modes: Any,
+) -> torch.Tensor:
+    """The sequence of :func:`lamb_step_` and :func:`adam_step_` over ``lists`` (params, grads, exp_avgs,
+    exp_avg_sqs): check the lists; take the flag (``found_inf`` or a new one); ``check_pass(device, inv_scale64,
+    flag)`` over the grads (its result goes to ``hparams``); the skip (the flag, raised for a bad tensor ``lr``);
+    ``step += 1`` unless skipped; ``hparams(device, inv_scale64, checked)``, the float64 hyper-parameter vector; then
+    ``update`` (``lamb_update`` or ``adam_update``) with ``modes``. Returns the flag."""
+    device, models = _check_lists(fn, lists, model_params, step, found_inf)
+    if device is None:
+        return new_found_inf(step.device) if found_inf is None else found_inf
+    flag = new_found_inf(device) if found_inf is None else found_inf
+    inv64 = _scalar64("inv_scale", 1.0 if inv_scale is None else inv_scale, device)
+    checked = check_pass(device, inv64, flag)
+    skip = _with_bad_lr(flag, lr, device, own=found_inf is None)
+    advance_step(step, skip)
+    hp64 = hparams(device, inv64, checked)
+    update(*(list(t) for t in lists), models, hp64, skip, step=step, **modes)
+    return flag
 
 
 @torch.no_grad()
@@ -361,44 +386,26 @@ def lamb_step_(
     """
     fn = "lamb_step_"
     check_hyperparams(fn, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
-    device, models = _check_lists(fn, params, grads, exp_avgs, exp_avg_sqs, model_params, step, found_inf)
-    if device is None:
-        return new_found_inf(step.device) if found_inf is None else found_inf
-    flag = new_found_inf(device) if found_inf is None else found_inf
-    inv64 = _scalar64("inv_scale", 1.0 if inv_scale is None else inv_scale, device)
-    if float(max_grad_norm) > 0:
-        gnorm = check_and_norm(list(grads), inv64, flag)
-    else:  # no clipping: the moments square the gradients as they are (the square guard; the norm is not used)
+
+    def check_pass(device: torch.device, inv64: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+        if float(max_grad_norm) > 0:
+            return check_and_norm(list(grads), inv64, flag)
+        # no clipping: the moments square the gradients as they are (the square guard; the norm is not used)
         gnorm = torch.zeros((), dtype=torch.float32, device=device)
         check_square_guard(grads, inv64, flag)
-    skip = _with_bad_lr(flag, lr, device, own=found_inf is None)
-    advance_step(step, skip)
-    hp64 = lamb_hparams(
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction,
-        grad_averaging=grad_averaging,
-        step=step,
-        inv_scale64=inv64,
-        clip64=clip_factor(gnorm, float(max_grad_norm)),
-        device=device,
+        return gnorm
+
+    def hparams(device: torch.device, inv64: torch.Tensor, gnorm: torch.Tensor) -> torch.Tensor:
+        return lamb_hparams(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+            grad_averaging=grad_averaging, step=step, inv_scale64=inv64,
+            clip64=clip_factor(gnorm, float(max_grad_norm)), device=device,
+        )
+
+    return _step_lists(
+        fn, lamb_update, (params, grads, exp_avgs, exp_avg_sqs), model_params, step, lr, inv_scale, found_inf,
+        check_pass, hparams, weight_decay=float(weight_decay), adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb,
     )
-    lamb_update(
-        list(params),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        models,
-        hp64,
-        skip,
-        weight_decay=float(weight_decay),
-        adam_w_mode=adam_w_mode,
-        use_nvlamb=use_nvlamb,
-        step=step,
-    )
-    return flag
 
 
 @torch.no_grad()
@@ -436,34 +443,17 @@ def adam_step_(
     """
     fn = "adam_step_"
     check_hyperparams(fn, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    device, models = _check_lists(fn, params, grads, exp_avgs, exp_avg_sqs, model_params, step, found_inf)
-    if device is None:
-        return new_found_inf(step.device) if found_inf is None else found_inf
-    flag = new_found_inf(device) if found_inf is None else found_inf
-    inv64 = _scalar64("inv_scale", 1.0 if inv_scale is None else inv_scale, device)
-    check_square_guard(grads, inv64, flag)
-    skip = _with_bad_lr(flag, lr, device, own=found_inf is None)
-    advance_step(step, skip)
-    hp64 = adam_hparams(
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction,
-        step=step,
-        inv_scale64=inv64,
-        device=device,
+
+    def check_pass(device: torch.device, inv64: torch.Tensor, flag: torch.Tensor) -> None:
+        check_square_guard(grads, inv64, flag)
+
+    def hparams(device: torch.device, inv64: torch.Tensor, _: None) -> torch.Tensor:
+        return adam_hparams(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction, step=step,
+            inv_scale64=inv64, device=device,
+        )
+
+    return _step_lists(
+        fn, adam_update, (params, grads, exp_avgs, exp_avg_sqs), model_params, step, lr, inv_scale, found_inf,
+        check_pass, hparams, weight_decay=float(weight_decay), adam_w_mode=adam_w_mode,
     )
-    adam_update(
-        list(params),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        models,
-        hp64,
-        skip,
-        weight_decay=float(weight_decay),
-        adam_w_mode=adam_w_mode,
-        step=step,
-    )
-    return flag

@@ -13,7 +13,7 @@ from fp16kit.kernels.optimizers import StepVerify
 from . import functional as F
 from ._apex_common import ApexRows, ApexStateOptimizer, check_range, hparams64
 from ._sharding import refuse_dtensors
-from ._validate import check_hyperparams
+from ._validate import check_hyperparams, refuse_amsgrad
 
 __all__ = ["FusedNovoGrad"]
 
@@ -84,8 +84,7 @@ class FusedNovoGrad(ApexStateOptimizer):
         on_nonfinite: str = "warn",
         capturable: bool = False,
     ) -> None:
-        if amsgrad:
-            raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True); use amsgrad=False.")
+        refuse_amsgrad("FusedNovoGrad", amsgrad)
         defaults = {
             "lr": lr,
             "bias_correction": bias_correction,

@@ -80,12 +80,16 @@ def _same(fn, *args):
         assert torch.equal(ours, ref)
 
 
+def _case(table, op, low):
+    """``table[op]`` and the operands, with ``_same`` comparing under autocast to ``low``."""
+    _same.low = low
+    return table[op], _operands(low)
+
+
 @pytest.mark.parametrize("low", LOW, ids=IDS)
 @pytest.mark.parametrize("op", list(BINARY))
 def test_binary_operators_follow_native_promotion(op, low):
-    _same.low = low
-    fn = BINARY[op]
-    vals = _operands(low)
+    fn, vals = _case(BINARY, op, low)
     tensors = [k for k, v in vals.items() if isinstance(v, torch.Tensor)]
     for a in tensors:
         for b in vals:
@@ -97,9 +101,7 @@ def test_binary_operators_follow_native_promotion(op, low):
 @pytest.mark.parametrize("low", LOW, ids=IDS)
 @pytest.mark.parametrize("op", list(INPLACE))
 def test_inplace_operators_keep_the_destination_dtype(op, low):
-    _same.low = low
-    fn = INPLACE[op]
-    vals = _operands(low)
+    fn, vals = _case(INPLACE, op, low)
     for a in ("low", "fp32", "low_0dim"):
         for b in vals:
             _same(lambda x, y: fn(x.clone(), y), vals[a], vals[b])

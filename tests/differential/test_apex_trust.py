@@ -50,6 +50,15 @@ def _scaler(init_scale, **kw):
     return scaler
 
 
+def _step(opt, scaler):
+    """``opt.step()``, or ``scaler.step(opt)`` and ``scaler.update()`` (a scaler from :func:`_scaler`)."""
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+
+
 def _clone(params):
     return [torch.nn.Parameter(p.detach().clone()) for p in params]
 
@@ -73,20 +82,12 @@ def test_novograd_skipped_first_step_leaves_the_second_moment_to_the_first_step_
         scaler = _scaler(2.0**16) if how == "grad_scaler" else None
         _grads(params, 1, scale=scaler.get_scale() if scaler else 1.0)
         params[0].grad[0] = float("inf")
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        _step(opt, scaler)
         assert all(torch.signbit(opt.state[p]["exp_avg_sq"]).all() for p in params), "v marked 'not yet initialised'"
         for k in range(2):  # the first real step initialises v, the second blends it
             _grads(params, 2 + k, scale=scaler.get_scale() if scaler else 1.0)
             _grads(ref, 2 + k)
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
+            _step(opt, scaler)
             fresh.step()
             assert_same_bits(bits(opt, params), bits(fresh, ref))
         assert float(opt.param_groups[0]["step"]) == float(fresh.param_groups[0]["step"]) == 2.0
@@ -167,13 +168,11 @@ def test_finite_grads_that_overflow_the_update_skip_the_step_under_a_grad_scaler
             p.grad = torch.ones_like(p)
         scaler = _scaler(1.0, growth_interval=1000)
         _fill_grads(params, g1)  # a step that is taken (state exists, SGD's buffer is used)
-        scaler.step(opt)
-        scaler.update()
+        _step(opt, scaler)
         assert scaler.get_scale() == 1.0
         _fill_grads(params, g2)
         before, counters = bits(opt, params + other), [float(gr.get("step", 0)) for gr in opt.param_groups]
-        scaler.step(opt)
-        scaler.update()
+        _step(opt, scaler)
         assert_same_bits(bits(opt, params + other), before)
         assert [float(gr.get("step", 0)) for gr in opt.param_groups] == counters
         assert scaler.get_scale() == 0.5, "the scaler must back off as for an inf gradient"

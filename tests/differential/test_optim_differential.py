@@ -248,6 +248,7 @@ def _functional(fn, backend, case, kw):
     before = named()
     p0, m0, v0 = [m.double() for m in masters], [m.double() for m in ms], [v.double() for v in vs]
     g = [p.grad.double() * inv for p in params]
+    before64 = {"p": p0, "g": g, "m": m0, "v": v0}
     with _backend(backend):
         try:
             out = fn(masters, [p.grad for p in params], ms, vs, step=step, model_params=models, inv_scale=inv_t,
@@ -263,12 +264,12 @@ def _functional(fn, backend, case, kw):
         try:
             if fn is lamb_step_:
                 hp.update(eps=1e-6, grad_averaging=True)
-                check_lamb_lists(p0, g, m0, v0, masters, ms, vs, hp=hp, max_grad_norm=kw["max_grad_norm"],
+                check_lamb_lists(before64, masters, ms, vs, hp=hp, max_grad_norm=kw["max_grad_norm"],
                                  norm=clip_terms(g, kw["max_grad_norm"]), adam_w_mode=kw["adam_w_mode"],
                                  use_nvlamb=False)  # fmt: skip
             else:
                 hp.update(eps=1e-8)
-                check_adam_lists(p0, g, m0, v0, masters, ms, vs, hp=hp, adam_w_mode=kw["adam_w_mode"])
+                check_adam_lists(before64, masters, ms, vs, hp=hp, adam_w_mode=kw["adam_w_mode"])
         except AssertionError as exc:
             raise AssertionError(f"{backend} backend: {exc}") from None
         for model, master in zip(models or [], masters):

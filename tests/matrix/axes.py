@@ -37,6 +37,15 @@ import torch
 # ---------------------------------------------------------------------------------------------- the entries
 
 
+class _Named:
+    """An axis value shown (in test ids and cell names) by its ``name``."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
 @dataclass(frozen=True)
 class Refusal:
     """A crossing refused by design: constructing or stepping the cell raises ``exc`` matching ``match``."""
@@ -48,7 +57,7 @@ class Refusal:
 
 
 @dataclass(frozen=True)
-class Optimizer:
+class Optimizer(_Named):
     name: str
     kind: str  #: the float64 reference it is checked against: adam, lamb, sgd, adagrad, novograd, larc
     bf16_modes: bool = False  #: master_weights="split"/"stochastic"
@@ -60,19 +69,11 @@ class Optimizer:
     #: check that sees the update overflow)?
     huge_skips: Callable[[float], bool] = lambda m: False
 
-    def __str__(self) -> str:
-        return self.name
-
-
 @dataclass(frozen=True)
-class Weights:
+class Weights(_Named):
     name: str
     dtype: torch.dtype
     master: bool | str  #: the master_weights argument (False, True, "split", "stochastic")
-
-    def __str__(self) -> str:
-        return self.name
-
 
 @dataclass(frozen=True)
 class Moments:
@@ -83,50 +84,30 @@ class Moments:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(_Named):
     name: str
     doc: str
     #: shapes of the params (the first is the layout's own tensor; a trailing small vector keeps a second row)
     large: bool = False  #: holds a tensor of >= 4096 elements (8-bit moments apply)
     noncontiguous: bool = False
 
-    def __str__(self) -> str:
-        return self.name
-
-
 @dataclass(frozen=True)
-class Grads:
+class Grads(_Named):
     name: str
 
-    def __str__(self) -> str:
-        return self.name
-
-
 @dataclass(frozen=True)
-class Scaler:
+class Scaler(_Named):
     name: str
 
-    def __str__(self) -> str:
-        return self.name
-
-
 @dataclass(frozen=True)
-class Backend:
+class Backend(_Named):
     name: str
     select: str  #: the argument of fp16kit.kernels.use_backend
 
-    def __str__(self) -> str:
-        return self.name
-
-
 @dataclass(frozen=True)
-class Path:
+class Path(_Named):
     name: str
     doc: str
-
-    def __str__(self) -> str:
-        return self.name
-
 
 def _adam_guard(m: float) -> bool:
     return m >= 2.0**63  # docs/optim.md, "Finite gradients whose square would overflow"
@@ -284,16 +265,12 @@ def refusal(c: Cell) -> Refusal | None:
 
 
 @dataclass(frozen=True)
-class ErrorInput:
+class ErrorInput(_Named):
     """A constructor argument every optimizer must refuse (torch's ``ErrorOptimizerInput``)."""
 
     name: str
     kwargs: dict
     refusal: Refusal
-
-    def __str__(self) -> str:
-        return self.name
-
 
 #: bounds every optimizer checks at construction (docs/optim.md, "Validation"): a float32 update needs float32
 #: hyper-parameters

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from apex_optim_helpers import adagrad_step_and_check, novograd_step_and_check, sgd_step_and_check
 from optim_helpers import (
+    MOMENTS,
     U32,
     K,
     _stored_budget,
@@ -38,6 +39,8 @@ from optim_helpers import (
     check_adam_lists,
     clip_terms,
     lamb_budgets,
+    moments,
+    snapshot,
 )
 
 from fp16kit.kernels import from_state8, use_backend
@@ -379,21 +382,8 @@ def _hp(group: dict, keys: tuple[str, ...]) -> dict:
 
 
 def _snapshot_adam_like(run: Run) -> list[dict]:
-    opt = run.inner()
-    snap = []
-    for group in opt.param_groups:
-        items: dict[str, list] = {"params": [], "p": [], "g": [], "m": [], "v": []}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            st = opt.state.get(p, {})
-            items["params"].append(p)
-            items["p"].append(_updated(run, p).detach().to(F64, copy=True))
-            items["g"].append(p.grad.detach().to(F64, copy=True))
-            items["m"].append(_moment64(st, "exp_avg") if st else torch.zeros(p.shape, dtype=F64))
-            items["v"].append(_moment64(st, "exp_avg_sq") if st else torch.zeros(p.shape, dtype=F64))
-        snap.append(items)
-    return snap
+    snap = snapshot(run.inner(), MOMENTS, updated=lambda p: _updated(run, p), read=_moment64)
+    return [moments(items) for items in snap]
 
 
 def _check_8bit_moment(stored: torch.Tensor, absmax: torch.Tensor, ref: torch.Tensor, err: torch.Tensor,
@@ -416,8 +406,7 @@ def _check_adam(run: Run, snap: list[dict]) -> None:
         hp = _hp(group, ("lr", "betas", "eps", "weight_decay", "bias_correction"))
         targets = [_updated(run, p) for p in items["params"]]
         eight = [opt.state[p]["exp_avg"].dtype == torch.uint8 for p in items["params"]]
-        check_adam_lists(items["p"], items["g"], items["m"], items["v"], targets, None, None, hp=hp,
-                         adam_w_mode=opt.adam_w_mode)
+        check_adam_lists(items, targets, None, None, hp=hp, adam_w_mode=opt.adam_w_mode)
         _, ref_m, ref_v = adam_step(items["p"], items["g"], items["m"], items["v"], adam_w_mode=opt.adam_w_mode,
                                     **hp)
         b1, b2 = hp["betas"]

@@ -11,16 +11,20 @@ norms (NovoGrad) have relative error at most ``gamma(n) + K u``.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
+from hypothesis import strategies as st
 from optim_helpers import (
     U32,
     K,
     _stored_budget,
     _updated_tensor,
     assert_within,
+    checked_steps,
     clone_params,
     make_params,
+    reference_tests,
     set_grads,
     stepped_groups,
 )
@@ -32,6 +36,30 @@ from fp16kit.numerics.reference import adagrad_step, novograd_step, sgd_step
 F64 = torch.float64
 #: absolute floor of every fp32 budget: results in fp32's subnormal range are rounded to multiples of 2^-149
 FLOOR = K * 2.0**-149
+
+#: the param shapes the apex optimizers' Hypothesis tests draw
+SHAPES = st.lists(st.sampled_from([(1,), (7,), (3, 5), (2, 3, 4), (64,)]), min_size=1, max_size=3)
+
+
+def apex_reference_tests(make, step_and_check, hyper: dict, *, examples: int = 40, interpreter_examples: int = 6):
+    """An apex optimizer's ``test_matches_reference_*`` pair (``optim_helpers.reference_tests``): steps of
+    ``make(params, master_weights=master, **hp)``, each checked by ``step_and_check`` against its float64 reference,
+    ``hp`` drawn from the optimizer's own ``hyper`` strategies; the param dtype, seed, masters, grad magnitude
+    (``2**grad_exp``) and the zeroed param and/or grad of tensor 0 (``checked_steps``) drawn alike for all."""
+    config = {
+        "dtype": st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+        "seed": st.integers(0, 2**16),
+        **hyper,
+        "master": st.booleans(),
+        "grad_exp": st.integers(-12, 6),
+        "zero": st.sampled_from(["none", "param", "grad", "both"]),
+    }
+
+    def run(shapes, seed, dtype, master, grad_exp, zero, steps, **hp):
+        factory = partial(make, master_weights=master, **hp)
+        checked_steps(factory, step_and_check, shapes, dtype, seed, steps, grad_exp=grad_exp, zero=zero)
+
+    return reference_tests(run, SHAPES, config, examples, interpreter_examples)
 
 
 def _check_param(opt, p, expected, budget, what):
@@ -125,6 +153,19 @@ def novograd_step_and_check(opt) -> None:
             # squares below fp32's smallest subnormal vanish from the norm: sqrt(n 2^-149) absolute at most
             lost = math.sqrt(g.numel() * 2.0**-149)
             assert_within(opt.state[p]["exp_avg_sq"], v, rel * v.abs() + U32 * v.abs() + lost, f"exp_avg_sq {i}")
+
+
+def restart_torch_from(opt, ref, ours, theirs, seed: int, key: str) -> None:
+    """New grads for ``ours`` (``set_grads(ours, seed)``) and torch's optimizer ``ref`` restarted from our state:
+    ``theirs`` get our params and grads, ``ref.state[q][key]`` our ``opt.state[p][key]`` where we keep one (the
+    differential tests against torch.optim, so each step is compared from the same state)."""
+    set_grads(ours, seed)
+    for p, q in zip(ours, theirs):
+        q.grad = p.grad.clone()
+        with torch.no_grad():
+            q.copy_(p)
+        if opt.state[p].get(key) is not None:
+            ref.state[q][key].copy_(opt.state[p][key])
 
 
 def step_both_backends(make, step_and_check, dtype: torch.dtype, seed: int, steps: int = 2) -> dict:

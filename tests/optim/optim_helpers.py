@@ -21,6 +21,7 @@ import contextlib
 import copy
 import math
 from collections.abc import Sequence
+from functools import partial
 
 import pytest
 import torch
@@ -77,15 +78,29 @@ def set_grads(params: Sequence[torch.Tensor], seed: int, scale: float = 1.0) -> 
         p.grad = (torch.randn(p.shape, generator=gen, dtype=F64) * scale).to(p.dtype)
 
 
+def scaled_step(opt: torch.optim.Optimizer, scaler=None) -> None:
+    """``opt.step()``, or through ``scaler`` (a GradScaler): ``scale`` (which its ``step`` needs first), ``step``,
+    ``update``."""
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.scale(torch.ones(()))
+        scaler.step(opt)
+        scaler.update()
+
+
 def _updated_tensor(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
     """The tensor the optimizer updates for ``p``: its fp32 master if it has one."""
     state = opt.state.get(p, {})
     return state.get("master", p)
 
 
-def snapshot(opt: torch.optim.Optimizer, keys: tuple[str, ...], inv_scale: float = 1.0) -> list[dict[str, list]]:
-    """float64 copies per group, params with grads only: ``params``, ``p`` (the updated tensor), ``g`` (the grad
-    times ``inv_scale``) and, per state key, ``state[key]`` (None where the param has none yet)."""
+def snapshot(
+    opt: torch.optim.Optimizer, keys: tuple[str, ...], inv_scale: float = 1.0, *, updated=None, read=None
+) -> list[dict[str, list]]:
+    """float64 copies per group, params with grads only: ``params``, ``p`` (the updated tensor: ``updated(p)``, by
+    default its fp32 master if it has one), ``g`` (the grad times ``inv_scale``) and, per state key, ``state[key]``
+    (``read(state, key)``, by default a float64 copy; None where the param has none yet)."""
     snap = []
     for group in opt.param_groups:
         items: dict[str, list] = {"params": [], "p": [], "g": [], **{k: [] for k in keys}}
@@ -94,10 +109,11 @@ def snapshot(opt: torch.optim.Optimizer, keys: tuple[str, ...], inv_scale: float
                 continue
             state = opt.state.get(p, {})
             items["params"].append(p)
-            items["p"].append(_updated_tensor(opt, p).detach().to(F64, copy=True))
+            items["p"].append((updated or partial(_updated_tensor, opt))(p).detach().to(F64, copy=True))
             items["g"].append(p.grad.detach().to(F64) * inv_scale)
             for k in keys:
-                items[k].append(state[k].to(F64, copy=True) if state.get(k) is not None else None)
+                value = None if state.get(k) is None else read(state, k) if read else state[k].to(F64, copy=True)
+                items[k].append(value)
         snap.append(items)
     return snap
 
@@ -113,7 +129,7 @@ def stepped_groups(opt: torch.optim.Optimizer, keys: tuple[str, ...], inv_scale:
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _moments(items: dict[str, list]) -> dict[str, list]:
+def moments(items: dict[str, list]) -> dict[str, list]:
     """A :func:`snapshot` of :data:`MOMENTS` with them as ``m`` and ``v``, zeros before the first step."""
     for key, name in (("exp_avg", "m"), ("exp_avg_sq", "v")):
         items[name] = [torch.zeros_like(p) if t is None else t for p, t in zip(items["p"], items.pop(key))]
@@ -228,10 +244,7 @@ def clip_terms(grads: Sequence[torch.Tensor], max_grad_norm: float) -> tuple[flo
 
 
 def check_lamb_lists(
-    p0: Sequence[torch.Tensor],
-    g: Sequence[torch.Tensor],
-    m0: Sequence[torch.Tensor],
-    v0: Sequence[torch.Tensor],
+    before: dict[str, Sequence[torch.Tensor]],
     targets: Sequence[torch.Tensor],
     ms: Sequence[torch.Tensor],
     vs: Sequence[torch.Tensor],
@@ -243,10 +256,12 @@ def check_lamb_lists(
     use_nvlamb: bool,
 ) -> None:
     """One group's LAMB step results (``targets``: the updated tensors; ``ms``, ``vs``) against the float64
-    reference from the state before (float64 ``p0``, unscaled ``g``, ``m0``, ``v0``), within the budgets.
+    reference from the state ``before`` the step (float64 lists ``p``, unscaled ``g``, ``m``, ``v``: a
+    :func:`snapshot`'s items after :func:`moments`), within the budgets.
 
     ``hp`` holds lr, betas, eps, weight_decay, bias_correction, grad_averaging and the step number;
     ``norm`` is :func:`clip_terms` of the grads of *all* groups."""
+    p0, g, m0, v0 = (before[k] for k in ("p", "g", "m", "v"))
     gnorm, clip, delta_clip = norm
     ref_p, ref_m, ref_v = lamb_step(
         p0,
@@ -281,7 +296,7 @@ def check_lamb_lists(
 def lamb_step_and_check(opt, *, inv_scale: float = 1.0) -> None:
     """Run ``opt.step()`` (a FusedLAMB) and check every updated tensor against the float64 reference
     computed from the state just before the step."""
-    groups = [(group, _moments(items)) for group, items in stepped_groups(opt, MOMENTS, inv_scale)]
+    groups = [(group, moments(items)) for group, items in stepped_groups(opt, MOMENTS, inv_scale)]
     maxn = float(opt.defaults["max_grad_norm"])
     norm = clip_terms([g for _, items in groups for g in items["g"]], maxn)  # of the grads of all groups
     for group, items in groups:
@@ -289,10 +304,7 @@ def lamb_step_and_check(opt, *, inv_scale: float = 1.0) -> None:
         hp["step"] = int(group["step"].item())
         targets = [_updated_tensor(opt, p) for p in items["params"]]
         check_lamb_lists(
-            items["p"],
-            items["g"],
-            items["m"],
-            items["v"],
+            items,
             targets,
             [opt.state[p]["exp_avg"] for p in items["params"]],
             [opt.state[p]["exp_avg_sq"] for p in items["params"]],
@@ -323,10 +335,7 @@ def adam_budget(
 
 
 def check_adam_lists(
-    p0: Sequence[torch.Tensor],
-    g: Sequence[torch.Tensor],
-    m0: Sequence[torch.Tensor],
-    v0: Sequence[torch.Tensor],
+    before: dict[str, Sequence[torch.Tensor]],
     targets: Sequence[torch.Tensor],
     ms: Sequence[torch.Tensor] | None,
     vs: Sequence[torch.Tensor] | None,
@@ -334,9 +343,10 @@ def check_adam_lists(
     hp: dict,
     adam_w_mode: bool,
 ) -> None:
-    """One group's Adam step results against the float64 reference from the state before (as
+    """One group's Adam step results against the float64 reference from the state ``before`` the step (as
     :func:`check_lamb_lists`). Moments (when given) within K roundings of their absolute magnitudes: with
     the L2 penalty, ``g + wd p`` may cancel, so the budget is in the operands' magnitudes, not the result's."""
+    p0, g, m0, v0 = (before[k] for k in ("p", "g", "m", "v"))
     ref_p, ref_m, ref_v = adam_step(p0, g, m0, v0, adam_w_mode=adam_w_mode, **hp)
     b1, b2 = hp["betas"]
     wd = hp["weight_decay"] if not adam_w_mode else 0.0
@@ -355,14 +365,11 @@ def check_adam_lists(
 def adam_step_and_check(opt, *, adam_w_mode: bool, inv_scale: float = 1.0) -> None:
     """Run ``opt.step()`` (a FusedAdam) and check it against the float64 reference from the state before."""
     for group, items in stepped_groups(opt, MOMENTS, inv_scale):
-        items = _moments(items)
+        items = moments(items)
         hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction")}
         hp["step"] = int(group["step"].item())
         check_adam_lists(
-            items["p"],
-            items["g"],
-            items["m"],
-            items["v"],
+            items,
             [_updated_tensor(opt, p) for p in items["params"]],
             [opt.state[p]["exp_avg"] for p in items["params"]],
             [opt.state[p]["exp_avg_sq"] for p in items["params"]],

@@ -1,12 +1,11 @@
-"""FusedAdagrad (apex's constructor and math) against the float64 reference and torch.optim.Adagrad, on both
-backends; skipping, scalers, amp O2, checkpoints, bad input.
+"""FusedAdagrad (apex's constructor and math) against torch.optim.Adagrad; entries that never had a gradient,
+checkpoints, bad input, the kernel's sm_90 code. The float64 reference on both backends, edge values, skipping,
+scalers and amp O2: ``test_apex_contracts.py``.
 
 Tolerances: ``apex_optim_helpers.adagrad_step_and_check`` budgets; against torch (both fp32) twice the budget.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import pytest
 import torch
@@ -14,64 +13,15 @@ from apex_optim_helpers import (
     APEX_HP_DEVICE,
     APEX_HP_DEVICE_VERIFY,
     APEX_HP_LEGACY,
-    adagrad_step_and_check,
-    assert_backends_agree,
-    check_amp_o2,
-    check_edge_values,
-    check_grad_scaler,
-    check_nonfinite_grad_skips,
-    check_state_dict_round_trip,
+    SHAPES,
     compile_for_sm90,
-    step_both_backends,
+    restart_torch_from,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from optim_helpers import U32, K, assert_within, checked_steps, clone_params, make_params, reference_tests, set_grads
+from optim_helpers import U32, K, assert_within, clone_params, make_params
 
-from fp16kit.kernels import use_backend
 from fp16kit.optim import FusedAdagrad
-
-SHAPES = st.lists(st.sampled_from([(1,), (7,), (3, 5), (2, 3, 4), (64,)]), min_size=1, max_size=3)
-CONFIG = {
-    "dtype": st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    "seed": st.integers(0, 2**16),
-    "lr": st.sampled_from([1e-3, 1e-2, 0.5]),
-    "eps": st.sampled_from([1e-10, 1e-6, 1.0]),
-    "weight_decay": st.sampled_from([0.0, 1e-4, 0.1]),
-    "adagrad_w_mode": st.booleans(),
-    "master": st.booleans(),
-    "grad_exp": st.integers(-12, 6),
-    "zero": st.sampled_from(["none", "param", "grad", "both"]),
-}
-
-
-def _run_reference_check(shapes, seed, dtype, master, grad_exp, zero, steps, **hp):
-    make = partial(FusedAdagrad, master_weights=master, **hp)
-    checked_steps(make, adagrad_step_and_check, shapes, dtype, seed, steps, grad_exp=grad_exp, zero=zero)
-
-
-test_matches_reference_torch_backend, test_matches_reference_triton_interpreter = reference_tests(
-    _run_reference_check, SHAPES, CONFIG, examples=40, interpreter_examples=6
-)
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize(
-    ("dtype", "kw"),
-    [
-        (torch.float32, {"weight_decay": 0.01}),
-        (torch.float16, {"weight_decay": 0.01, "adagrad_w_mode": True}),
-        (torch.bfloat16, {"master_weights": True}),
-    ],
-)
-def test_backends_agree(dtype, kw):
-    """Triton kernel (interpreter) and torch fallback on the same inputs, each against the reference, then
-    against each other. Not bit for bit: torch's CPU sqrt is not correctly rounded (measured: 0.7% of fp32
-    inputs differ by 1 ulp from the rounded float64 sqrt), the kernel's ``sqrt_rn`` is. |u| <= 1 + wd|p|
-    (``h >= g^2``), so one ulp in u and one rounding of p give at most ``2 u (|p| + lr (1 + wd |p|))``."""
-    run = step_both_backends(lambda ps: FusedAdagrad(ps, lr=0.1, **kw), adagrad_step_and_check, dtype, 2)
-    wd = kw.get("weight_decay", 0.0)
-    assert_backends_agree(run, dtype, lambda i, q64: 2 * U32 * (q64.abs() + 0.1 * (1 + wd * q64.abs())))
 
 
 @settings(max_examples=25, deadline=None)
@@ -98,12 +48,7 @@ def test_matches_torch_optim_adagrad(shapes, seed, weight_decay, eps, foreach):
             a = p.grad.double().abs() + weight_decay * p0[i].abs()
             budget = 2 * K * U32 * (p0[i].abs() + 2 * 0.05 * a / (h.sqrt() + eps))
             assert_within(p, q.detach().double(), budget, f"param {i} at step {k + 1}")
-        set_grads(ours, seed + k + 1)
-        for p, q in zip(ours, theirs):
-            q.grad = p.grad.clone()
-            with torch.no_grad():
-                q.copy_(p)
-            ref.state[q]["sum"].copy_(opt.state[p]["sum"])
+        restart_torch_from(opt, ref, ours, theirs, seed + k + 1, "sum")
 
 
 def test_never_updated_entries_stay_finite():
@@ -112,32 +57,6 @@ def test_never_updated_entries_stay_finite():
     p0 = params[0].detach().clone()
     FusedAdagrad(params, eps=1e-10).step()
     assert torch.equal(params[0].detach(), p0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
-def test_edge_values(dtype, backend):
-    """±0, subnormals, tiny and huge values (as params and grads), an all-zero gradient and an all-zero param:
-    finite results within budget of the float64 reference, on both backends."""
-    with use_backend(backend):
-        check_edge_values(lambda ps: FusedAdagrad(ps, lr=1e-3, weight_decay=1e-4), adagrad_step_and_check, dtype)
-
-
-def test_nonfinite_grad_skips():
-    check_nonfinite_grad_skips(lambda ps: FusedAdagrad(ps, lr=0.1, weight_decay=0.01))
-
-
-@pytest.mark.parametrize("scaler_kind", ["torch", "fp16kit"])
-def test_with_grad_scaler(scaler_kind):
-    check_grad_scaler(lambda ps: FusedAdagrad(ps, lr=0.05, weight_decay=0.01, adagrad_w_mode=True), scaler_kind)
-
-
-def test_amp_o2():
-    check_amp_o2(lambda ps: FusedAdagrad(ps, lr=0.05))
-
-
-def test_state_dict_round_trip_and_mismatch():
-    check_state_dict_round_trip(lambda ps: FusedAdagrad(ps, lr=0.1, weight_decay=0.01, master_weights=True))
 
 
 @pytest.mark.parametrize(

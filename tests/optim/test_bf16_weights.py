@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from optim_helpers import scaled_step
 from test_device_step import BUDGET, counting
 
 from fp16kit.amp import GradScaler
@@ -165,12 +166,7 @@ def _train(kind: str, mode, steps: int = 4, *, scaler: bool = False, inf_at: int
             p.grad = (torch.randn(p.shape, generator=g) * (1024.0 if scaler else 1.0) * 0.1).bfloat16()
         if inf_at == i:
             ps[1].grad[3] = float("inf")
-        if sc is None:
-            opt.step()
-        else:
-            sc.scale(torch.ones(()))
-            sc.step(opt)
-            sc.update()
+        scaled_step(opt, sc)
     return ps, opt
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from optim_helpers import scaled_step
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp16kit.amp import GradScaler
@@ -75,15 +77,7 @@ def _params(n: int, numel: int = 64, dtype: torch.dtype = torch.float32, seed: i
 
 
 def _step_fn(opt: torch.optim.Optimizer, scaler: GradScaler | None) -> Callable[[], None]:
-    def one() -> None:
-        if scaler is None:
-            opt.step()
-        else:
-            scaler.scale(torch.ones(()))
-            scaler.step(opt)
-            scaler.update()
-
-    return one
+    return functools.partial(scaled_step, opt, scaler)
 
 
 @pytest.mark.interpreter
@@ -140,12 +134,7 @@ def _run(kind: str, backend: str, steps: int, dtype: torch.dtype, *, scaler_scal
             if lr_tensor and i == 2:
                 for grp in opt.param_groups:
                     grp["lr"].fill_(3e-3)
-            if sc is None:
-                opt.step()
-            else:
-                sc.scale(torch.ones(()))
-                sc.step(opt)
-                sc.update()
+            scaled_step(opt, sc)
         state = {k: [opt.state[p][k].clone() for p in ps] for k in ("exp_avg", "exp_avg_sq")}
         state["step"] = [grp["step"].clone() for grp in opt.param_groups]
         if kwargs.get("master_weights"):

@@ -1,13 +1,12 @@
-"""FusedNovoGrad (apex's constructor and math) against the float64 reference on both backends (L2 and inf
-norms, both moment modes, init_zero, grad_averaging, bias_correction); skipping, scalers, amp O2, checkpoints,
-bad input.
+"""FusedNovoGrad (apex's constructor and math): the per-tensor second moment and its first step, params gaining a
+gradient later, apex checkpoints, bad input, the kernels' sm_90 code. The float64 reference on both backends (L2
+and inf norms, both moment modes, init_zero, grad_averaging, bias_correction), edge values, skipping, scalers and
+amp O2: ``test_apex_contracts.py``.
 
 Tolerances: ``apex_optim_helpers.novograd_step_and_check`` budgets (fp32 chains; per-tensor norms to gamma(n)).
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import pytest
 import torch
@@ -15,74 +14,12 @@ from apex_optim_helpers import (
     APEX_HP_DEVICE,
     APEX_HP_DEVICE_VERIFY,
     APEX_HP_LEGACY,
-    assert_backends_agree,
-    check_amp_o2,
-    check_edge_values,
-    check_grad_scaler,
-    check_nonfinite_grad_skips,
-    check_state_dict_round_trip,
     compile_for_sm90,
     novograd_step_and_check,
-    step_both_backends,
 )
-from hypothesis import strategies as st
-from optim_helpers import U32, assert_within, checked_steps, clone_params, make_params, reference_tests
+from optim_helpers import clone_params, make_params
 
-from fp16kit.kernels import use_backend
 from fp16kit.optim import FusedNovoGrad
-
-SHAPES = st.lists(st.sampled_from([(1,), (7,), (3, 5), (2, 3, 4), (64,)]), min_size=1, max_size=3)
-CONFIG = {
-    "dtype": st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    "seed": st.integers(0, 2**16),
-    "lr": st.sampled_from([1e-3, 1e-2, 0.1]),
-    "betas": st.sampled_from([(0.9, 0.999), (0.95, 0.98), (0.0, 0.5)]),
-    "eps": st.sampled_from([1e-8, 1e-3]),
-    "weight_decay": st.sampled_from([0.0, 1e-3, 0.1]),
-    "reg_inside_moment": st.booleans(),
-    "grad_averaging": st.booleans(),
-    "bias_correction": st.booleans(),
-    "norm_type": st.sampled_from([0, 2]),
-    "init_zero": st.booleans(),
-    "master": st.booleans(),
-    "grad_exp": st.integers(-12, 6),
-    "zero": st.sampled_from(["none", "param", "grad", "both"]),
-}
-
-
-def _run_reference_check(shapes, seed, dtype, master, grad_exp, zero, steps, **hp):
-    make = partial(FusedNovoGrad, master_weights=master, **hp)
-    checked_steps(make, novograd_step_and_check, shapes, dtype, seed, steps, grad_exp=grad_exp, zero=zero)
-
-
-test_matches_reference_torch_backend, test_matches_reference_triton_interpreter = reference_tests(
-    _run_reference_check, SHAPES, CONFIG, examples=50, interpreter_examples=8
-)
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize(
-    ("dtype", "kw"),
-    [
-        (torch.float32, {"weight_decay": 0.01, "norm_type": 2}),
-        (torch.float16, {"weight_decay": 0.01, "norm_type": 0, "reg_inside_moment": True}),
-        (torch.bfloat16, {"norm_type": 2, "init_zero": True, "master_weights": True}),
-    ],
-)
-def test_backends_agree(dtype, kw):
-    """Triton kernels (interpreter: per-tensor norms across two chunks and two programs, then the update) and
-    the torch fallback on the same inputs, each against the reference, then against each other: the per-tensor
-    norms may differ by a few fp32 roundings (summation order), which moves each update by a few ulp."""
-    run = step_both_backends(lambda ps: FusedNovoGrad(ps, lr=0.01, **kw), novograd_step_and_check, dtype, 3)
-
-    def budget(i, q64):
-        update = (q64 - run["before"][i]).abs()  # the fallback's last update: norms off by 1e-6 move it by 1e-6 of it
-        return 4 * U32 * q64.abs() + 1e-6 * update
-
-    assert_backends_agree(run, dtype, budget)
-    for i, (p, q) in enumerate(zip(run["params"], run["twin"])):
-        v1, v2 = run["opt"].state[p]["exp_avg_sq"].double(), run["fb"].state[q]["exp_avg_sq"].double()
-        assert_within(v1, v2, 1e-6 * v2.abs(), f"exp_avg_sq {i}: kernel vs fallback")
 
 
 def test_per_layer_second_moment_and_first_step_init():
@@ -116,37 +53,6 @@ def test_param_gaining_a_grad_later_starts_its_own_moment():
     b[0].grad = grad_b
     novograd_step_and_check(opt)
     novograd_step_and_check(opt)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
-@pytest.mark.parametrize("norm_type", [0, 2])
-def test_edge_values(dtype, backend, norm_type):
-    """±0, subnormals, tiny and huge values (as params and grads), an all-zero gradient and an all-zero param:
-    finite results within budget of the float64 reference, on both backends."""
-    with use_backend(backend):
-        check_edge_values(
-            lambda ps: FusedNovoGrad(ps, lr=1e-3, weight_decay=1e-4, norm_type=norm_type),
-            novograd_step_and_check,
-            dtype,
-        )
-
-
-def test_nonfinite_grad_skips():
-    check_nonfinite_grad_skips(lambda ps: FusedNovoGrad(ps, lr=0.01, weight_decay=0.01))
-
-
-@pytest.mark.parametrize("scaler_kind", ["torch", "fp16kit"])
-def test_with_grad_scaler(scaler_kind):
-    check_grad_scaler(lambda ps: FusedNovoGrad(ps, lr=0.01, weight_decay=0.01, norm_type=0), scaler_kind)
-
-
-def test_amp_o2():
-    check_amp_o2(lambda ps: FusedNovoGrad(ps, lr=0.01))
-
-
-def test_state_dict_round_trip_and_mismatch():
-    check_state_dict_round_trip(lambda ps: FusedNovoGrad(ps, lr=0.01, weight_decay=0.01, reg_inside_moment=True))
 
 
 @pytest.mark.parametrize(

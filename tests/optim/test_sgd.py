@@ -1,5 +1,6 @@
-"""FusedSGD (apex's constructor and math) against the float64 reference and torch.optim.SGD, on both backends;
-skipping, scalers, amp O2, checkpoints, bad input.
+"""FusedSGD (apex's constructor and math) against torch.optim.SGD; the buffer's first use, apex's attributes,
+checkpoints, bad input, the kernel's sm_90 code. The float64 reference on both backends, edge values, skipping,
+scalers and amp O2: ``test_apex_contracts.py``.
 
 Tolerances: ``apex_optim_helpers.sgd_step_and_check`` budgets (K = 8 fp32 roundings at the magnitudes involved).
 Against torch both sides are fp32 implementations within that budget of the exact result: twice the budget.
@@ -7,82 +8,22 @@ Against torch both sides are fp32 implementations within that budget of the exac
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 from apex_optim_helpers import (
     APEX_HP_DEVICE,
     APEX_HP_DEVICE_VERIFY,
     APEX_HP_LEGACY,
-    assert_backends_agree,
-    check_amp_o2,
-    check_edge_values,
-    check_grad_scaler,
-    check_nonfinite_grad_skips,
-    check_state_dict_round_trip,
+    SHAPES,
     compile_for_sm90,
+    restart_torch_from,
     sgd_step_and_check,
-    step_both_backends,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from optim_helpers import U32, K, assert_within, checked_steps, clone_params, make_params, reference_tests, set_grads
+from optim_helpers import U32, K, assert_within, clone_params, make_params
 
-from fp16kit.kernels import use_backend
 from fp16kit.optim import FusedSGD
-
-SHAPES = st.lists(st.sampled_from([(1,), (7,), (3, 5), (2, 3, 4), (64,)]), min_size=1, max_size=3)
-CONFIG = {
-    "dtype": st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    "seed": st.integers(0, 2**16),
-    "lr": st.sampled_from([1e-3, 0.1, 1.0]),
-    "momentum": st.sampled_from([0.0, 0.5, 0.9]),
-    "dampening": st.sampled_from([0.0, 0.1]),
-    "nesterov": st.booleans(),
-    "weight_decay": st.sampled_from([0.0, 1e-4, 0.1]),
-    "wd_after_momentum": st.booleans(),
-    "master": st.booleans(),
-    "grad_exp": st.integers(-12, 6),
-    "zero": st.sampled_from(["none", "param", "grad", "both"]),
-}
-
-
-def _run_reference_check(shapes, seed, dtype, master, grad_exp, zero, steps, momentum, dampening, nesterov, **hp):
-    nesterov = nesterov and momentum > 0 and dampening == 0
-    make = partial(FusedSGD, momentum=momentum, dampening=dampening, nesterov=nesterov, master_weights=master, **hp)
-    checked_steps(make, sgd_step_and_check, shapes, dtype, seed, steps, grad_exp=grad_exp, zero=zero)
-
-
-test_matches_reference_torch_backend, test_matches_reference_triton_interpreter = reference_tests(
-    _run_reference_check, SHAPES, CONFIG, examples=40, interpreter_examples=6
-)
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize(
-    ("dtype", "kw"),
-    [
-        (torch.float32, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
-        (torch.float16, {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01, "wd_after_momentum": True}),
-        (torch.bfloat16, {"momentum": 0.5, "master_weights": True}),
-    ],
-)
-def test_backends_agree(dtype, kw):
-    """Triton kernel (interpreter) and torch fallback on the same inputs, both checked against the reference,
-    then against each other (tensors of 4100 elements span two chunks). The host fallback uses torch's fused
-    ``x + alpha * y`` (one rounding or two, as the CPU kernel vectorizes), the kernel a multiply and an add: the
-    results differ by at most a rounding of the update and one of p (plus an ulp of a 16-bit store)."""
-    run = step_both_backends(lambda ps: FusedSGD(ps, lr=0.1, **kw), sgd_step_and_check, dtype, 1)
-    wd = kw.get("weight_decay", 0.0)
-
-    def budget(i, q64):
-        m = run["fb"].state[run["twin"][i]]["momentum_buffer"].double().abs()
-        # magnitudes that enter the last update (its terms may cancel): roundings are relative to them
-        mag = run["grads"][i].abs() + wd * q64.abs() + 2 * m
-        return 4 * U32 * (q64.abs() + 0.1 * mag)
-
-    assert_backends_agree(run, dtype, budget)
 
 
 @settings(max_examples=25, deadline=None)
@@ -112,13 +53,7 @@ def test_matches_torch_optim_sgd(shapes, seed, momentum, dampening, nesterov, we
             mag = a if m0[i] is None else momentum * m0[i].abs() + a
             budget = 2 * K * U32 * (p0[i].abs() + 0.1 * (a + 3 * mag))
             assert_within(p, q.detach().double(), budget, f"param {i} at step {k + 1}")
-        set_grads(ours, seed + k + 1)
-        for p, q in zip(ours, theirs):
-            q.grad = p.grad.clone()
-            with torch.no_grad():
-                q.copy_(p)
-            if momentum:
-                ref.state[q]["momentum_buffer"].copy_(opt.state[p]["momentum_buffer"])
+        restart_torch_from(opt, ref, ours, theirs, seed + k + 1, "momentum_buffer")
 
 
 def test_first_step_buffer_is_the_grad_and_momentum_switched_on_later():
@@ -134,34 +69,6 @@ def test_first_step_buffer_is_the_grad_and_momentum_switched_on_later():
     opt.param_groups[0]["momentum"] = 0.9
     sgd_step_and_check(opt)  # the new buffer starts as the grad
     sgd_step_and_check(opt)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.interpreter)])
-def test_edge_values(dtype, backend):
-    """±0, subnormals, tiny and huge values (as params and grads), an all-zero gradient and an all-zero param:
-    finite results within budget of the float64 reference, on both backends."""
-    with use_backend(backend):
-        check_edge_values(
-            lambda ps: FusedSGD(ps, lr=1e-3, momentum=0.9, weight_decay=1e-4, nesterov=True), sgd_step_and_check, dtype
-        )
-
-
-def test_nonfinite_grad_skips():
-    check_nonfinite_grad_skips(lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, master_weights=True))
-
-
-@pytest.mark.parametrize("scaler_kind", ["torch", "fp16kit"])
-def test_with_grad_scaler(scaler_kind):
-    check_grad_scaler(lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01), scaler_kind)
-
-
-def test_amp_o2():
-    check_amp_o2(lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9))
-
-
-def test_state_dict_round_trip_and_mismatch():
-    check_state_dict_round_trip(lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01))
 
 
 def test_zero_grad_and_apex_attributes():
