@@ -34,12 +34,13 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def dispatch_engine():
-    """The dispatcher engine, installed afresh; afterwards the engine the session runs (leaving this one uninstalls
-    it)."""
+    """The dispatcher engine, installed afresh and installed again after the test (which may uninstall it); then the
+    engine the session runs (leaving this one uninstalls it)."""
     with autocast_mode.use_engine("dispatch"):
         D.uninstall()
         D.install(autocast_mode.cast_args)
         yield
+        D.install(autocast_mode.cast_args)
 
 
 # fp16kit/amp/_dispatch.py:488:4:stmt_delete (_unwrap_functional keeps the rows its wrappers read): uninstalling
