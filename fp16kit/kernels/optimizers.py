@@ -513,7 +513,7 @@ def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes:
     scalars = hp.tolist()[1:] if skip is False else hp.unbind()[1:]
     p = [t.to(hp.dtype) for t in params]  # may alias the params: only out-of-place ops on it here
     m, v, u = fb_lamb.lamb_direction(
-        p, grads, exp_avgs, exp_avg_sqs, scalars, modes["l2_mode"], modes["decoupled"], in_place=skip is False
+        p, (grads, exp_avgs, exp_avg_sqs), scalars, (modes["l2_mode"], modes["decoupled"]), in_place=skip is False
     )
     sums[0] = torch.stack(torch._foreach_norm(p)).to(F64).square()
     sums[1] = torch.stack(torch._foreach_norm(u)).to(F64).square()

@@ -17,6 +17,7 @@ import torch
 from .scratch import _batches, _grads_for, _reads_grads_as_they_are, _write_models
 from .step import (
     FusedAdamArgs,
+    Rows,
     _finish,
     _fused_takes,
     _math,
@@ -52,8 +53,8 @@ def adam_(
     if skip is True:
         return
     if skip is False:
-        modes = {"l2_mode": l2_mode, "decoupled": decoupled}
-        _adam_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, **modes, fused=fused)
+        _adam_host((params, grads, exp_avgs, exp_avg_sqs, models), hp, l2_mode=l2_mode, decoupled=decoupled,
+                   fused=fused)
         return
     p, m, v, step = adam_terms(_math(params, hp.dtype), grads, exp_avgs, exp_avg_sqs, hp.unbind(), l2_mode,
                                decoupled, in_place=False)
@@ -101,20 +102,13 @@ def adam_terms(
 
 
 def _adam_host(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-    hp: torch.Tensor,
-    *,
-    l2_mode: bool,
-    decoupled: bool,
-    fused: FusedAdamArgs | None = None,
+    rows: Rows, hp: torch.Tensor, *, l2_mode: bool, decoupled: bool, fused: FusedAdamArgs | None = None
 ) -> None:
     """Adam when the skip was decided on the host (CPU): ``torch.optim.Adam``'s own foreach sequence, in place,
     with the hyper-parameters as host numbers (reading a CPU tensor costs no sync): 8 passes, 1 temporary;
-    with ``fused`` and where it applies, torch's fused Adam kernel: one pass (module docstring)."""
+    with ``fused`` and where it applies, torch's fused Adam kernel: one pass (module docstring). ``rows``:
+    :data:`fp16kit.kernels.fallback.step.Rows`."""
+    params, grads, exp_avgs, exp_avg_sqs, models = rows
     _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = hp.tolist()
     p = _math(params, hp.dtype)
     if fused is not None and _fused_takes(fused, p, exp_avgs, exp_avg_sqs, lamb=False):

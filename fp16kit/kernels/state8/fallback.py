@@ -232,7 +232,7 @@ def lamb8_stage1(
     _, _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars
     m_old, quant = _dequantized(exp_avgs, True)
     v_old, _ = _dequantized(exp_avg_sqs, False)
-    m, v, u = fb_lamb.lamb_direction(p, grads, m_old, v_old, scalars[1:], l2_mode, decoupled, in_place=False)
+    m, v, u = fb_lamb.lamb_direction(p, (grads, m_old, v_old), scalars[1:], (l2_mode, decoupled), in_place=False)
     m, v = list(m), list(v)
     _requantize(exp_avgs, m, quant, True, skip, stored=True)
     _requantize(exp_avg_sqs, v, quant, False, skip, stored=True)
@@ -261,8 +261,7 @@ def _lamb8_direction_cpu(
     plain, chunked = _cpu_rows(p, grads, exp_avgs, [None] * len(p))
     if plain:
         pick = _picker(plain)
-        m, v, u_plain = fb_lamb.lamb_direction(pick(p), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
-                                                      scalars[1:], l2_mode, decoupled, in_place=False)
+        m, v, u_plain = fb_lamb.lamb_direction(pick(p), tuple(map(pick, rows)), scalars[1:], modes, in_place=False)
         fb_step._commit(pick(exp_avgs), m, False)
         fb_step._commit(pick(exp_avg_sqs), v, False)
         for i, t in zip(plain, u_plain):
@@ -273,7 +272,7 @@ def _lamb8_direction_cpu(
         absmax_m, absmax_v = absmax_of(exp_avgs[i])[blocks], absmax_of(exp_avg_sqs[i])[blocks]
         m = dequantize(codes_m, absmax_m, True)
         v = dequantize(codes_v, absmax_v, False)
-        fb_lamb.lamb_moments([pc], [gc], [m], [v], scalars[1:], l2_mode, in_place=True)
+        fb_lamb.lamb_moments([pc], ([gc], [m], [v]), scalars[1:], l2_mode, in_place=True)
         quantize_into(m, codes_m, absmax_m, True)
         quantize_into(v, codes_v, absmax_v, False)
         # u from the moments as stored (lamb_u's sequence), straight into the whole-tensor u
