@@ -267,21 +267,27 @@ def _lamb_or_adam(
         if state8:  # the kernels' rounding sequence for every row, 8-bit or not: one result per backend
             from .state8 import fallback as fb8
 
-            fn8 = fb8.lamb8_ if kind == "lamb" else fb8.adam8_
+            step8 = functools.partial(fb8.lamb8_ if kind == "lamb" else fb8.adam8_, hp=hp, found_inf=flag, **modes)
             if weights is not None:
-                _bf16_weights.fallback_step(fn8, lists, chosen, hp, flag, modes, None, weights, g.idx)
+                _bf16_weights.fallback_step(step8, lists, chosen, flag, weights, g.idx)
             else:
-                fn8(*lists, chosen, hp, flag, **modes)
+                step8((*lists, chosen))
             continue
-        if weights is None and kind == "lamb" and cpu_native.takes(*lists, chosen):
-            cpu_native.lamb_(*lists, hp, flag, **modes)
+        if weights is None and kind == "lamb" and cpu_native.takes((*lists, chosen)):
+            cpu_native.lamb_((*lists, chosen), hp, flag, **modes)
             fb_step.bump_versions(lists[0], lists[2], lists[3], [])
             continue
         fused = None if step is None else fb_step.FusedAdamArgs(step, hp64, g.memo if weights is None else None)
         if weights is not None:
-            _bf16_weights.fallback_step(step_fn, lists, chosen, hp, flag, modes, fused, weights, g.idx)
+            twin = functools.partial(_on_rows, step_fn, hp=hp, found_inf=flag, fused=fused, **modes)
+            _bf16_weights.fallback_step(twin, lists, chosen, flag, weights, g.idx)
             continue
         step_fn(*lists, chosen, hp, flag, **modes, fused=fused)
+
+
+def _on_rows(step_fn: Any, rows: fb_step.Rows, **kw: Any) -> None:
+    """A torch twin's step (``fb_lamb.lamb_``/``fb_adam.adam_``: the rows as five parameters) over a row bundle."""
+    step_fn(*rows, **kw)
 
 
 def _row_idx(g: _plan.Group, weights: Bf16Weights | None) -> torch.Tensor | None:
@@ -503,7 +509,7 @@ def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes:
         # 8-bit moments: committed here (the state tensors stand in as "new" m, v for stage 2's masked commit)
         from .state8.fallback import lamb8_stage1
 
-        p, u = lamb8_stage1(params, grads, exp_avgs, exp_avg_sqs, hp, flag, **modes)
+        p, u = lamb8_stage1((params, grads, exp_avgs, exp_avg_sqs), hp, flag, **modes)
         sums[0] = torch.stack(torch._foreach_norm(p)).to(F64).square()
         sums[1] = torch.stack(torch._foreach_norm(u)).to(F64).square()
         return hp, flag.reshape(()) != 0, p, list(exp_avgs), list(exp_avg_sqs), u, sums
