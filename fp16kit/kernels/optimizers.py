@@ -206,11 +206,7 @@ def step_check(
 
 def _lamb_or_adam(
     kind: str,
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
+    rows: fb_step.Rows,
     hp64: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     modes: dict[str, bool],
@@ -218,13 +214,15 @@ def _lamb_or_adam(
     state8: bool = False,
     weights: Bf16Weights | None = None,
 ) -> None:
-    """Run ``kind`` ("lamb" or "adam") on the kernel groups (one launch set per dtype combination) and the
-    fallback groups (per math dtype). ``step`` (the counter ``hp64`` was derived from) lets the CPU fallback
-    hand the Adam math to torch's fused CPU Adam kernel (``fallback/step.py``). ``state8``: moments may be 8-bit
+    """Run ``kind`` ("lamb" or "adam") over ``rows`` (``(params, grads, exp_avgs, exp_avg_sqs, models)``) on the
+    kernel groups (one launch set per dtype combination) and the fallback groups (per math dtype). ``step`` (the
+    counter ``hp64`` was derived from) lets the CPU fallback hand the Adam math to torch's fused CPU Adam kernel
+    (``fallback/step.py``). ``state8``: moments may be 8-bit
     (``state8.py``): the kernels' ``QSTATE``, ``state8/fallback.py``. The 8-bit layout is checked every call
     (``check_state8``: dtypes and storage sizes, no tensor op), not once per plan: room for the absmax is a property
     of the storage, which a plan hit (same addresses and metadata) does not prove. ``weights``: how bf16 params are
     written (``bf16_weights/modes.py``: the kernels' epilogue, the fallback's wrapper)."""
+    params, grads, exp_avgs, exp_avg_sqs, models = rows
     if not params:
         return
     fn = f"{kind}_update"
@@ -335,7 +333,7 @@ def lamb_update(
         "decoupled": adam_w_mode and weight_decay != 0,
         "trust": use_nvlamb or weight_decay != 0,
     }
-    _lamb_or_adam("lamb", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step,
+    _lamb_or_adam("lamb", (params, grads, exp_avgs, exp_avg_sqs, models), hp64, found_inf, modes, step,
                   _state8_flag(state_bits), weights)
 
 
@@ -360,7 +358,7 @@ def adam_update(
     ``state_bits=8``: as :func:`lamb_update`. ``weights``: bf16 params without fp32 masters, as in
     :func:`lamb_update`."""
     modes = {"l2_mode": not adam_w_mode and weight_decay != 0, "decoupled": adam_w_mode and weight_decay != 0}
-    _lamb_or_adam("adam", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step,
+    _lamb_or_adam("adam", (params, grads, exp_avgs, exp_avg_sqs, models), hp64, found_inf, modes, step,
                   _state8_flag(state_bits), weights)
 
 
@@ -472,7 +470,7 @@ def _kernel_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes
     params, grads, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
     with playing(g.tape):
         return launch_lamb_stage1(
-            params, grads, exp_avgs, exp_avg_sqs, None if models[0] is None else models, staged.hp64.float(),
+            (params, grads, exp_avgs, exp_avg_sqs, None if models[0] is None else models), staged.hp64.float(),
             flag.reshape(1), l2_mode=modes["l2_mode"], decoupled=modes["decoupled"], state8=staged.state8,
             weights=staged.weights,
         )
@@ -652,7 +650,7 @@ def sgd_update(
     for g in plan.rest:
         p = g.pick(params)
         fb_sgd.sgd_(
-            p, g.pick(grads), None if bufs is None else g.pick(bufs), _models_of(g, models, with_models, len(p)),
+            (p, g.pick(grads), () if bufs is None else (g.pick(bufs),), _models_of(g, models, with_models, len(p))),
             hp64 if p[0].dtype == F64 else hp64.float(), flag, first_run=first_run[g.idx[0]], **modes,
         )
 
@@ -695,7 +693,7 @@ def adagrad_update(
         p = g.pick(params)
         hp = hp64 if p[0].dtype == F64 else hp64.float()
         fb_adagrad.adagrad_(
-            p, g.pick(grads), g.pick(sums), _models_of(g, models, with_models, len(p)), hp, flag, **modes
+            (p, g.pick(grads), (g.pick(sums),), _models_of(g, models, with_models, len(p))), hp, flag, **modes
         )
 
 
@@ -784,8 +782,8 @@ def novograd_update(
                 launch_novograd(p, gs, g.pick(exp_avgs), _kernel_models(chosen), hp64.float(), denoms.float(), flag,
                                 reg_inside_moment=reg_inside_moment, verify=verify)
         else:
-            fb_novograd.novograd_(p, gs, g.pick(exp_avgs), chosen, hp64.to(math), denoms.to(math), flag,
-                                          reg_inside_moment=reg_inside_moment, verify=verify)
+            fb_novograd.novograd_((p, gs, (g.pick(exp_avgs),), chosen), hp64.to(math), denoms.to(math), flag,
+                                  reg_inside_moment=reg_inside_moment, verify=verify)
 
 
 def _novograd_norms(

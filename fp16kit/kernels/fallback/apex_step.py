@@ -24,7 +24,7 @@ import torch
 
 from .step import _commit, _math, _skip, _write_params
 
-__all__ = ["Rule", "Scalar", "raise_if_nonfinite"]
+__all__ = ["ApexRows", "Rule", "Scalar", "raise_if_nonfinite"]
 
 Scalar = float | torch.Tensor
 
@@ -39,20 +39,25 @@ def _scalars(hp: torch.Tensor, skip: bool | torch.Tensor) -> list[Scalar]:
 Rule = Callable[[list[torch.Tensor], list[list[torch.Tensor]], list[torch.Tensor], list[Scalar]], list[torch.Tensor]]
 
 
+#: An apex optimizer's rows as one bundle: ``(params, grads, states, models)``, ``states`` its state lists (SGD's
+#: momentum buffers or none, Adagrad's sums, NovoGrad's first moments), ``models[i]`` a model copy or None.
+ApexRows = tuple[
+    Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[Sequence[torch.Tensor]], Sequence[torch.Tensor | None]
+]
+
+
 def _run(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    states: Sequence[Sequence[torch.Tensor]],
-    models: Sequence[torch.Tensor | None],
+    rows: ApexRows,
     hp: torch.Tensor,
     found_inf: torch.Tensor,
     host_branch: bool | None,
     rule: Rule,
     verify: bool = False,
 ) -> None:
-    """One step around ``rule`` (:data:`Rule`), on working lists, committed (see the module docstring); with
-    ``verify``, on copies, committing nothing and raising ``found_inf`` instead when a value the step would
-    store is inf/NaN (:func:`raise_if_nonfinite`)."""
+    """One step around ``rule`` (:data:`Rule`) over ``rows`` (:data:`ApexRows`), on working lists, committed (see
+    the module docstring); with ``verify``, on copies, committing nothing and raising ``found_inf`` instead when a
+    value the step would store is inf/NaN (:func:`raise_if_nonfinite`)."""
+    params, grads, states, models = rows
     if not params:
         return
     skip = _skip(found_inf, host_branch)

@@ -161,8 +161,8 @@ def _lamb_host(
     p = _math(params, hp.dtype)
     if fused is not None and not l2_mode and _fused_takes(fused, p, exp_avgs, exp_avg_sqs, lamb=True):
         scaling = (inv_scale, clip)
-        lists = (p, grads, exp_avgs, exp_avg_sqs, models)
-        _lamb_fused(*lists, fused, scaling, lr=lr, wd=wd if decoupled else 0.0, trust=trust)
+        _lamb_fused((p, grads, exp_avgs, exp_avg_sqs, models), fused, scaling, lr=lr, wd=wd if decoupled else 0.0,
+                    trust=trust)
         _write_params(params, [None] * len(p), p, False)  # models: written batch by batch
         return
     g = _math(grads, hp.dtype)  # read only
@@ -186,17 +186,7 @@ def _lamb_host(
 
 
 def _lamb_fused(
-    p: list[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-    fused: FusedAdamArgs,
-    scaling: tuple[float, float],
-    *,
-    lr: float,
-    wd: float,
-    trust: bool,
+    rows: Rows, fused: FusedAdamArgs, scaling: tuple[float, float], *, lr: float, wd: float, trust: bool
 ) -> None:
     """LAMB stage 1 in torch's fused Adam kernel, then the trust ratio and the update, batch by batch:
     ``buf = -wd p`` (or 0), ``buf -= (1 / bc1) m / (sqrt(v) / sqrt(bc2) + eps)`` (the kernel with lr = 1 and
@@ -204,6 +194,7 @@ def _lamb_fused(
     (``|buf| = |u|``; float64 host numbers from the fp32 norms). Without the trust ratio (then ``wd == 0``)
     the step is ``p -= lr u``: the kernel runs on ``p`` itself with the learning rate, no buffer, no norms.
     ``scaling = (inv_scale, clip)``. Model copies are written per batch, from cache."""
+    p, grads, exp_avgs, exp_avg_sqs, models = rows  # p: the params in the math dtype, contiguous
     lr64, beta1, beta2, _, _, eps, *_ = fused.hp64.tolist()
     with_models = any(m is not None for m in models)
     for rows in _batches(p):
