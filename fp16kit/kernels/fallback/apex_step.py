@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..engine.rows import ApexRows
 from .step import _commit, _math, _skip, _write_params
 
 __all__ = ["ApexRows", "Rule", "Scalar", "raise_if_nonfinite"]
@@ -37,13 +38,6 @@ def _scalars(hp: torch.Tensor, skip: bool | torch.Tensor) -> list[Scalar]:
 #: only: it may be the grads themselves) is the unscaled grads and ``hparams`` the scalars between ``lr`` and
 #: ``inv_scale``; it may update ``states`` in place, never ``p``.
 Rule = Callable[[list[torch.Tensor], list[list[torch.Tensor]], list[torch.Tensor], list[Scalar]], list[torch.Tensor]]
-
-
-#: An apex optimizer's rows as one bundle: ``(params, grads, states, models)``, ``states`` its state lists (SGD's
-#: momentum buffers or none, Adagrad's sums, NovoGrad's first moments), ``models[i]`` a model copy or None.
-ApexRows = tuple[
-    Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[Sequence[torch.Tensor]], Sequence[torch.Tensor | None]
-]
 
 
 def _run(

@@ -32,21 +32,11 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["FusedAdamArgs", "bump_versions", "foreach_only", "masked_commits"]
+from ..engine.rows import GradMoments, Rows
+
+__all__ = ["FusedAdamArgs", "GradMoments", "Rows", "bump_versions", "foreach_only", "masked_commits"]
 
 F64 = torch.float64
-
-#: A moment optimizer's rows as one bundle, in the twins' order: ``(params, grads, exp_avgs, exp_avg_sqs, models)``
-#: (``models[i]`` may be None): what the Adam and LAMB twins' inner paths take instead of five parameters each.
-Rows = tuple[
-    Sequence[torch.Tensor],
-    Sequence[torch.Tensor],
-    Sequence[torch.Tensor],
-    Sequence[torch.Tensor],
-    Sequence[torch.Tensor | None],
-]
-#: The rows the moment math reads, as one bundle: ``(grads, exp_avgs, exp_avg_sqs)``.
-GradMoments = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]
 
 
 class FusedAdamArgs(NamedTuple):
