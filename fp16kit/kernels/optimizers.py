@@ -644,8 +644,8 @@ def sgd_update(
         for g, hp in _kernel_hps(plan, hp64):
             p = g.pick(params)
             with playing(g.tape):
-                launch_sgd(p, g.pick(grads), None if bufs is None else g.pick(bufs),
-                           _kernel_models(_models_of(g, models, with_models, len(p))), hp, flag,
+                launch_sgd((p, g.pick(grads), () if bufs is None else (g.pick(bufs),),
+                            _kernel_models(_models_of(g, models, with_models, len(p)))), hp, flag,
                            first_run=first_run[g.idx[0]], check=check, **modes)
     for g in plan.rest:
         p = g.pick(params)
@@ -686,9 +686,9 @@ def adagrad_update(
         for g, hp in _kernel_hps(plan, hp64):
             p = g.pick(params)
             with playing(g.tape):
-                launch_adagrad(p, g.pick(grads), g.pick(sums),
-                               _kernel_models(_models_of(g, models, with_models, len(p))), hp, flag, check=check,
-                               **modes)
+                launch_adagrad((p, g.pick(grads), (g.pick(sums),), _kernel_models(_models_of(g, models, with_models,
+                                                                                             len(p)))),
+                               hp, flag, check=check, **modes)
     for g in plan.rest:
         p = g.pick(params)
         hp = hp64 if p[0].dtype == F64 else hp64.float()
@@ -750,8 +750,8 @@ def novograd_update(
         for g, hp in _kernel_hps(plan, hp64):
             p = g.pick(params)
             with playing(g.tape):
-                launch_novograd(p, g.pick(grads), g.pick(exp_avgs),
-                                _kernel_models(_models_of(g, models, with_models, len(p))), hp, None, flag,
+                launch_novograd((p, g.pick(grads), (g.pick(exp_avgs),),
+                                 _kernel_models(_models_of(g, models, with_models, len(p)))), hp, None, flag,
                                 reg_inside_moment=reg_inside_moment, verify=verify,
                                 exp_avg_sqs=g.pick(exp_avg_sqs), init_zero=init_zero, check=check)
         return None
@@ -779,8 +779,8 @@ def novograd_update(
             from .triton.novograd import launch_novograd
 
             with playing(g.tape):
-                launch_novograd(p, gs, g.pick(exp_avgs), _kernel_models(chosen), hp64.float(), denoms.float(), flag,
-                                reg_inside_moment=reg_inside_moment, verify=verify)
+                launch_novograd((p, gs, (g.pick(exp_avgs),), _kernel_models(chosen)), hp64.float(), denoms.float(),
+                                flag, reg_inside_moment=reg_inside_moment, verify=verify)
         else:
             fb_novograd.novograd_((p, gs, (g.pick(exp_avgs),), chosen), hp64.to(math), denoms.to(math), flag,
                                   reg_inside_moment=reg_inside_moment, verify=verify)

@@ -144,7 +144,7 @@ SB = _table.STEP_BLOCK_GPU
 
 
 def _rows(p, g, model) -> dict:
-    """The row dtypes' constexprs, as the launchers' ``row_constexprs`` sets them: ``model`` None is no model copy
+    """The row dtypes' constexprs, as the launchers' ``apex_rows`` sets them: ``model`` None is no model copy
     (``MODEL_DTYPE`` then the params')."""
     return dict(P_DTYPE=p, G_DTYPE=g, MODEL_DTYPE=model or p, HAS_MODEL=model is not None)
 
