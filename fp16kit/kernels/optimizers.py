@@ -38,6 +38,7 @@ from .bf16_weights.modes import Bf16Weights, join_halves, split_halves, stochast
 from .engine import launch as _launch
 from .engine import plan as _plan
 from .engine.results import StepVerify
+from .engine.rows import ApexRows
 from .engine.step_scalars import DeviceStep
 from .engine.table import playing
 from .fallback import adagrad as fb_adagrad
@@ -585,6 +586,17 @@ def _kernel_hps(plan: _plan.Plan, hp64: torch.Tensor | DeviceStep) -> list[tuple
 
 
 
+def _apex_rows(
+    g: _plan.Group, lists: tuple, models: Sequence[torch.Tensor | None] | None, with_models: bool, *, kernel: bool
+) -> ApexRows:
+    """One plan group's rows of an SGD, Adagrad or NovoGrad call (``lists``: params, grads, then the state lists, as
+    planned) as the bundle its launcher (``kernel``: the model copies None when the group has none) or its torch
+    twin takes (``engine/rows.py``)."""
+    p, grads, *states = (g.pick(x) for x in lists)
+    chosen = _models_of(g, models, with_models, len(p))
+    return p, grads, tuple(states), _kernel_models(chosen) if kernel else chosen
+
+
 def _eager_under_compile(fn: Any) -> Any:
     """Run ``fn`` eagerly when Dynamo traces a call to it (one graph break), directly otherwise.
 
@@ -642,17 +654,13 @@ def sgd_update(
         from .triton.sgd import launch_sgd
 
         for g, hp in _kernel_hps(plan, hp64):
-            p = g.pick(params)
             with playing(g.tape):
-                launch_sgd((p, g.pick(grads), () if bufs is None else (g.pick(bufs),),
-                            _kernel_models(_models_of(g, models, with_models, len(p)))), hp, flag,
+                launch_sgd(_apex_rows(g, lists, models, with_models, kernel=True), hp, flag,
                            first_run=first_run[g.idx[0]], check=check, **modes)
     for g in plan.rest:
-        p = g.pick(params)
-        fb_sgd.sgd_(
-            (p, g.pick(grads), () if bufs is None else (g.pick(bufs),), _models_of(g, models, with_models, len(p))),
-            hp64 if p[0].dtype == F64 else hp64.float(), flag, first_run=first_run[g.idx[0]], **modes,
-        )
+        rows = _apex_rows(g, lists, models, with_models, kernel=False)
+        hp = hp64 if rows[0][0].dtype == F64 else hp64.float()
+        fb_sgd.sgd_(rows, hp, flag, first_run=first_run[g.idx[0]], **modes)
 
 
 @_eager_under_compile
@@ -675,7 +683,8 @@ def adagrad_update(
     and ``plan_only`` as in :func:`sgd_update`."""
     if not params:
         return False if plan_only else None
-    plan, with_models = _rows("adagrad_update", ("params", "grads", "sums"), (2,), (params, grads, sums), models)
+    lists = (params, grads, sums)
+    plan, with_models = _rows("adagrad_update", ("params", "grads", "sums"), (2,), lists, models)
     if plan_only:
         return not plan.rest
     flag = found_inf.reshape(1)
@@ -684,17 +693,12 @@ def adagrad_update(
         from .triton.adagrad import launch_adagrad
 
         for g, hp in _kernel_hps(plan, hp64):
-            p = g.pick(params)
             with playing(g.tape):
-                launch_adagrad((p, g.pick(grads), (g.pick(sums),), _kernel_models(_models_of(g, models, with_models,
-                                                                                             len(p)))),
-                               hp, flag, check=check, **modes)
+                launch_adagrad(_apex_rows(g, lists, models, with_models, kernel=True), hp, flag, check=check, **modes)
     for g in plan.rest:
-        p = g.pick(params)
-        hp = hp64 if p[0].dtype == F64 else hp64.float()
-        fb_adagrad.adagrad_(
-            (p, g.pick(grads), (g.pick(sums),), _models_of(g, models, with_models, len(p))), hp, flag, **modes
-        )
+        rows = _apex_rows(g, lists, models, with_models, kernel=False)
+        hp = hp64 if rows[0][0].dtype == F64 else hp64.float()
+        fb_adagrad.adagrad_(rows, hp, flag, **modes)
 
 
 @_eager_under_compile
@@ -739,8 +743,8 @@ def novograd_update(
     if not params:
         return False if plan_only else None
     device = params[0].device
-    plan, with_models = _rows("novograd_update", ("params", "grads", "exp_avgs"), (2,), (params, grads, exp_avgs),
-                              models)
+    lists = (params, grads, exp_avgs)
+    plan, with_models = _rows("novograd_update", ("params", "grads", "exp_avgs"), (2,), lists, models)
     if plan_only:
         return not plan.rest
     flag = found_inf.reshape(1)
@@ -748,17 +752,15 @@ def novograd_update(
         from .triton.novograd import launch_novograd
 
         for g, hp in _kernel_hps(plan, hp64):
-            p = g.pick(params)
             with playing(g.tape):
-                launch_novograd((p, g.pick(grads), (g.pick(exp_avgs),),
-                                 _kernel_models(_models_of(g, models, with_models, len(p)))), hp, None, flag,
+                launch_novograd(_apex_rows(g, lists, models, with_models, kernel=True), hp, None, flag,
                                 reg_inside_moment=reg_inside_moment, verify=verify,
                                 exp_avg_sqs=g.pick(exp_avg_sqs), init_zero=init_zero, check=check)
         return None
     for kernel, g in [(True, g) for g in plan.kernel] + [(False, g) for g in plan.rest]:
-        p = g.pick(params)
-        math = F64 if p[0].dtype == F64 else torch.float32
-        gs = g.pick(grads)
+        rows = _apex_rows(g, lists, models, with_models, kernel=kernel)
+        math = F64 if rows[0][0].dtype == F64 else torch.float32
+        gs = rows[1]
         n = _novograd_norms(gs, norm_type, hp64[5:6], kernel, g)
         vs = g.pick(exp_avg_sqs)
         v_old = torch.cat(vs).to(F64)
@@ -774,16 +776,15 @@ def novograd_update(
             fb_apex_step.raise_if_nonfinite([(v, math)], hp64[0], flag)
         else:
             torch._foreach_copy_(vs, list(torch.where(flag != 0, v_old.to(math), v).split(1)))
-        chosen = _models_of(g, models, with_models, len(p))
         if kernel:
             from .triton.novograd import launch_novograd
 
             with playing(g.tape):
-                launch_novograd((p, gs, (g.pick(exp_avgs),), _kernel_models(chosen)), hp64.float(), denoms.float(),
-                                flag, reg_inside_moment=reg_inside_moment, verify=verify)
+                launch_novograd(rows, hp64.float(), denoms.float(), flag, reg_inside_moment=reg_inside_moment,
+                                verify=verify)
         else:
-            fb_novograd.novograd_((p, gs, (g.pick(exp_avgs),), chosen), hp64.to(math), denoms.to(math), flag,
-                                  reg_inside_moment=reg_inside_moment, verify=verify)
+            fb_novograd.novograd_(rows, hp64.to(math), denoms.to(math), flag, reg_inside_moment=reg_inside_moment,
+                                  verify=verify)
 
 
 def _novograd_norms(
