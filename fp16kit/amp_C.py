@@ -28,7 +28,15 @@ from collections.abc import Sequence
 
 import torch
 
-from fp16kit.kernels import check_pairs, check_tensor_list, common_device, l2norm, new_found_inf, unscale_and_check
+from fp16kit.kernels import (
+    check_device,
+    check_pairs,
+    check_tensor_list,
+    common_device,
+    l2norm,
+    new_found_inf,
+    unscale_and_check,
+)
 from fp16kit.optim.functional import adam_step_, lamb_step_
 
 __all__ = [
@@ -65,8 +73,7 @@ def _check_noop(fn: str, noop_flag: torch.Tensor, device: torch.device | None) -
             f"amp_C.{fn}: noop_flag must be a one-element integer tensor, e.g. "
             f"torch.zeros(1, dtype=torch.int, device=...); got {noop_flag!r}."
         )
-    if device is not None and noop_flag.device != device:
-        raise ValueError(f"amp_C.{fn}: noop_flag is on {noop_flag.device} but the tensors are on {device}.")
+    check_device(f"amp_C.{fn}", "noop_flag", noop_flag, device)
 
 
 def _raise_noop(noop_flag: torch.Tensor, found_inf: torch.Tensor) -> None:

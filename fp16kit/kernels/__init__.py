@@ -41,7 +41,7 @@ the engine, which imports only ``backend.py`` (and ``fp16kit._versions``); no fo
 
 from . import library  # registers the fp16kit:: dispatcher ops (torch.ops.fp16kit.*)
 from .backend import Backend, BackendChoice, select_backend, use_backend
-from .engine.checks import KERNEL_DTYPES, check_flag, check_pairs, check_tensor_list, common_device
+from .engine.checks import KERNEL_DTYPES, check_device, check_flag, check_pairs, check_tensor_list, common_device
 from .engine.table import release_graph_tables
 from .found_inf import (
     as_fp16kit_flag,
@@ -95,6 +95,7 @@ __all__ = [
     "as_fp16kit_flag",
     "as_torch_flag",
     "check_and_norm",
+    "check_device",
     "check_flag",
     "check_found_inf",
     "check_pairs",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .engine import plan as _plan
-from .engine.checks import check_tensor_list, common_device
+from .engine.checks import check_device, check_tensor_list, common_device
 from .engine.histogram_bins import INF_BIN, MAX_EXP, MIN_EXP, NAN_BIN, NUM_BINS, ZERO_BIN, upload
 from .fallback.histogram import torch_histogram
 
@@ -87,8 +87,7 @@ def _check_out(fn: str, out: torch.Tensor, n: int, device: torch.device | None) 
             f"got {out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ', non-contiguous'}. "
             f"Create it with torch.zeros(len(tensors), NUM_BINS, dtype=torch.int64, device=...)."
         )
-    if device is not None and out.device != device:
-        raise ValueError(f"{fn}: out is on {out.device} but the tensors are on {device}; move it there.")
+    check_device(fn, "out", out, device, "; move it there")
 
 
 def _rows(device: torch.device, idx: list[int]) -> torch.Tensor:

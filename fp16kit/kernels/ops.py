@@ -170,7 +170,7 @@ def unscale_and_check(
 
         for g in plan.kernel:
             with playing(None if plan.neg_inputs else g.tape):
-                p = launch_unscale(g.pick(inputs), g.pick(outputs), scale, flag, with_norm)
+                p = launch_unscale((g.pick(inputs), g.pick(outputs)), scale, flag, with_norm)
             if p is not None:
                 partials.append(p)
     for g in plan.rest:

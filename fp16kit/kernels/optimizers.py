@@ -38,6 +38,7 @@ from .bf16_weights.modes import Bf16Weights, join_halves, split_halves, stochast
 from .engine import launch as _launch
 from .engine import plan as _plan
 from .engine.results import StepVerify
+from .engine.rows import ApexRows
 from .engine.step_scalars import DeviceStep
 from .engine.table import playing
 from .fallback import adagrad as fb_adagrad
@@ -206,11 +207,7 @@ def step_check(
 
 def _lamb_or_adam(
     kind: str,
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
+    rows: fb_step.Rows,
     hp64: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     modes: dict[str, bool],
@@ -218,13 +215,15 @@ def _lamb_or_adam(
     state8: bool = False,
     weights: Bf16Weights | None = None,
 ) -> None:
-    """Run ``kind`` ("lamb" or "adam") on the kernel groups (one launch set per dtype combination) and the
-    fallback groups (per math dtype). ``step`` (the counter ``hp64`` was derived from) lets the CPU fallback
-    hand the Adam math to torch's fused CPU Adam kernel (``fallback/step.py``). ``state8``: moments may be 8-bit
+    """Run ``kind`` ("lamb" or "adam") over ``rows`` (``(params, grads, exp_avgs, exp_avg_sqs, models)``) on the
+    kernel groups (one launch set per dtype combination) and the fallback groups (per math dtype). ``step`` (the
+    counter ``hp64`` was derived from) lets the CPU fallback hand the Adam math to torch's fused CPU Adam kernel
+    (``fallback/step.py``). ``state8``: moments may be 8-bit
     (``state8.py``): the kernels' ``QSTATE``, ``state8/fallback.py``. The 8-bit layout is checked every call
     (``check_state8``: dtypes and storage sizes, no tensor op), not once per plan: room for the absmax is a property
     of the storage, which a plan hit (same addresses and metadata) does not prove. ``weights``: how bf16 params are
     written (``bf16_weights/modes.py``: the kernels' epilogue, the fallback's wrapper)."""
+    params, grads, exp_avgs, exp_avg_sqs, models = rows
     if not params:
         return
     fn = f"{kind}_update"
@@ -267,21 +266,27 @@ def _lamb_or_adam(
         if state8:  # the kernels' rounding sequence for every row, 8-bit or not: one result per backend
             from .state8 import fallback as fb8
 
-            fn8 = fb8.lamb8_ if kind == "lamb" else fb8.adam8_
+            step8 = functools.partial(fb8.lamb8_ if kind == "lamb" else fb8.adam8_, hp=hp, found_inf=flag, **modes)
             if weights is not None:
-                _bf16_weights.fallback_step(fn8, lists, chosen, hp, flag, modes, None, weights, g.idx)
+                _bf16_weights.fallback_step(step8, lists, chosen, flag, weights, g.idx)
             else:
-                fn8(*lists, chosen, hp, flag, **modes)
+                step8((*lists, chosen))
             continue
-        if weights is None and kind == "lamb" and cpu_native.takes(*lists, chosen):
-            cpu_native.lamb_(*lists, hp, flag, **modes)
+        if weights is None and kind == "lamb" and cpu_native.takes((*lists, chosen)):
+            cpu_native.lamb_((*lists, chosen), hp, flag, **modes)
             fb_step.bump_versions(lists[0], lists[2], lists[3], [])
             continue
         fused = None if step is None else fb_step.FusedAdamArgs(step, hp64, g.memo if weights is None else None)
         if weights is not None:
-            _bf16_weights.fallback_step(step_fn, lists, chosen, hp, flag, modes, fused, weights, g.idx)
+            twin = functools.partial(_on_rows, step_fn, hp=hp, found_inf=flag, fused=fused, **modes)
+            _bf16_weights.fallback_step(twin, lists, chosen, flag, weights, g.idx)
             continue
         step_fn(*lists, chosen, hp, flag, **modes, fused=fused)
+
+
+def _on_rows(step_fn: Any, rows: fb_step.Rows, **kw: Any) -> None:
+    """A torch twin's step (``fb_lamb.lamb_``/``fb_adam.adam_``: the rows as five parameters) over a row bundle."""
+    step_fn(*rows, **kw)
 
 
 def _row_idx(g: _plan.Group, weights: Bf16Weights | None) -> torch.Tensor | None:
@@ -329,7 +334,7 @@ def lamb_update(
         "decoupled": adam_w_mode and weight_decay != 0,
         "trust": use_nvlamb or weight_decay != 0,
     }
-    _lamb_or_adam("lamb", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step,
+    _lamb_or_adam("lamb", (params, grads, exp_avgs, exp_avg_sqs, models), hp64, found_inf, modes, step,
                   _state8_flag(state_bits), weights)
 
 
@@ -354,7 +359,7 @@ def adam_update(
     ``state_bits=8``: as :func:`lamb_update`. ``weights``: bf16 params without fp32 masters, as in
     :func:`lamb_update`."""
     modes = {"l2_mode": not adam_w_mode and weight_decay != 0, "decoupled": adam_w_mode and weight_decay != 0}
-    _lamb_or_adam("adam", params, grads, exp_avgs, exp_avg_sqs, models, hp64, found_inf, modes, step,
+    _lamb_or_adam("adam", (params, grads, exp_avgs, exp_avg_sqs, models), hp64, found_inf, modes, step,
                   _state8_flag(state_bits), weights)
 
 
@@ -466,7 +471,7 @@ def _kernel_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes
     params, grads, exp_avgs, exp_avg_sqs, models = _lists(staged, g)
     with playing(g.tape):
         return launch_lamb_stage1(
-            params, grads, exp_avgs, exp_avg_sqs, None if models[0] is None else models, staged.hp64.float(),
+            (params, grads, exp_avgs, exp_avg_sqs, None if models[0] is None else models), staged.hp64.float(),
             flag.reshape(1), l2_mode=modes["l2_mode"], decoupled=modes["decoupled"], state8=staged.state8,
             weights=staged.weights,
         )
@@ -503,7 +508,7 @@ def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes:
         # 8-bit moments: committed here (the state tensors stand in as "new" m, v for stage 2's masked commit)
         from .state8.fallback import lamb8_stage1
 
-        p, u = lamb8_stage1(params, grads, exp_avgs, exp_avg_sqs, hp, flag, **modes)
+        p, u = lamb8_stage1((params, grads, exp_avgs, exp_avg_sqs), hp, flag, **modes)
         sums[0] = torch.stack(torch._foreach_norm(p)).to(F64).square()
         sums[1] = torch.stack(torch._foreach_norm(u)).to(F64).square()
         return hp, flag.reshape(()) != 0, p, list(exp_avgs), list(exp_avg_sqs), u, sums
@@ -513,7 +518,7 @@ def _torch_stage1(staged: LambStaged, g: _plan.Group, flag: torch.Tensor, modes:
     scalars = hp.tolist()[1:] if skip is False else hp.unbind()[1:]
     p = [t.to(hp.dtype) for t in params]  # may alias the params: only out-of-place ops on it here
     m, v, u = fb_lamb.lamb_direction(
-        p, grads, exp_avgs, exp_avg_sqs, scalars, modes["l2_mode"], modes["decoupled"], in_place=skip is False
+        p, (grads, exp_avgs, exp_avg_sqs), scalars, (modes["l2_mode"], modes["decoupled"]), in_place=skip is False
     )
     sums[0] = torch.stack(torch._foreach_norm(p)).to(F64).square()
     sums[1] = torch.stack(torch._foreach_norm(u)).to(F64).square()
@@ -581,6 +586,17 @@ def _kernel_hps(plan: _plan.Plan, hp64: torch.Tensor | DeviceStep) -> list[tuple
 
 
 
+def _apex_rows(
+    g: _plan.Group, lists: tuple, models: Sequence[torch.Tensor | None] | None, with_models: bool, *, kernel: bool
+) -> ApexRows:
+    """One plan group's rows of an SGD, Adagrad or NovoGrad call (``lists``: params, grads, then the state lists, as
+    planned) as the bundle its launcher (``kernel``: the model copies None when the group has none) or its torch
+    twin takes (``engine/rows.py``)."""
+    p, grads, *states = (g.pick(x) for x in lists)
+    chosen = _models_of(g, models, with_models, len(p))
+    return p, grads, tuple(states), _kernel_models(chosen) if kernel else chosen
+
+
 def _eager_under_compile(fn: Any) -> Any:
     """Run ``fn`` eagerly when Dynamo traces a call to it (one graph break), directly otherwise.
 
@@ -638,17 +654,13 @@ def sgd_update(
         from .triton.sgd import launch_sgd
 
         for g, hp in _kernel_hps(plan, hp64):
-            p = g.pick(params)
             with playing(g.tape):
-                launch_sgd(p, g.pick(grads), None if bufs is None else g.pick(bufs),
-                           _kernel_models(_models_of(g, models, with_models, len(p))), hp, flag,
+                launch_sgd(_apex_rows(g, lists, models, with_models, kernel=True), hp, flag,
                            first_run=first_run[g.idx[0]], check=check, **modes)
     for g in plan.rest:
-        p = g.pick(params)
-        fb_sgd.sgd_(
-            p, g.pick(grads), None if bufs is None else g.pick(bufs), _models_of(g, models, with_models, len(p)),
-            hp64 if p[0].dtype == F64 else hp64.float(), flag, first_run=first_run[g.idx[0]], **modes,
-        )
+        rows = _apex_rows(g, lists, models, with_models, kernel=False)
+        hp = hp64 if rows[0][0].dtype == F64 else hp64.float()
+        fb_sgd.sgd_(rows, hp, flag, first_run=first_run[g.idx[0]], **modes)
 
 
 @_eager_under_compile
@@ -671,7 +683,8 @@ def adagrad_update(
     and ``plan_only`` as in :func:`sgd_update`."""
     if not params:
         return False if plan_only else None
-    plan, with_models = _rows("adagrad_update", ("params", "grads", "sums"), (2,), (params, grads, sums), models)
+    lists = (params, grads, sums)
+    plan, with_models = _rows("adagrad_update", ("params", "grads", "sums"), (2,), lists, models)
     if plan_only:
         return not plan.rest
     flag = found_inf.reshape(1)
@@ -680,17 +693,12 @@ def adagrad_update(
         from .triton.adagrad import launch_adagrad
 
         for g, hp in _kernel_hps(plan, hp64):
-            p = g.pick(params)
             with playing(g.tape):
-                launch_adagrad(p, g.pick(grads), g.pick(sums),
-                               _kernel_models(_models_of(g, models, with_models, len(p))), hp, flag, check=check,
-                               **modes)
+                launch_adagrad(_apex_rows(g, lists, models, with_models, kernel=True), hp, flag, check=check, **modes)
     for g in plan.rest:
-        p = g.pick(params)
-        hp = hp64 if p[0].dtype == F64 else hp64.float()
-        fb_adagrad.adagrad_(
-            p, g.pick(grads), g.pick(sums), _models_of(g, models, with_models, len(p)), hp, flag, **modes
-        )
+        rows = _apex_rows(g, lists, models, with_models, kernel=False)
+        hp = hp64 if rows[0][0].dtype == F64 else hp64.float()
+        fb_adagrad.adagrad_(rows, hp, flag, **modes)
 
 
 @_eager_under_compile
@@ -735,8 +743,8 @@ def novograd_update(
     if not params:
         return False if plan_only else None
     device = params[0].device
-    plan, with_models = _rows("novograd_update", ("params", "grads", "exp_avgs"), (2,), (params, grads, exp_avgs),
-                              models)
+    lists = (params, grads, exp_avgs)
+    plan, with_models = _rows("novograd_update", ("params", "grads", "exp_avgs"), (2,), lists, models)
     if plan_only:
         return not plan.rest
     flag = found_inf.reshape(1)
@@ -744,17 +752,15 @@ def novograd_update(
         from .triton.novograd import launch_novograd
 
         for g, hp in _kernel_hps(plan, hp64):
-            p = g.pick(params)
             with playing(g.tape):
-                launch_novograd(p, g.pick(grads), g.pick(exp_avgs),
-                                _kernel_models(_models_of(g, models, with_models, len(p))), hp, None, flag,
+                launch_novograd(_apex_rows(g, lists, models, with_models, kernel=True), hp, None, flag,
                                 reg_inside_moment=reg_inside_moment, verify=verify,
                                 exp_avg_sqs=g.pick(exp_avg_sqs), init_zero=init_zero, check=check)
         return None
     for kernel, g in [(True, g) for g in plan.kernel] + [(False, g) for g in plan.rest]:
-        p = g.pick(params)
-        math = F64 if p[0].dtype == F64 else torch.float32
-        gs = g.pick(grads)
+        rows = _apex_rows(g, lists, models, with_models, kernel=kernel)
+        math = F64 if rows[0][0].dtype == F64 else torch.float32
+        gs = rows[1]
         n = _novograd_norms(gs, norm_type, hp64[5:6], kernel, g)
         vs = g.pick(exp_avg_sqs)
         v_old = torch.cat(vs).to(F64)
@@ -770,16 +776,15 @@ def novograd_update(
             fb_apex_step.raise_if_nonfinite([(v, math)], hp64[0], flag)
         else:
             torch._foreach_copy_(vs, list(torch.where(flag != 0, v_old.to(math), v).split(1)))
-        chosen = _models_of(g, models, with_models, len(p))
         if kernel:
             from .triton.novograd import launch_novograd
 
             with playing(g.tape):
-                launch_novograd(p, gs, g.pick(exp_avgs), _kernel_models(chosen), hp64.float(), denoms.float(), flag,
-                                reg_inside_moment=reg_inside_moment, verify=verify)
+                launch_novograd(rows, hp64.float(), denoms.float(), flag, reg_inside_moment=reg_inside_moment,
+                                verify=verify)
         else:
-            fb_novograd.novograd_(p, gs, g.pick(exp_avgs), chosen, hp64.to(math), denoms.to(math), flag,
-                                          reg_inside_moment=reg_inside_moment, verify=verify)
+            fb_novograd.novograd_(rows, hp64.to(math), denoms.to(math), flag, reg_inside_moment=reg_inside_moment,
+                                  verify=verify)
 
 
 def _novograd_norms(

@@ -141,6 +141,43 @@ F64_SCALE = {"inv_scale_ptr": "*fp64", "pre_scale_ptr": "*fp64"}
 F64_PARTIALS = {"partials_ptr": "*fp64", "out_ptr": "*fp64"}
 #: the optimizer-step kernels are compiled with the chunk size the GPU uses (fp16kit/kernels/engine/table.py)
 SB = _table.STEP_BLOCK_GPU
+
+
+def _rows(p, g, model) -> dict:
+    """The row dtypes' constexprs, as the launchers' ``apex_rows`` sets them: ``model`` None is no model copy
+    (``MODEL_DTYPE`` then the params')."""
+    return dict(P_DTYPE=p, G_DTYPE=g, MODEL_DTYPE=model or p, HAS_MODEL=model is not None)
+
+
+def adam_case(p, g, model=None, *, l2=False, hp=HP_LEGACY, **extra) -> tuple:
+    """An Adam kernel case: L2 mode or decoupled weight decay, the step's hyper-parameters ``hp``, ``extra`` (the
+    write epilogue's switches, ``QSTATE``)."""
+    return adam_kernel._adam_kernel, dict(**_rows(p, g, model), L2_MODE=l2, DECOUPLED=not l2, BLOCK=SB, ALIGNED=True,
+                                          **extra, **hp)
+
+
+def stage1_case(p, g, *, l2=False, hp=HP_LEGACY, **extra) -> tuple:
+    """A LAMB stage-1 case; the per-tensor sums are finished in the launch exactly when the step is on the device
+    (``launch_lamb_stage1``)."""
+    return lamb_kernel._lamb_stage1_kernel, dict(P_DTYPE=p, G_DTYPE=g, L2_MODE=l2, DECOUPLED=not l2, BLOCK=SB,
+                                                 ALIGNED=True, FINISH_SUMS=hp is HP_ON_DEVICE, **extra, **hp)
+
+
+def stage2_case(p, model=None, *, hp=HP_LEGACY, **extra) -> tuple:
+    """A LAMB stage-2 case (decoupled, with the trust ratio)."""
+    consts = _rows(p, None, model)
+    del consts["G_DTYPE"]
+    return lamb_kernel._lamb_stage2_kernel, dict(**consts, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True, **extra,
+                                                 **hp)
+
+
+def apex_case(kernel, p, g, model=None, *, verify=False, hp=None, **modes) -> tuple:
+    """An SGD/Adagrad/NovoGrad kernel case: its own switches ``modes``, the result check ``verify``, the device
+    step's switches off (:data:`APEX_LEGACY`) but for ``hp``."""
+    return kernel, dict(**_rows(p, g, model), **modes, VERIFY=verify, BLOCK=4096, ALIGNED=True,
+                        **{**APEX_LEGACY, **(hp or {})})
+
+
 CASES = {
     "unscale fp32 in place, aligned": (unscale_kernel._unscale_kernel,
                                        dict(IN_DTYPE=F32, OUT_DTYPE=F32, WITH_NORM=False, BLOCK=SB, ALIGNED=True)),
@@ -163,107 +200,42 @@ CASES = {
         {**F64_PARTIALS}),
     "segment sums": (l2norm_kernel._segment_sum_kernel, {}),
     "segment sums fp64": (l2norm_kernel._segment_sum_kernel, {}, F64_PARTIALS),
-    "lamb stage 1 (fp16 params, L2)": (
-        lamb_kernel._lamb_stage1_kernel,
-        dict(P_DTYPE=F16, G_DTYPE=F16, L2_MODE=True, DECOUPLED=False, BLOCK=SB, ALIGNED=True, FINISH_SUMS=False,
-             WEIGHTS=0, **HP_LEGACY)),
-    "lamb stage 1 on the device (fp32, decoupled)": (
-        lamb_kernel._lamb_stage1_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F32, L2_MODE=False, DECOUPLED=True, BLOCK=SB, ALIGNED=True, FINISH_SUMS=True,
-             WEIGHTS=0, **HP_ON_DEVICE)),
-    "lamb stage 2 on the device (fp32 masters -> fp16 model)": (
-        lamb_kernel._lamb_stage2_kernel,
-        dict(P_DTYPE=F32, MODEL_DTYPE=F16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
-             **PLAIN, **HP_ON_DEVICE)),
-    "adam on the device (fp32)": (
-        adam_kernel._adam_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F32, MODEL_DTYPE=F32, HAS_MODEL=False, L2_MODE=False, DECOUPLED=True, BLOCK=SB,
-             ALIGNED=True, **PLAIN, **HP_ON_DEVICE)),
-    "lamb stage 2 (fp32 masters -> bf16 model)": (
-        lamb_kernel._lamb_stage2_kernel,
-        dict(P_DTYPE=F32, MODEL_DTYPE=BF16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
-             **PLAIN, **HP_LEGACY)),
-    "adam (fp32 masters -> fp16 model)": (
-        adam_kernel._adam_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, L2_MODE=False, DECOUPLED=True, BLOCK=SB,
-             ALIGNED=True, **PLAIN, **HP_LEGACY)),
-    "adam (fp16 params, L2)": (
-        adam_kernel._adam_kernel,
-        dict(P_DTYPE=F16, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=False, L2_MODE=True, DECOUPLED=False, BLOCK=SB,
-             ALIGNED=True, **PLAIN, **HP_LEGACY)),
-    "lamb stage 1 (fp32 masters, fp16 grads, decoupled)": (
-        lamb_kernel._lamb_stage1_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F16, L2_MODE=False, DECOUPLED=True, BLOCK=SB, ALIGNED=True, FINISH_SUMS=False,
-             WEIGHTS=0, **HP_LEGACY)),
+    "lamb stage 1 (fp16 params, L2)": stage1_case(F16, F16, l2=True, WEIGHTS=0),
+    "lamb stage 1 on the device (fp32, decoupled)": stage1_case(F32, F32, hp=HP_ON_DEVICE, WEIGHTS=0),
+    "lamb stage 2 on the device (fp32 masters -> fp16 model)": stage2_case(F32, F16, hp=HP_ON_DEVICE, **PLAIN),
+    "adam on the device (fp32)": adam_case(F32, F32, hp=HP_ON_DEVICE, **PLAIN),
+    "lamb stage 2 (fp32 masters -> bf16 model)": stage2_case(F32, BF16, **PLAIN),
+    "adam (fp32 masters -> fp16 model)": adam_case(F32, F16, F16, **PLAIN),
+    "adam (fp16 params, L2)": adam_case(F16, F16, l2=True, **PLAIN),
+    "lamb stage 1 (fp32 masters, fp16 grads, decoupled)": stage1_case(F32, F16, WEIGHTS=0),
     # the bf16 write epilogues: split (row 4 the int16 low halves) and stochastic rounding (Philox in registers)
-    "adam on the device, bf16 split": (
-        adam_kernel._adam_kernel,
-        dict(P_DTYPE=BF16, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=False, L2_MODE=False, DECOUPLED=True, BLOCK=SB,
-             ALIGNED=True, WEIGHTS=1, ROW_IDX=False, **HP_ON_DEVICE)),
-    "adam on the device, bf16 stochastic": (
-        adam_kernel._adam_kernel,
-        dict(P_DTYPE=BF16, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=False, L2_MODE=False, DECOUPLED=True, BLOCK=SB,
-             ALIGNED=True, WEIGHTS=2, ROW_IDX=True, **HP_ON_DEVICE)),
-    "lamb stage 1 on the device, bf16 split": (
-        lamb_kernel._lamb_stage1_kernel,
-        dict(P_DTYPE=BF16, G_DTYPE=BF16, L2_MODE=False, DECOUPLED=True, BLOCK=SB, ALIGNED=True, FINISH_SUMS=True,
-             WEIGHTS=1, **HP_ON_DEVICE)),
-    "lamb stage 2 on the device, bf16 split": (
-        lamb_kernel._lamb_stage2_kernel,
-        dict(P_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=False, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
-             WEIGHTS=1, ROW_IDX=False, **HP_ON_DEVICE)),
-    "lamb stage 2 on the device, bf16 stochastic": (
-        lamb_kernel._lamb_stage2_kernel,
-        dict(P_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=False, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
-             WEIGHTS=2, ROW_IDX=False, **HP_ON_DEVICE)),
+    "adam on the device, bf16 split": adam_case(BF16, BF16, hp=HP_ON_DEVICE, WEIGHTS=1, ROW_IDX=False),
+    "adam on the device, bf16 stochastic": adam_case(BF16, BF16, hp=HP_ON_DEVICE, WEIGHTS=2, ROW_IDX=True),
+    "lamb stage 1 on the device, bf16 split": stage1_case(BF16, BF16, hp=HP_ON_DEVICE, WEIGHTS=1),
+    "lamb stage 2 on the device, bf16 split": stage2_case(BF16, hp=HP_ON_DEVICE, WEIGHTS=1, ROW_IDX=False),
+    "lamb stage 2 on the device, bf16 stochastic": stage2_case(BF16, hp=HP_ON_DEVICE, WEIGHTS=2, ROW_IDX=False),
     # FSDP2 shards (the sharded step's host-vector stage 2): the row table (row, first element's index) per tensor
-    "lamb stage 2, bf16 stochastic with the row table": (
-        lamb_kernel._lamb_stage2_kernel,
-        dict(P_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=False, DECOUPLED=True, TRUST=True, BLOCK=SB, ALIGNED=True,
-             WEIGHTS=2, ROW_IDX=True, **HP_LEGACY)),
+    "lamb stage 2, bf16 stochastic with the row table": stage2_case(BF16, WEIGHTS=2, ROW_IDX=True),
     # 8-bit moments (state_bits=8): the QSTATE epilogue of the same kernels (fp16kit/kernels/state8/triton.py)
-    "adam 8-bit moments on the device (fp32)": (
-        adam_kernel._adam_kernel,
-        dict(QSTATE=True, P_DTYPE=F32, G_DTYPE=F32, MODEL_DTYPE=F32, HAS_MODEL=False, L2_MODE=False, DECOUPLED=True,
-             BLOCK=SB, ALIGNED=True, **HP_ON_DEVICE)),
-    "adam 8-bit moments (fp32 masters -> bf16 model)": (
-        adam_kernel._adam_kernel,
-        dict(QSTATE=True, P_DTYPE=F32, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=True, L2_MODE=False,
-             DECOUPLED=True, BLOCK=SB, ALIGNED=True, **PLAIN, **HP_LEGACY)),
-    "lamb stage 1 8-bit moments on the device (fp32, decoupled)": (
-        lamb_kernel._lamb_stage1_kernel,
-        dict(QSTATE=True, P_DTYPE=F32, G_DTYPE=F32, L2_MODE=False, DECOUPLED=True, BLOCK=SB, ALIGNED=True,
-             FINISH_SUMS=True, **HP_ON_DEVICE)),
-    "lamb stage 2 8-bit moments on the device (fp32 masters -> fp16 model)": (
-        lamb_kernel._lamb_stage2_kernel,
-        dict(QSTATE=True, P_DTYPE=F32, MODEL_DTYPE=F16, HAS_MODEL=True, DECOUPLED=True, TRUST=True, BLOCK=SB,
-             ALIGNED=True, **HP_ON_DEVICE)),
-    "sgd (fp32 masters -> fp16 model, nesterov)": (
-        sgd_kernel._sgd_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, WD=True, WD_AFTER=False, MOMENTUM=True,
-             NESTEROV=True, FIRST_RUN=False, VERIFY=False, BLOCK=4096, ALIGNED=True, **APEX_LEGACY)),
-    "adagrad (fp32 masters -> bf16 model, decoupled)": (
-        adagrad_kernel._adagrad_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=True, L2_MODE=False, DECOUPLED=True, VERIFY=False,
-             BLOCK=4096, ALIGNED=True, **APEX_LEGACY)),
-    "novograd (fp32 masters -> fp16 model)": (
-        novograd_kernel._novograd_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, REG_INSIDE=False, VERIFY=False, BLOCK=4096,
-             ALIGNED=True, **APEX_LEGACY)),
-    "sgd check-and-verify on the device (fp16 grads, tensor lr)": (
-        sgd_kernel._sgd_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F16, MODEL_DTYPE=F16, HAS_MODEL=True, WD=True, WD_AFTER=False, MOMENTUM=True,
-             NESTEROV=False, FIRST_RUN=False, VERIFY=True, BLOCK=4096, ALIGNED=True,
-             **{**APEX_LEGACY, **HP_ON_DEVICE, "LR_TENSOR": True, "ADVANCE": False, "OWN_FLAG": True, "FIRST": True,
-                "COUNT": True})),
-    "adagrad update on the device (fp32)": (
-        adagrad_kernel._adagrad_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=F32, MODEL_DTYPE=F32, HAS_MODEL=False, L2_MODE=True, DECOUPLED=False, VERIFY=False,
-             BLOCK=4096, ALIGNED=True, **{**APEX_LEGACY, **HP_ON_DEVICE})),
-    "novograd update on the device (fp32 masters -> bf16 model)": (
-        novograd_kernel._novograd_kernel,
-        dict(P_DTYPE=F32, G_DTYPE=BF16, MODEL_DTYPE=BF16, HAS_MODEL=True, REG_INSIDE=False, VERIFY=False, BLOCK=4096,
-             ALIGNED=True, **{**APEX_LEGACY, **HP_ON_DEVICE})),
+    "adam 8-bit moments on the device (fp32)": adam_case(F32, F32, hp=HP_ON_DEVICE, QSTATE=True),
+    "adam 8-bit moments (fp32 masters -> bf16 model)": adam_case(F32, BF16, BF16, QSTATE=True, **PLAIN),
+    "lamb stage 1 8-bit moments on the device (fp32, decoupled)": stage1_case(F32, F32, hp=HP_ON_DEVICE, QSTATE=True),
+    "lamb stage 2 8-bit moments on the device (fp32 masters -> fp16 model)": stage2_case(
+        F32, F16, hp=HP_ON_DEVICE, QSTATE=True),
+    "sgd (fp32 masters -> fp16 model, nesterov)": apex_case(
+        sgd_kernel._sgd_kernel, F32, F16, F16, WD=True, WD_AFTER=False, MOMENTUM=True, NESTEROV=True, FIRST_RUN=False),
+    "adagrad (fp32 masters -> bf16 model, decoupled)": apex_case(
+        adagrad_kernel._adagrad_kernel, F32, BF16, BF16, L2_MODE=False, DECOUPLED=True),
+    "novograd (fp32 masters -> fp16 model)": apex_case(
+        novograd_kernel._novograd_kernel, F32, F16, F16, REG_INSIDE=False),
+    "sgd check-and-verify on the device (fp16 grads, tensor lr)": apex_case(
+        sgd_kernel._sgd_kernel, F32, F16, F16, WD=True, WD_AFTER=False, MOMENTUM=True, NESTEROV=False, FIRST_RUN=False,
+        verify=True, hp={**HP_ON_DEVICE, "LR_TENSOR": True, "ADVANCE": False, "OWN_FLAG": True, "FIRST": True,
+                         "COUNT": True}),
+    "adagrad update on the device (fp32)": apex_case(
+        adagrad_kernel._adagrad_kernel, F32, F32, L2_MODE=True, DECOUPLED=False, hp=HP_ON_DEVICE),
+    "novograd update on the device (fp32 masters -> bf16 model)": apex_case(
+        novograd_kernel._novograd_kernel, F32, BF16, BF16, REG_INSIDE=False, hp=HP_ON_DEVICE),
     "novograd norms, moments, denominators on the device": (
         novograd_kernel._novograd_prepare_kernel,
         dict(LR_TENSOR=False, BIAS_CORRECTION=True, INIT_ZERO=False), {"partials_ptr": "*fp64"}),

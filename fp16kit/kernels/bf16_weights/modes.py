@@ -46,14 +46,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ..engine.skeleton import load_span, store_param, store_span, table_row
-from ..fallback.step import _skip
+from ..fallback.step import Rows, _skip
 
 __all__ = [
     "PLAIN",
@@ -353,29 +353,27 @@ def round_with_bits(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
 
 
 def fallback_step(
-    step_fn: Callable[..., None],
+    step: Callable[[Rows], None],
     lists: tuple[Sequence[torch.Tensor], ...],
     models: Sequence[torch.Tensor | None],
-    hp: torch.Tensor,
     found_inf: torch.Tensor,
-    modes: dict[str, bool],
-    fused: Any,
     weights: Bf16Weights,
     rows: Sequence[int],
 ) -> None:
-    """The torch fallback's step (``optim_fallback.lamb_``/``adam_``, ``step_fn``, over ``lists``: params, grads,
-    exp_avgs, exp_avg_sqs) with the bf16 epilogue: the rows'
-    fp32 values (the reassembled masters in split mode, the widened params when stochastic) are updated by the
-    unchanged fallback with no model copies, then written back by :func:`split_halves` or :func:`stochastic_round`
-    (``rows[i]``: row ``i``'s position in the update call). The fp32 values are a temporary of the group (the
-    fallback's transient 4 B/param). A skipped step writes nothing (read on the host on the CPU, masked elsewhere)."""
+    """A torch twin's step (``fallback/lamb.py``, ``fallback/adam.py``, ``state8/fallback.py``: ``step``, taking its
+    rows as one bundle, :data:`fp16kit.kernels.fallback.step.Rows`; ``lists``: params, grads, exp_avgs,
+    exp_avg_sqs) with the bf16 epilogue: the rows' fp32 values (the reassembled masters in split mode, the widened
+    params when stochastic) are updated by the unchanged twin with no model copies, then written back by
+    :func:`split_halves` or :func:`stochastic_round` (``rows[i]``: row ``i``'s position in the update call). The
+    fp32 values are a temporary of the group (the twin's transient 4 B/param). A skipped step (``found_inf``)
+    writes nothing (read on the host on the CPU, masked elsewhere)."""
     skip = _skip(found_inf, None)
     if skip is True:
         return
     params, rest = lists[0], lists[1:]
     mine, work = widen(weights, params, models)
     others = [None if weights.mode == "split" else m for m in models]
-    step_fn(work, *rest, others, hp, found_inf, **modes, **({} if fused is None else {"fused": fused}))
+    step((work, *rest, others))
     write_back(weights, params, models, work, mine, rows, skip)
 
 

@@ -10,6 +10,7 @@ import torch
 __all__ = [
     "FLOAT_DTYPES",
     "KERNEL_DTYPES",
+    "check_device",
     "check_flag",
     "check_pairs",
     "check_scalar_tensor",
@@ -93,8 +94,7 @@ def check_flag(
             f"{fn}: {name} must be a one-element {kind} tensor; got dtype {found_inf.dtype} "
             f"with {found_inf.numel()} elements."
         )
-    if device is not None and found_inf.device != device:
-        raise ValueError(f"{fn}: {name} is on {found_inf.device} but the tensors are on {device}.")
+    check_device(fn, name, found_inf, device)
 
 
 def check_scalar_tensor(fn: str, name: str, value: torch.Tensor, device: torch.device | None) -> None:
@@ -104,8 +104,14 @@ def check_scalar_tensor(fn: str, name: str, value: torch.Tensor, device: torch.d
             f"{fn}: {name} must be a Python float or a one-element floating tensor; "
             f"got dtype {value.dtype} with {value.numel()} elements."
         )
+    check_device(fn, name, value, device, "; move it there")
+
+
+def check_device(fn: str, name: str, value: torch.Tensor, device: torch.device | None, fix: str = "") -> None:
+    """``value`` (a flag, a scalar, an output the call writes) lives on the tensors' ``device`` (None: no tensors,
+    nothing to compare), else ``ValueError`` naming both devices and then ``fix``."""
     if device is not None and value.device != device:
-        raise ValueError(f"{fn}: {name} is on {value.device} but the tensors are on {device}; move it there.")
+        raise ValueError(f"{fn}: {name} is on {value.device} but the tensors are on {device}{fix}.")
 
 
 # ---------------------------------------------------------------------------------------------------------------

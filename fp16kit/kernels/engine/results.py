@@ -22,9 +22,10 @@ import triton
 import triton.language as tl
 
 from .rounding import round_to
+from .rows import ApexRows
 from .skeleton import chunk_rows_one_state, load_param_grad, skip_and_stop, store_span, table_row
 from .step_scalars import DeviceStep, finish_ticket, step_advance
-from .table import triton_dtype
+from .table import chunk_table, triton_dtype
 
 
 @triton.jit
@@ -202,14 +203,20 @@ class StepVerify:
     launches: int = 0
 
 
-def row_constexprs(table: Any, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                   models: Sequence[torch.Tensor] | None) -> dict[str, Any]:
-    """The constexprs of an SGD, Adagrad or NovoGrad launch's rows: the param, grad and model-copy dtypes, whether
-    there are model copies, the table's chunk size and alignment."""
+def apex_rows(rows: ApexRows) -> tuple[Any, dict[str, Any]]:
+    """``(table, constexprs)`` of an SGD, Adagrad or NovoGrad launch over ``rows`` (``engine/rows.py``; ``models``
+    None without model copies). The address table: params, grads, the state (the params again for SGD without
+    momentum), the model copies (the params again without them); the params, the state and the model copies
+    written. The constexprs of its rows: the param, grad and model-copy dtypes, whether there are model copies, the
+    table's chunk size and alignment."""
+    params, grads, states, models = rows
+    written = (0,) + ((2,) if states else ()) + ((3,) if models is not None else ())
+    table = chunk_table([params, grads, states[0] if states else params, params if models is None else models],
+                        written=written)
     p_dtype = triton_dtype(params[0].dtype)
     model_dtype = p_dtype if models is None else triton_dtype(models[0].dtype)
-    return {"P_DTYPE": p_dtype, "G_DTYPE": triton_dtype(grads[0].dtype), "MODEL_DTYPE": model_dtype,
-            "HAS_MODEL": models is not None, "BLOCK": table.block, "ALIGNED": table.aligned}
+    return table, {"P_DTYPE": p_dtype, "G_DTYPE": triton_dtype(grads[0].dtype), "MODEL_DTYPE": model_dtype,
+                   "HAS_MODEL": models is not None, "BLOCK": table.block, "ALIGNED": table.aligned}
 
 
 def step_arguments(

@@ -14,20 +14,15 @@ Per element, in the kernel's order (``g`` the unscaled grad, ``h`` the sum of sq
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from .apex_step import Scalar, _axpy, _axpy_, _run
+from .apex_step import ApexRows, Scalar, _axpy, _axpy_, _run
 
 __all__ = ["adagrad_"]
 
 
 def adagrad_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    sums: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
+    rows: ApexRows,
     hp: torch.Tensor,
     found_inf: torch.Tensor,
     *,
@@ -36,7 +31,8 @@ def adagrad_(
     host_branch: bool | None = None,
     verify: bool = False,
 ) -> None:
-    """One Adagrad step (see ``triton/adagrad.py`` for the math); ``verify``: the result check only."""
+    """One Adagrad step (see ``triton/adagrad.py`` for the math) over ``rows`` (:data:`ApexRows`, the state: the
+    sums of squares); ``verify``: the result check only."""
 
     def rule(p: list[torch.Tensor], states: list[list[torch.Tensor]], d: list[torch.Tensor],
              s: list[Scalar]) -> list[torch.Tensor]:
@@ -52,4 +48,4 @@ def adagrad_(
             _axpy_(u, p, wd)
         return u
 
-    _run(params, grads, [sums], models, hp, found_inf, host_branch, rule, verify)
+    _run(rows, hp, found_inf, host_branch, rule, verify)

@@ -17,6 +17,7 @@ import torch
 from .scratch import _batches, _grads_for, _reads_grads_as_they_are, _write_models
 from .step import (
     FusedAdamArgs,
+    Rows,
     _finish,
     _fused_takes,
     _math,
@@ -52,8 +53,8 @@ def adam_(
     if skip is True:
         return
     if skip is False:
-        modes = {"l2_mode": l2_mode, "decoupled": decoupled}
-        _adam_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, **modes, fused=fused)
+        _adam_host((params, grads, exp_avgs, exp_avg_sqs, models), hp, l2_mode=l2_mode, decoupled=decoupled,
+                   fused=fused)
         return
     p, m, v, step = adam_terms(_math(params, hp.dtype), grads, exp_avgs, exp_avg_sqs, hp.unbind(), l2_mode,
                                decoupled, in_place=False)
@@ -101,25 +102,17 @@ def adam_terms(
 
 
 def _adam_host(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-    hp: torch.Tensor,
-    *,
-    l2_mode: bool,
-    decoupled: bool,
-    fused: FusedAdamArgs | None = None,
+    rows: Rows, hp: torch.Tensor, *, l2_mode: bool, decoupled: bool, fused: FusedAdamArgs | None = None
 ) -> None:
     """Adam when the skip was decided on the host (CPU): ``torch.optim.Adam``'s own foreach sequence, in place,
     with the hyper-parameters as host numbers (reading a CPU tensor costs no sync): 8 passes, 1 temporary;
-    with ``fused`` and where it applies, torch's fused Adam kernel: one pass (module docstring)."""
+    with ``fused`` and where it applies, torch's fused Adam kernel: one pass (module docstring). ``rows``:
+    :data:`fp16kit.kernels.fallback.step.Rows`."""
+    params, grads, exp_avgs, exp_avg_sqs, models = rows
     _, _, beta2, one_minus_beta1, one_minus_beta2, eps, wd, neg_step_size, bc2_sqrt, inv_scale, decay = hp.tolist()
     p = _math(params, hp.dtype)
     if fused is not None and _fused_takes(fused, p, exp_avgs, exp_avg_sqs, lamb=False):
-        lists = (p, grads, exp_avgs, exp_avg_sqs, models)
-        _adam_fused(*lists, fused, inv_scale, l2_mode=l2_mode, decoupled=decoupled)
+        _adam_fused((p, grads, exp_avgs, exp_avg_sqs, models), fused, inv_scale, l2_mode=l2_mode, decoupled=decoupled)
         _write_params(params, [None] * len(p), p, False)  # models: written batch by batch
         return
     g = _math(grads, hp.dtype)
@@ -139,22 +132,12 @@ def _adam_host(
     _write_params(params, models, p, False)
 
 
-def _adam_fused(
-    p: list[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-    fused: FusedAdamArgs,
-    inv_scale: float,
-    *,
-    l2_mode: bool,
-    decoupled: bool,
-) -> None:
+def _adam_fused(rows: Rows, fused: FusedAdamArgs, inv_scale: float, *, l2_mode: bool, decoupled: bool) -> None:
     """Adam/AdamW in torch's fused CPU kernel (``p`` contiguous, in place), batch by batch: a batch's scaled
     grads (when they need a copy) and its model copies are written while its data is in cache. With neither
     (the kernel reads the caller's grads, no model copies) one call takes the whole list: batches would only
     add per-call host work (74 calls instead of 1 on a BERT-base-shaped list)."""
+    p, grads, exp_avgs, exp_avg_sqs, models = rows  # p: the params in the math dtype, contiguous
     lr, beta1, beta2, _, _, eps, wd = fused.hp64.tolist()[:7]
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     whole = (

@@ -22,9 +22,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..engine.rows import ApexRows
 from .step import _commit, _math, _skip, _write_params
 
-__all__ = ["Rule", "Scalar", "raise_if_nonfinite"]
+__all__ = ["ApexRows", "Rule", "Scalar", "raise_if_nonfinite"]
 
 Scalar = float | torch.Tensor
 
@@ -40,19 +41,17 @@ Rule = Callable[[list[torch.Tensor], list[list[torch.Tensor]], list[torch.Tensor
 
 
 def _run(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    states: Sequence[Sequence[torch.Tensor]],
-    models: Sequence[torch.Tensor | None],
+    rows: ApexRows,
     hp: torch.Tensor,
     found_inf: torch.Tensor,
     host_branch: bool | None,
     rule: Rule,
     verify: bool = False,
 ) -> None:
-    """One step around ``rule`` (:data:`Rule`), on working lists, committed (see the module docstring); with
-    ``verify``, on copies, committing nothing and raising ``found_inf`` instead when a value the step would
-    store is inf/NaN (:func:`raise_if_nonfinite`)."""
+    """One step around ``rule`` (:data:`Rule`) over ``rows`` (:data:`ApexRows`), on working lists, committed (see
+    the module docstring); with ``verify``, on copies, committing nothing and raising ``found_inf`` instead when a
+    value the step would store is inf/NaN (:func:`raise_if_nonfinite`)."""
+    params, grads, states, models = rows
     if not params:
         return
     skip = _skip(found_inf, host_branch)

@@ -20,7 +20,18 @@ from collections.abc import Sequence
 import torch
 
 from .scratch import _add_scaled, _batches, _grads_for, _scaled_into, _scratch_views, _sumsq32, _write_models
-from .step import FusedAdamArgs, _finish, _fused_takes, _math, _second_moment, _skip, _write_params, bump_versions
+from .step import (
+    FusedAdamArgs,
+    GradMoments,
+    Rows,
+    _finish,
+    _fused_takes,
+    _math,
+    _second_moment,
+    _skip,
+    _write_params,
+    bump_versions,
+)
 
 __all__ = ["lamb_", "lamb_direction", "lamb_moments", "lamb_u"]
 
@@ -49,23 +60,20 @@ def lamb_(
         return
     if skip is False:
         modes = {"l2_mode": l2_mode, "decoupled": decoupled, "trust": trust}
-        _lamb_host(params, grads, exp_avgs, exp_avg_sqs, models, hp, **modes, fused=fused)
+        _lamb_host((params, grads, exp_avgs, exp_avg_sqs, models), hp, **modes, fused=fused)
         return
     lr = hp[0]
     p = _math(params, hp.dtype)  # may alias the params: only out-of-place ops on it
-    m, v, u = lamb_direction(p, grads, exp_avgs, exp_avg_sqs, hp.unbind()[1:], l2_mode, decoupled, in_place=False)
+    m, v, u = lamb_direction(p, (grads, exp_avgs, exp_avg_sqs), hp.unbind()[1:], (l2_mode, decoupled), in_place=False)
     torch._foreach_mul_(u, _trust_ratios(p, u, lr, trust))
     _finish(params, exp_avgs, exp_avg_sqs, models, p, m, v, u, skip)
 
 
 def lamb_direction(
     p: list[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
+    rows: GradMoments,
     scalars: Sequence[torch.Tensor | float],
-    l2_mode: bool,
-    decoupled: bool,
+    modes: tuple[bool, bool],
     *,
     in_place: bool,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -74,30 +82,26 @@ def lamb_direction(
     ``g = grad * inv_scale / clip (+ wd p in l2 mode)``, ``m = beta1 m + beta3 g``,
     ``v = beta2 v + (1 - beta2) g g``, ``u = (m / bc1) / (sqrt(v / bc2) + eps) (+ wd p when decoupled)``.
 
-    ``scalars`` are ``hp[1:]`` (0-dim tensors, or host numbers where the skip was read on the host);
-    ``p`` is the params in the math dtype (only read). ``in_place``: m and v are the state tensors themselves,
-    else new tensors (committed later under the skip mask). The rounding sequence (a multiply, then an add,
-    no fused ``alpha``) is the kernel's; ``_lamb_host`` keeps its own in-place sequence for the CPU fast path.
+    ``rows``: ``(grads, exp_avgs, exp_avg_sqs)``; ``modes``: ``(l2_mode, decoupled)``; ``scalars`` are ``hp[1:]``
+    (0-dim tensors, or host numbers where the skip was read on the host); ``p`` is the params in the math dtype
+    (only read). ``in_place``: m and v are the state tensors themselves, else new tensors (committed later under
+    the skip mask). The rounding sequence (a multiply, then an add, no fused ``alpha``) is the kernel's;
+    ``_lamb_host`` keeps its own in-place sequence for the CPU fast path.
     """
-    m, v = lamb_moments(p, grads, exp_avgs, exp_avg_sqs, scalars, l2_mode, in_place=in_place)
+    l2_mode, decoupled = modes
+    m, v = lamb_moments(p, rows, scalars, l2_mode, in_place=in_place)
     _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars
     return m, v, lamb_u(p, m, v, eps, wd, bc1, bc2, decoupled)
 
 
 def lamb_moments(
-    p: list[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    scalars: Sequence[torch.Tensor | float],
-    l2_mode: bool,
-    *,
-    in_place: bool,
+    p: list[torch.Tensor], rows: GradMoments, scalars: Sequence[torch.Tensor | float], l2_mode: bool, *, in_place: bool
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """LAMB's new moments ``(m, v)`` in the kernels' rounding sequence (:func:`lamb_direction`'s first half; also the
     8-bit CPU chunks', ``state8/fallback.py``): ``g = grad * inv_scale / clip (+ wd p in l2 mode)``,
     ``m = beta1 m + beta3 g``, ``v = beta2 v + (1 - beta2) g g``; in place on ``exp_avgs``/``exp_avg_sqs`` with
-    ``in_place``, else new tensors."""
+    ``in_place``, else new tensors. ``rows``: ``(grads, exp_avgs, exp_avg_sqs)``."""
+    grads, exp_avgs, exp_avg_sqs = rows
     beta1, beta2, beta3, one_minus_beta2, _, wd, _, _, inv_scale, clip = scalars
     g = torch._foreach_mul(_math(grads, p[0].dtype), inv_scale)
     torch._foreach_div_(g, clip)
@@ -146,28 +150,19 @@ def _trust_ratios(
 
 
 def _lamb_host(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-    hp: torch.Tensor,
-    *,
-    l2_mode: bool,
-    decoupled: bool,
-    trust: bool,
-    fused: FusedAdamArgs | None = None,
+    rows: Rows, hp: torch.Tensor, *, l2_mode: bool, decoupled: bool, trust: bool, fused: FusedAdamArgs | None = None
 ) -> None:
     """LAMB when the skip was decided on the host (CPU): in place, host-number hyper-parameters (reading a
     CPU tensor costs no sync), no copy of the grads when there is nothing to unscale or clip: ~13 passes and
     two temporaries instead of ~22 passes and seven; with ``fused`` and where it applies, torch's fused Adam
-    kernel for stage 1 (module docstring): ~4 passes."""
+    kernel for stage 1 (module docstring): ~4 passes. ``rows``: :data:`fp16kit.kernels.fallback.step.Rows`."""
+    params, grads, exp_avgs, exp_avg_sqs, models = rows
     lr, beta1, beta2, beta3, one_minus_beta2, eps, wd, bc1, bc2, inv_scale, clip = hp.tolist()
     p = _math(params, hp.dtype)
     if fused is not None and not l2_mode and _fused_takes(fused, p, exp_avgs, exp_avg_sqs, lamb=True):
         scaling = (inv_scale, clip)
-        lists = (p, grads, exp_avgs, exp_avg_sqs, models)
-        _lamb_fused(*lists, fused, scaling, lr=lr, wd=wd if decoupled else 0.0, trust=trust)
+        _lamb_fused((p, grads, exp_avgs, exp_avg_sqs, models), fused, scaling, lr=lr, wd=wd if decoupled else 0.0,
+                    trust=trust)
         _write_params(params, [None] * len(p), p, False)  # models: written batch by batch
         return
     g = _math(grads, hp.dtype)  # read only
@@ -182,11 +177,7 @@ def _lamb_host(
     torch._foreach_add_(m, g, alpha=beta3)
     torch._foreach_mul_(v, beta2)
     torch._foreach_addcmul_(v, g, g, one_minus_beta2)
-    u = torch._foreach_div(m, bc1)
-    denom = torch._foreach_div(v, bc2)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_div_(u, denom)
+    u = lamb_u(p, m, v, eps, wd, bc1, bc2, decoupled=False)  # the decoupled term in one fused pass instead:
     if decoupled:
         torch._foreach_add_(u, p, alpha=wd)
     torch._foreach_mul_(u, _trust_ratios(p, u, lr, trust))
@@ -195,17 +186,7 @@ def _lamb_host(
 
 
 def _lamb_fused(
-    p: list[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-    fused: FusedAdamArgs,
-    scaling: tuple[float, float],
-    *,
-    lr: float,
-    wd: float,
-    trust: bool,
+    rows: Rows, fused: FusedAdamArgs, scaling: tuple[float, float], *, lr: float, wd: float, trust: bool
 ) -> None:
     """LAMB stage 1 in torch's fused Adam kernel, then the trust ratio and the update, batch by batch:
     ``buf = -wd p`` (or 0), ``buf -= (1 / bc1) m / (sqrt(v) / sqrt(bc2) + eps)`` (the kernel with lr = 1 and
@@ -213,6 +194,7 @@ def _lamb_fused(
     (``|buf| = |u|``; float64 host numbers from the fp32 norms). Without the trust ratio (then ``wd == 0``)
     the step is ``p -= lr u``: the kernel runs on ``p`` itself with the learning rate, no buffer, no norms.
     ``scaling = (inv_scale, clip)``. Model copies are written per batch, from cache."""
+    p, grads, exp_avgs, exp_avg_sqs, models = rows  # p: the params in the math dtype, contiguous
     lr64, beta1, beta2, _, _, eps, *_ = fused.hp64.tolist()
     with_models = any(m is not None for m in models)
     for rows in _batches(p):

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from . import l2norm as fb_l2norm
+from .step import Rows
 
 __all__ = ["check_and_norm", "enable", "enabled", "lamb_", "takes"]
 
@@ -303,46 +304,24 @@ def _load():
     return _module
 
 
-def takes(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-) -> bool:
-    """Whether this row group can run natively: enabled, CPU, contiguous fp32 everywhere, no model copies."""
-    if not _state["enabled"] or not params or params[0].device.type != "cpu":
+def takes(rows: Rows) -> bool:
+    """Whether this row group (:data:`fp16kit.kernels.fallback.step.Rows`) can run natively: enabled, CPU, contiguous
+    fp32 everywhere, no model copies."""
+    *lists, models = rows
+    if not _state["enabled"] or not lists[0] or lists[0][0].device.type != "cpu":
         return False
     if any(m is not None for m in models):
         return False
-    return (
-        all(
-            t.dtype == torch.float32 and t.is_contiguous()
-            for lst in (params, grads, exp_avgs, exp_avg_sqs)
-            for t in lst
-        )
-        and enabled()
-    )
+    return all(t.dtype == torch.float32 and t.is_contiguous() for lst in lists for t in lst) and enabled()
 
 
-def lamb_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    hp32: torch.Tensor,
-    found_inf: torch.Tensor,
-    *,
-    l2_mode: bool,
-    decoupled: bool,
-    trust: bool,
-) -> None:
-    """Both LAMB stages natively (the caller checked :func:`takes`); nothing happens when found_inf is set."""
+def lamb_(rows: Rows, hp32: torch.Tensor, found_inf: torch.Tensor, *, l2_mode: bool, decoupled: bool,
+          trust: bool) -> None:
+    """Both LAMB stages natively over ``rows`` (the caller checked :func:`takes`: no model copies); nothing happens
+    when found_inf is set."""
     if bool(found_inf.reshape(()) != 0):
         return
-    _load().lamb_fp32(
-        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), hp32.contiguous(), l2_mode, decoupled, trust
-    )
+    _load().lamb_fp32(*(list(x) for x in rows[:4]), hp32.contiguous(), l2_mode, decoupled, trust)
 
 
 def takes_grads(grads: Sequence[torch.Tensor]) -> bool:

@@ -19,16 +19,13 @@ from collections.abc import Sequence
 
 import torch
 
-from .apex_step import Scalar, _axpy_, _run
+from .apex_step import ApexRows, Scalar, _axpy_, _run
 
 __all__ = ["novograd_", "per_tensor_norms"]
 
 
 def novograd_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
+    rows: ApexRows,
     hp: torch.Tensor,
     denoms: torch.Tensor,
     found_inf: torch.Tensor,
@@ -37,8 +34,9 @@ def novograd_(
     host_branch: bool | None = None,
     verify: bool = False,
 ) -> None:
-    """The elementwise NovoGrad step (see ``triton/novograd.py``); ``denoms`` is the per-tensor
-    ``v / bc2 + eps`` vector (math dtype), in the order of ``params``; ``verify``: the result check only."""
+    """The elementwise NovoGrad step (see ``triton/novograd.py``) over ``rows`` (:data:`ApexRows`, the state: the
+    first moments); ``denoms`` is the per-tensor ``v / bc2 + eps`` vector (math dtype), in the order of the params;
+    ``verify``: the result check only."""
 
     def rule(p: list[torch.Tensor], states: list[list[torch.Tensor]], d: list[torch.Tensor],
              s: list[Scalar]) -> list[torch.Tensor]:
@@ -56,7 +54,7 @@ def novograd_(
             _axpy_(u, p, wd)
         return u
 
-    _run(params, grads, [exp_avgs], models, hp, found_inf, host_branch, rule, verify)
+    _run(rows, hp, found_inf, host_branch, rule, verify)
 
 
 def per_tensor_norms(

@@ -14,20 +14,15 @@ Per element, in the kernel's order (``g`` the unscaled grad, ``m`` the momentum 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from .apex_step import Scalar, _axpy, _axpy_, _run
+from .apex_step import ApexRows, Scalar, _axpy, _axpy_, _run
 
 __all__ = ["sgd_"]
 
 
 def sgd_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    momentum_buffers: Sequence[torch.Tensor] | None,
-    models: Sequence[torch.Tensor | None],
+    rows: ApexRows,
     hp: torch.Tensor,
     found_inf: torch.Tensor,
     *,
@@ -38,8 +33,8 @@ def sgd_(
     host_branch: bool | None = None,
     verify: bool = False,
 ) -> None:
-    """One SGD step (see ``triton/sgd.py`` for the math); ``momentum_buffers=None`` is SGD without momentum.
-    ``verify``: the result check only (:func:`_run`)."""
+    """One SGD step (see ``triton/sgd.py`` for the math) over ``rows`` (:data:`ApexRows`, the state: the momentum
+    buffers, or none for SGD without momentum). ``verify``: the result check only (:func:`_run`)."""
 
     def rule(p: list[torch.Tensor], states: list[list[torch.Tensor]], d: list[torch.Tensor],
              s: list[Scalar]) -> list[torch.Tensor]:
@@ -58,5 +53,4 @@ def sgd_(
             d = _axpy(d, p, wd)
         return d
 
-    states = [] if momentum_buffers is None else [momentum_buffers]
-    _run(params, grads, states, models, hp, found_inf, host_branch, rule, verify)
+    _run(rows, hp, found_inf, host_branch, rule, verify)

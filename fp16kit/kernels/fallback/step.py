@@ -32,7 +32,9 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["FusedAdamArgs", "bump_versions", "foreach_only", "masked_commits"]
+from ..engine.rows import GradMoments, Rows
+
+__all__ = ["FusedAdamArgs", "GradMoments", "Rows", "bump_versions", "foreach_only", "masked_commits"]
 
 F64 = torch.float64
 

@@ -72,13 +72,12 @@ def unscale(
     if in_place is None:
         in_place = in_place_pairs(inputs, outputs)
     if all(in_place) or not any(in_place):
-        return _unscale_group(inputs, outputs, in_place[0], inv_scale, found_inf, with_norm)
+        return _unscale_group((inputs, outputs), in_place[0], inv_scale, found_inf, with_norm)
     sums = []
     for flag in (True, False):
         idx = [i for i, p in enumerate(in_place) if p is flag]
-        sums.append(
-            _unscale_group([inputs[i] for i in idx], [outputs[i] for i in idx], flag, inv_scale, found_inf, with_norm)
-        )
+        pairs = ([inputs[i] for i in idx], [outputs[i] for i in idx])
+        sums.append(_unscale_group(pairs, flag, inv_scale, found_inf, with_norm))
     return sums[0] + sums[1] if with_norm else None
 
 
@@ -88,18 +87,18 @@ def in_place_pairs(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tenso
 
 
 def _unscale_group(
-    inputs: Sequence[torch.Tensor],
-    outputs: Sequence[torch.Tensor],
+    pairs: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
     in_place: bool,
     inv_scale: torch.Tensor,
     found_inf: torch.Tensor,
     with_norm: bool,
 ) -> torch.Tensor | None:
-    """All pairs in place, or none. Fewest passes that keep the contract's single multiply in the math dtype:
-    for fp32 math, in place, ``_amp_foreach_non_finite_check_and_unscale_`` multiplies in fp32 (opmath) and
-    rounds once; into an fp32 destination, an exact widening copy then that in-place multiply. Otherwise
-    (narrowing, float64 math whose scale must not be rounded to fp32, or when the unrounded squares are
-    needed) the products are formed in the math dtype, then copied out."""
+    """``pairs``: ``(inputs, outputs)``, all pairs in place, or none. Fewest passes that keep the contract's single
+    multiply in the math dtype: for fp32 math, in place, ``_amp_foreach_non_finite_check_and_unscale_`` multiplies
+    in fp32 (opmath) and rounds once; into an fp32 destination, an exact widening copy then that in-place
+    multiply. Otherwise (narrowing, float64 math whose scale must not be rounded to fp32, or when the unrounded
+    squares are needed) the products are formed in the math dtype, then copied out."""
+    inputs, outputs = pairs
     mode = "" if with_norm else fused_unscale_mode(inputs, outputs, [in_place])
     if mode:
         fused_unscale_(inputs, outputs, mode == "widen", inv_scale.to(torch.float32), found_inf)

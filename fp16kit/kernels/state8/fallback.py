@@ -35,6 +35,7 @@ import torch
 from ..fallback import adam as fb_adam
 from ..fallback import lamb as fb_lamb
 from ..fallback import step as fb_step
+from ..fallback.step import Rows
 from .rule import QBLOCK, absmax_of, dequantize, quantize, quantize_into
 
 _U8 = torch.uint8
@@ -96,13 +97,14 @@ def _dense_rows(
 
 
 def _on_dense_rows(fn: Callable[..., None]) -> Callable[..., None]:
-    """``fn(params, grads, exp_avgs, exp_avg_sqs, models, ...)`` on :func:`_dense_rows`' lists, then the contiguous
-    copies written back into the caller's tensors."""
+    """``fn(rows, ...)`` (``rows``: :data:`fp16kit.kernels.fallback.step.Rows`) on :func:`_dense_rows`' lists, then
+    the contiguous copies written back into the caller's tensors."""
 
     @functools.wraps(fn)
-    def run(params, grads, exp_avgs, exp_avg_sqs, models, *args: Any, **kw: Any) -> None:
+    def run(rows: Rows, *args: Any, **kw: Any) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, models = rows
         params, grads, models, back = _dense_rows(params, grads, exp_avgs, models)
-        fn(params, grads, exp_avgs, exp_avg_sqs, models, *args, **kw)
+        fn((params, grads, exp_avgs, exp_avg_sqs, models), *args, **kw)
         for dst, src in back:
             dst.copy_(src)
 
@@ -110,20 +112,11 @@ def _on_dense_rows(fn: Callable[..., None]) -> Callable[..., None]:
 
 
 @_on_dense_rows
-def adam8_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-    hp: torch.Tensor,
-    found_inf: torch.Tensor,
-    *,
-    l2_mode: bool,
-    decoupled: bool,
-) -> None:
-    """One Adam/AdamW step (``triton/adam.py``) over moments that may be 8-bit (non-contiguous 8-bit rows on
-    contiguous copies: :func:`_on_dense_rows`)."""
+def adam8_(rows: Rows, hp: torch.Tensor, found_inf: torch.Tensor, *, l2_mode: bool, decoupled: bool) -> None:
+    """One Adam/AdamW step (``triton/adam.py``) over moments that may be 8-bit (``rows``:
+    :data:`fp16kit.kernels.fallback.step.Rows`; non-contiguous 8-bit rows on contiguous copies:
+    :func:`_on_dense_rows`)."""
+    params, grads, exp_avgs, exp_avg_sqs, models = rows
     if not params:
         return
     host_skip = fb_step._skip(found_inf, None)  # a bool on the CPU (unless masked_commits())
@@ -211,18 +204,17 @@ def _chunk(i: int, start: int, stop: int, *lists: Sequence[torch.Tensor | None])
 
 
 def lamb8_stage1(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
+    lists: tuple[Sequence[torch.Tensor], ...],
     hp: torch.Tensor,
     found_inf: torch.Tensor,
     *,
     l2_mode: bool,
     decoupled: bool,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """LAMB's stage 1 over moments that may be 8-bit: the new moments committed (quantized where 8-bit; kept
-    where ``found_inf``), and ``(p, u)``: the params in fp32 and the update direction from the moments as stored."""
+    """LAMB's stage 1 over moments that may be 8-bit (``lists``: ``(params, grads, exp_avgs, exp_avg_sqs)``): the new
+    moments committed (quantized where 8-bit; kept where ``found_inf``), and ``(p, u)``: the params in fp32 and the
+    update direction from the moments as stored."""
+    params, grads, exp_avgs, exp_avg_sqs = lists
     skip = found_inf.reshape(()) != 0
     scalars = hp.unbind()
     # p is only read here (the caller writes p - ratio * u): contiguous copies of the 8-bit rows need no write-back
@@ -232,7 +224,7 @@ def lamb8_stage1(
     _, _, _, _, _, eps, wd, bc1, bc2, _, _ = scalars
     m_old, quant = _dequantized(exp_avgs, True)
     v_old, _ = _dequantized(exp_avg_sqs, False)
-    m, v, u = fb_lamb.lamb_direction(p, grads, m_old, v_old, scalars[1:], l2_mode, decoupled, in_place=False)
+    m, v, u = fb_lamb.lamb_direction(p, (grads, m_old, v_old), scalars[1:], (l2_mode, decoupled), in_place=False)
     m, v = list(m), list(v)
     _requantize(exp_avgs, m, quant, True, skip, stored=True)
     _requantize(exp_avg_sqs, v, quant, False, skip, stored=True)
@@ -261,8 +253,7 @@ def _lamb8_direction_cpu(
     plain, chunked = _cpu_rows(p, grads, exp_avgs, [None] * len(p))
     if plain:
         pick = _picker(plain)
-        m, v, u_plain = fb_lamb.lamb_direction(pick(p), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
-                                                      scalars[1:], l2_mode, decoupled, in_place=False)
+        m, v, u_plain = fb_lamb.lamb_direction(pick(p), tuple(map(pick, rows)), scalars[1:], modes, in_place=False)
         fb_step._commit(pick(exp_avgs), m, False)
         fb_step._commit(pick(exp_avg_sqs), v, False)
         for i, t in zip(plain, u_plain):
@@ -273,7 +264,7 @@ def _lamb8_direction_cpu(
         absmax_m, absmax_v = absmax_of(exp_avgs[i])[blocks], absmax_of(exp_avg_sqs[i])[blocks]
         m = dequantize(codes_m, absmax_m, True)
         v = dequantize(codes_v, absmax_v, False)
-        fb_lamb.lamb_moments([pc], [gc], [m], [v], scalars[1:], l2_mode, in_place=True)
+        fb_lamb.lamb_moments([pc], ([gc], [m], [v]), scalars[1:], l2_mode, in_place=True)
         quantize_into(m, codes_m, absmax_m, True)
         quantize_into(v, codes_v, absmax_v, False)
         # u from the moments as stored (lamb_u's sequence), straight into the whole-tensor u
@@ -289,21 +280,13 @@ def _lamb8_direction_cpu(
 
 
 def lamb8_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor | None],
-    hp: torch.Tensor,
-    found_inf: torch.Tensor,
-    *,
-    l2_mode: bool,
-    decoupled: bool,
-    trust: bool,
+    rows: Rows, hp: torch.Tensor, found_inf: torch.Tensor, *, l2_mode: bool, decoupled: bool, trust: bool
 ) -> None:
-    """Both LAMB stages (``triton/lamb.py``) over moments that may be 8-bit; ``u`` from the stored moments."""
+    """Both LAMB stages (``triton/lamb.py``) over moments that may be 8-bit; ``u`` from the stored moments.
+    ``rows``: :data:`fp16kit.kernels.fallback.step.Rows`."""
+    params, models = rows[0], rows[4]
     if not params:
         return
-    p, u = lamb8_stage1(params, grads, exp_avgs, exp_avg_sqs, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled)
+    p, u = lamb8_stage1(rows[:4], hp, found_inf, l2_mode=l2_mode, decoupled=decoupled)
     torch._foreach_mul_(u, fb_lamb._trust_ratios(p, u, hp[0], trust))
     fb_step._write_params(params, models, torch._foreach_sub(p, u), found_inf.reshape(()) != 0)

@@ -24,16 +24,15 @@ IEEE-rounded ``div_rn``/``sqrt_rn`` (plain ``/`` and ``sqrt`` are approximate on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
-from ..engine.results import StepVerify, chunk_end, chunk_start, pass_end, pass_start, row_constexprs, step_arguments
+from ..engine.results import StepVerify, apex_rows, chunk_end, chunk_start, pass_end, pass_start, step_arguments
+from ..engine.rows import ApexRows
 from ..engine.skeleton import hp_inv_scale, hp_neg_lr, hp_value, load_span
 from ..engine.step_scalars import HOST_VECTOR, DeviceStep
-from ..engine.table import chunk_table, num_programs
+from ..engine.table import num_programs
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
@@ -89,10 +88,7 @@ def _adagrad_kernel(
 
 
 def launch_adagrad(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    sums: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor] | None,
+    rows: ApexRows,
     hp: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     *,
@@ -101,14 +97,13 @@ def launch_adagrad(
     verify: bool = False,
     check: StepVerify | None = None,
 ) -> None:
-    """One Adagrad launch for contiguous, non-empty tensors of one dtype combination (fp32 sums). ``verify``:
+    """One Adagrad launch over ``rows`` (``engine/rows.py``; ``models`` None without model copies) for contiguous,
+    non-empty tensors of one dtype combination (the state: fp32 sums). ``verify``:
     the result check (``engine/results.py``), nothing written but ``found_inf``. ``hp``: the float32 vector of the
     module docstring, or a :class:`DeviceStep` (host numbers ``lr``, ``eps``, ``weight_decay``; see
     ``sgd_kernel.launch_sgd``)."""
-    table = chunk_table(
-        [params, grads, sums, params if models is None else models], written=(0, 2) if models is None else (0, 2, 3)
-    )
-    device = params[0].device
+    table, row_consts = apex_rows(rows)
+    device = rows[0][0].device
     hp_ptr, step, results, flags = step_arguments(hp, table, HOST, verify, check)
     _adagrad_kernel[(num_programs(device, table.num_chunks),)](
         table.leading_args(),
@@ -116,7 +111,7 @@ def launch_adagrad(
         found_inf,
         step,
         results,
-        **row_constexprs(table, params, grads, models),
+        **row_consts,
         L2_MODE=l2_mode,
         DECOUPLED=decoupled,
         VERIFY=verify,

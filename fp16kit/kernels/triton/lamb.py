@@ -266,7 +266,7 @@ def launch_lamb(
     the bf16 write epilogue, as in ``adam_kernel.launch_adam`` (split mode: ``models`` holds the low halves).
     """
     table, p_sumsq, u_sumsq = launch_lamb_stage1(
-        params, grads, exp_avgs, exp_avg_sqs, models, hp, found_inf, l2_mode=l2_mode, decoupled=decoupled,
+        (params, grads, exp_avgs, exp_avg_sqs, models), hp, found_inf, l2_mode=l2_mode, decoupled=decoupled,
         weights=weights, state8=state8,
     )
     launch_lamb_stage2(table, params, models, hp, found_inf, u_sumsq, p_sumsq, decoupled=decoupled, trust=trust,
@@ -274,11 +274,7 @@ def launch_lamb(
 
 
 def launch_lamb_stage1(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor] | None,
+    rows: tuple[Sequence[torch.Tensor], ...],
     hp: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     *,
@@ -287,12 +283,14 @@ def launch_lamb_stage1(
     weights: Bf16Weights | None = None,
     state8: bool = False,
 ) -> tuple[ChunkTable, torch.Tensor, torch.Tensor]:
-    """Stage 1 (m, v written; ``u`` not stored) and the per-tensor sums of ``p^2`` and ``u^2``.
+    """Stage 1 (m, v written; ``u`` not stored) and the per-tensor sums of ``p^2`` and ``u^2``, over ``rows``:
+    ``(params, grads, exp_avgs, exp_avg_sqs, models)``, ``models`` None when there are no model copies.
 
     Returns ``(table, p_sumsq, u_sumsq)``: the address table stage 2 reuses (its rows include ``models``, so it is
     built for the whole step) and two ``[N]`` sums. A sharded step all-reduces the sums in between
     (``fp16kit/kernels/optimizers.py``); :func:`launch_lamb` hands them straight to :func:`launch_lamb_stage2`.
     """
+    params, grads, exp_avgs, exp_avg_sqs, models = rows
     device = params[0].device
     table, state = moment_table(params, grads, exp_avgs, exp_avg_sqs, models, state8)
     hp_ptr, step, flags = DeviceStep.arguments(hp, table, HOST)

@@ -36,16 +36,17 @@ import triton.language as tl
 from ..engine.chunks import chunk_span, load_chunk, row_pointer
 from ..engine.results import (
     StepVerify,
+    apex_rows,
     check_grad,
     chunk_end,
     lr_arms,
     nonfinite,
     pass_end,
     pass_start,
-    row_constexprs,
     step_arguments,
 )
 from ..engine.rounding import to_fp32
+from ..engine.rows import ApexRows
 from ..engine.skeleton import chunk_rows_one_state, hp_inv_scale, hp_neg_lr, hp_value, load_param_grad, load_span
 from ..engine.step_scalars import (
     HOST_VECTOR,
@@ -233,10 +234,7 @@ def _novograd_prepare_kernel(
 
 
 def launch_novograd(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    models: Sequence[torch.Tensor] | None,
+    rows: ApexRows,
     hp: torch.Tensor | DeviceStep,
     denoms: torch.Tensor | None,
     found_inf: torch.Tensor,
@@ -247,8 +245,9 @@ def launch_novograd(
     init_zero: bool = False,
     check: StepVerify | None = None,
 ) -> None:
-    """One NovoGrad launch for contiguous, non-empty tensors of one dtype combination (fp32 exp_avg);
-    ``denoms`` is the fp32 [N] vector of per-tensor denominators, in the order of ``params``. ``verify``: the
+    """One NovoGrad launch over ``rows`` (``engine/rows.py``; ``models`` None without model copies) for contiguous,
+    non-empty tensors of one dtype combination (the state: fp32 exp_avg); ``denoms`` is the fp32 [N] vector of
+    per-tensor denominators, in the order of the params. ``verify``: the
     result check (``engine/results.py``), nothing written but ``found_inf``.
 
     ``hp`` a :class:`DeviceStep` (host numbers ``lr``, ``beta1``, ``beta3``, ``weight_decay``, ``beta2``,
@@ -256,10 +255,8 @@ def launch_novograd(
     moments (fp32 ``[1]`` each). ``verify`` then runs the norms' partials (``_sumsq_kernel``), the per-tensor blend
     (``_novograd_prepare_kernel``: new moments and denominators into the table's scratch) and the check-and-verify
     launch; the update launch commits the new moments with the step, advancing the counter."""
-    table = chunk_table(
-        [params, grads, exp_avgs, params if models is None else models],
-        written=(0, 2) if models is None else (0, 2, 3),
-    )
+    table, row_consts = apex_rows(rows)
+    params, grads = rows[0], rows[1]
     device = params[0].device
     device_step = isinstance(hp, DeviceStep)
     if device_step:
@@ -282,7 +279,7 @@ def launch_novograd(
         results,
         v_ptrs,
         v_new,
-        **row_constexprs(table, params, grads, models),
+        **row_consts,
         REG_INSIDE=reg_inside_moment,
         VERIFY=verify,
         **flags,

@@ -26,16 +26,15 @@ Per element (fp32 math, each tensor read once and written once)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
-from ..engine.results import StepVerify, chunk_end, chunk_start, pass_end, pass_start, row_constexprs, step_arguments
+from ..engine.results import StepVerify, apex_rows, chunk_end, chunk_start, pass_end, pass_start, step_arguments
+from ..engine.rows import ApexRows
 from ..engine.skeleton import hp_inv_scale, hp_neg_lr, hp_value, load_span
 from ..engine.step_scalars import HOST_VECTOR, DeviceStep
-from ..engine.table import chunk_table, num_programs
+from ..engine.table import num_programs
 
 #: Launch options pinned per kernel: no FMA contraction, <= 128 registers (docs/kernels.md, "GPU readiness").
 LAUNCH: dict[str, dict] = {
@@ -104,10 +103,7 @@ def _sgd_kernel(
 
 
 def launch_sgd(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    momentum_buffers: Sequence[torch.Tensor] | None,
-    models: Sequence[torch.Tensor] | None,
+    rows: ApexRows,
     hp: torch.Tensor | DeviceStep,
     found_inf: torch.Tensor,
     *,
@@ -118,18 +114,17 @@ def launch_sgd(
     verify: bool = False,
     check: StepVerify | None = None,
 ) -> None:
-    """One SGD launch for contiguous, non-empty tensors of one dtype combination (fp32 momentum buffers, or
-    ``None`` for plain SGD without momentum). ``verify``: the result check (``engine/results.py``), nothing written
+    """One SGD launch over ``rows`` (``engine/rows.py``; ``models`` None without model copies) for contiguous,
+    non-empty tensors of one dtype combination (the state: fp32 momentum buffers, or none for plain SGD without
+    momentum). ``verify``: the result check (``engine/results.py``), nothing written
     but ``found_inf``.
 
     ``hp``: the float32 vector of the module docstring, or a :class:`DeviceStep` (host numbers ``lr``, ``momentum``,
     ``one_minus_dampening``, ``weight_decay`` as launch arguments, a tensor ``lr`` and the loss scale read on the
     device; the launch that is not ``verify`` advances the step counter). With a ``DeviceStep``, ``verify`` is the
     step's check pass as well, finished on the device into ``check`` (``_results.finish_check_and_verify``)."""
-    rows = [params, grads, params if momentum_buffers is None else momentum_buffers]
-    written = (0,) + ((2,) if momentum_buffers is not None else ()) + ((3,) if models is not None else ())
-    table = chunk_table([*rows, params if models is None else models], written=written)
-    device = params[0].device
+    table, row_consts = apex_rows(rows)
+    device = rows[0][0].device
     hp_ptr, step, results, flags = step_arguments(hp, table, HOST, verify, check)
     _sgd_kernel[(num_programs(device, table.num_chunks),)](
         table.leading_args(),
@@ -137,10 +132,10 @@ def launch_sgd(
         found_inf,
         step,
         results,
-        **row_constexprs(table, params, grads, models),
+        **row_consts,
         WD=weight_decay,
         WD_AFTER=wd_after_momentum,
-        MOMENTUM=momentum_buffers is not None,
+        MOMENTUM=bool(rows[2]),
         NESTEROV=nesterov,
         FIRST_RUN=first_run,
         VERIFY=verify,

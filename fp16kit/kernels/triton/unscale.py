@@ -65,16 +65,17 @@ def _unscale_kernel(
 
 
 def launch_unscale(
-    inputs: Sequence[torch.Tensor],
-    outputs: Sequence[torch.Tensor],
+    pairs: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
     inv_scale: torch.Tensor,
     found_inf: torch.Tensor,
     with_norm: bool,
 ) -> torch.Tensor | None:
-    """One launch for contiguous, non-empty ``inputs`` of one dtype and ``outputs`` of one dtype.
+    """One launch over ``pairs = (inputs, outputs)``: contiguous, non-empty ``inputs`` of one dtype and ``outputs``
+    of one dtype.
 
     Returns the per-chunk partial sums of squares (float64, one per chunk) when ``with_norm``.
     """
+    inputs, outputs = pairs
     device = inputs[0].device
     table = chunk_table([inputs, outputs], step_block(device))  # outputs checked by ops.unscale_and_check
     partials = torch.empty(table.num_chunks if with_norm else 1, dtype=torch.float64, device=device)
