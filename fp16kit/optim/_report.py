@@ -106,6 +106,8 @@ class ReportMixin:
 
     def _flush_warnings(self) -> None:
         """Warn for earlier skipped steps whose flag has reached the host (never waits)."""
+        if not self._pending:  # (nothing rebound: the steady step's check reads the attributes' version tag)
+            return
         still = []
         for event, host, message in self._pending:
             if not event.query():
