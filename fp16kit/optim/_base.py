@@ -253,16 +253,23 @@ class FusedOptimizer(
         """
         if type(self).step is FusedOptimizer.step and step_watched(self):
             return _HOOKED_STEP(self, closure)
-        return self._step(closure)
+        if torch.compiler.is_compiling():
+            return self._step(closure)
+        # eager: grad mode set by hand (what torch.no_grad does, without its context manager's ~1 us)
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return self._step_body(closure)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
 
     # torch's Optimizer wraps a class's ``step`` in its hook-and-profile wrapper unless the function says it is
     # ``hooked``; this one calls that wrapper itself when something watches (above). A subclass that defines its own
     # ``step`` gets torch's wrapper around it as usual, and its ``super().step()`` runs the plain step (no hook twice).
     step.hooked = True  # type: ignore[attr-defined]
 
-    @torch.no_grad()
-    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """The step itself (:meth:`step` without torch's hook-and-profile wrapper)."""
+    def _step_body(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The step itself (:meth:`step` without torch's hook-and-profile wrapper), run under no_grad."""
         self._refuse_compiled_state8()
         loss = None
         if closure is not None:
@@ -286,6 +293,9 @@ class FusedOptimizer(
         else:
             self._step_host_vector(all_rows, device)
         return loss
+
+    #: :meth:`_step_body` under ``torch.no_grad()`` (the step torch's wrapper and a compiled step call)
+    _step = torch.no_grad()(_step_body)
 
     # -- the step's stages ----------------------------------------------------------------------------------
 

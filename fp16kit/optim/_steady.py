@@ -146,6 +146,7 @@ class SteadyPlan:
         "has_grad",
         "held",
         "launches",
+        "other",
         "own",
         "own_version",
         "ptrs",
@@ -189,6 +190,7 @@ class SteadyPlan:
         # every address in one list, in the order holds() reads them: grads, params, then each row key's tensors
         self.ptrs = list(map(_data_ptr, chain(grads, present, *(map(get, ds) for get, ds in self.entries))))
         self.settings = settings(optimizer, device)
+        self.other = self.settings[2:]  # (the part of the settings compared at every step)
         # the settings' shortcut: the version tags of the dicts the group and own facts come from (and the lists in
         # the groups, which change in place); taken after settings() (which made the skip counters it reads)
         version = _dict_version
@@ -245,7 +247,7 @@ class SteadyPlan:
             and optimizer.__dict__ is self.own
             and version(self.own) == self.own_version
             and list(map(version, optimizer.param_groups)) == self.group_versions
-            and all(_fact(g[k]) == f for g, k, f in self.group_lists)
+            and (not self.group_lists or all(_fact(g[k]) == f for g, k, f in self.group_lists))
         ):
-            return _other_facts(optimizer, self.device) == self.settings[2:]
+            return _other_facts(optimizer, self.device) == self.other
         return settings(optimizer, self.device) == self.settings

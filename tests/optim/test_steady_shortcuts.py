@@ -205,6 +205,26 @@ def test_torch_wrapper_runs_only_while_something_watches(stubbed, monkeypatch):
     assert "Optimizer.step#FusedAdam.step" in {e.name for e in prof.events()}
 
 
+def test_the_unwatched_step_runs_without_grad_and_restores_the_mode(stubbed, monkeypatch):
+    """The unwatched step sets grad mode by hand: off inside the step, on again inside a closure, and restored
+    after the step, also when the step raises."""
+    opt, ps = _opt()
+    modes = []
+    real = opt._settle_eager_steps
+    monkeypatch.setattr(opt, "_settle_eager_steps", lambda: modes.append(torch.is_grad_enabled()) or real())
+    opt.step(lambda: modes.append(torch.is_grad_enabled()))
+    assert modes == [True, False]
+    assert torch.is_grad_enabled()
+    opt.param_groups[0]["lr"] = -1.0  # refused by the full path's check
+    with pytest.raises(ValueError, match="lr"):
+        opt.step()
+    assert torch.is_grad_enabled()
+    opt.param_groups[0]["lr"] = 1e-3
+    with torch.no_grad():
+        opt.step()
+        assert not torch.is_grad_enabled()
+
+
 # -- the report on a replayed step --------------------------------------------------------------------------------
 
 
