@@ -208,7 +208,7 @@ def test_torch_wrapper_runs_only_while_something_watches(stubbed, monkeypatch):
 def test_the_unwatched_step_runs_without_grad_and_restores_the_mode(stubbed, monkeypatch):
     """The unwatched step sets grad mode by hand: off inside the step, on again inside a closure, and restored
     after the step, also when the step raises."""
-    opt, ps = _opt()
+    opt, _ps = _opt()
     modes = []
     real = opt._settle_eager_steps
     monkeypatch.setattr(opt, "_settle_eager_steps", lambda: modes.append(torch.is_grad_enabled()) or real())
