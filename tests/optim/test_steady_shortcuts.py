@@ -20,10 +20,10 @@ import warnings
 
 import pytest
 import torch
+from test_steady_step import _opt, _replays
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from triton.runtime.interpreter import InterpretedFunction
 
-from fp16kit.kernels.engine import launch as _launch
 from fp16kit.optim import FusedAdam, FusedLAMB, _base, _steady
 
 pytestmark = pytest.mark.interpreter
@@ -41,24 +41,6 @@ def tags(request, monkeypatch) -> str:
     if request.param == "no-tags":
         monkeypatch.setattr(_steady, "_dict_version", None)
     return request.param
-
-
-def _opt(cls=FusedAdam, n: int = 6, **kw):
-    g = torch.Generator().manual_seed(3)
-    ps = [torch.randn(8 + i, generator=g).requires_grad_() for i in range(n)]
-    for p in ps:
-        p.grad = torch.randn(p.shape, generator=g)
-    kw = {"lr": 1e-3, "weight_decay": 0.01, "on_nonfinite": "skip", **kw}
-    if cls is FusedLAMB:
-        kw["max_grad_norm"] = 1.0
-    return cls(ps, **kw), ps
-
-
-def _replays(opt) -> bool:
-    """One step: was it the replay?"""
-    before = _launch.stats["replayed"]
-    opt.step()
-    return _launch.stats["replayed"] > before
 
 
 def _steady_state(opt) -> None:
