@@ -4,19 +4,26 @@ A training loop steps the same params, with grads at the same addresses, under t
 after step. The device step (``_device_step.py``) records such a step's launches once; every later step asks
 :meth:`SteadyPlan.holds` whether what the recording depends on still stands, and if so replays it without
 collecting rows, validating hyper-parameters or planning. The check is C-level maps over the rows, no per-param
-Python, and compares:
+Python (every row address read in one pass), and compares:
 
 * the groups (how many params each holds, and their params, read through ``p.grad``): a grad that is None now, or that
-  moved (``data_ptr``), or whose metadata changed (shape, strides, dtype, device: one C++ guard over the params
-  and grads), a param moved (``p.data = ...``), a param added or removed;
+  moved (``data_ptr``), or whose metadata changed (shape, strides, dtype, device: one C++ guard over the grads), a
+  param moved (``p.data = ...``, ``set_``), a param added or removed;
 * the optimizer's state: the per-param state dicts (a dict replaced, deleted or added) and, in each, the address of
-  every row tensor (a moment or master replaced or moved);
+  every row tensor (a moment or master replaced, or its storage swapped in place);
 * the facts of :func:`settings`: every group's hyper-parameters (numbers by value, a list such as ``betas`` by its
   values, tensors by identity), the optimizer's own settings, the GradScaler's tensors, the skip counters and
   buffers, the backend.
 
+Dicts that change rarely are taken as recorded while CPython's version tag of the dict is (a new tag after every
+entry added, removed or rebound, and a fresh one for every new dict, so a tag never comes back): the state's dict of
+per-param dicts, every group and the optimizer's own attributes; their facts are compared when a tag moved, and
+always where the tag cannot be trusted (:func:`_probe_dict_version`). Lists among the hyper-parameters change in
+place, unseen by the tag: they are compared by value every step.
+
 Every object compared by identity is held by the plan (a freed object's ``id`` cannot come back while the plan
-lives), and every tensor the launches write is held too, so a replaced tensor never shares an address with the one
+lives; the optimizer's own attribute dict, compared by ``id`` and tag, is not held: that would be a reference cycle),
+and every tensor the launches write is held too, so a replaced tensor never shares an address with the one
 recorded. A new grad tensor at the recorded address with the recorded metadata (``zero_grad(set_to_none=True)``
 and a caching allocator) is the same launch: the plan holds then too. ``load_state_dict`` and ``add_param_group``
 drop the plan (``FusedOptimizer._forget_steady_step``).
@@ -194,8 +201,8 @@ class SteadyPlan:
         # the settings' shortcut: the version tags of the dicts the group and own facts come from (and the lists in
         # the groups, which change in place); taken after settings() (which made the skip counters it reads)
         version = _dict_version
-        self.own = optimizer.__dict__
-        self.own_version = None if version is None else version(self.own)
+        self.own = id(optimizer.__dict__)  # (by id: holding the optimizer's own dict would make a reference cycle)
+        self.own_version = None if version is None else version(optimizer.__dict__)
         self.group_versions = None if version is None else list(map(version, groups))
         self.group_lists = [(g, k, _fact(v)) for g in groups for k, v in g.items() if type(v) is list and k != "params"]
         self.state_version = None if version is None else version(state)
@@ -244,8 +251,8 @@ class SteadyPlan:
         version = _dict_version
         if (
             version is not None
-            and optimizer.__dict__ is self.own
-            and version(self.own) == self.own_version
+            and id(attrs := optimizer.__dict__) == self.own
+            and version(attrs) == self.own_version
             and list(map(version, optimizer.param_groups)) == self.group_versions
             and (not self.group_lists or all(_fact(g[k]) == f for g, k, f in self.group_lists))
         ):

@@ -16,6 +16,7 @@ Launches are replaced by a counter (the decisions alone) except in the warning t
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -120,6 +121,15 @@ def test_the_dict_version_probe_trusts_this_python():
     before = version(d)
     d["a"] = 2
     assert version(d) != before
+
+
+def test_the_plan_does_not_hold_the_optimizers_own_dict(stubbed):
+    """The own attributes' dict is compared by id and tag, not held: holding it would tie the optimizer's dict and
+    its recorded plan in a reference cycle (its tensors freed only by the cyclic collector)."""
+    opt, _ps = _opt()
+    _steady_state(opt)
+    plan = opt._step_cache["steady"]
+    assert not any(r is opt.__dict__ for r in gc.get_referents(plan))
 
 
 # -- torch's step hooks and the profiler ----------------------------------------------------------------------------
