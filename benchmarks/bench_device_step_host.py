@@ -10,9 +10,11 @@ Before and after in one run: rounds interleave the steady-state fast path (``aft
 recorded plan once ``SteadyPlan.holds`` has checked the rows, state and settings, ``fp16kit/optim/_steady.py``) and
 the full path every step took before the replay existed (``before``: the same optimizer code with the replay switched
 off: rows collected and checked, hyper-parameters validated, launches planned), each round timing ``--steps`` steps
-of each; medians (and p20/p80) over ``--rounds``. "late" repeats the after figure after ``--late`` more steps: the
-cost per step does not grow with the number of steps taken. Also printed: launches per step (counted at the stub)
-and the load average at the start and the end (the box may be shared: absolute figures move with it).
+of each; medians (and p20/p80) over ``--rounds``. Both run through ``FusedOptimizer.step`` as a training loop
+without step hooks or a profiler calls it (torch's hook-and-profile wrapper is then skipped,
+``fp16kit/optim/_base.py``). "late" repeats the after figure after ``--late`` more steps: the cost per step does not
+grow with the number of steps taken. Also printed: launches per step (counted at the stub) and the load average at
+the start and the end (the box may be shared: absolute figures move with it).
 
 Usage: ``python benchmarks/bench_device_step_host.py [--params 200,1000] [--rounds 41] [--steps 50]``.
 """

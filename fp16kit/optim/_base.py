@@ -43,7 +43,7 @@ from fp16kit.distributed import is_dtensor
 from fp16kit.kernels import STATE8_SMALL_NUMEL, Bf16Weights, common_device, forget_autocast_casts, uses_state8
 
 from . import functional as F
-from ._context import capturing, under_torch_compile
+from ._context import capturing, step_watched, under_torch_compile
 from ._device_step import DeviceStepMixin
 from ._groups import GroupsMixin
 from ._host_step import HostStepMixin
@@ -234,7 +234,6 @@ class FusedOptimizer(
     #: bits one process draws. A subclass without the epilogues in its sharded step lists fewer.
     _fsdp2_bf16_modes: tuple[str, ...] = ("split", "stochastic")
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimization step over every group (see the module docstring for the math).
 
@@ -246,7 +245,31 @@ class FusedOptimizer(
 
         Raises ValueError (before anything changes) for invalid host hyper-parameters in any group, a grad
         or state tensor that does not match its param, or a step counter that is NaN or negative.
+
+        Step pre/post hooks (``register_step_pre_hook``, torch's global ones) and the profiler's
+        ``Optimizer.step#<class>.step`` range are torch's own wrapper (``Optimizer.profile_hook_step``), run whenever
+        a hook is registered, a profiler is on or Dynamo traces the step; otherwise the step skips that wrapper (it
+        would only loop over empty registries and open a range nobody records: about 10 us per step).
         """
+        if type(self).step is FusedOptimizer.step and step_watched(self):
+            return _HOOKED_STEP(self, closure)
+        if torch.compiler.is_compiling():
+            return self._step(closure)
+        # eager: grad mode set by hand (what torch.no_grad does, without its context manager's ~1 us)
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return self._step_body(closure)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
+
+    # torch's Optimizer wraps a class's ``step`` in its hook-and-profile wrapper unless the function says it is
+    # ``hooked``; this one calls that wrapper itself when something watches (above). A subclass that defines its own
+    # ``step`` gets torch's wrapper around it as usual, and its ``super().step()`` runs the plain step (no hook twice).
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def _step_body(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The step itself (:meth:`step` without torch's hook-and-profile wrapper), run under no_grad."""
         self._refuse_compiled_state8()
         loss = None
         if closure is not None:
@@ -270,6 +293,9 @@ class FusedOptimizer(
         else:
             self._step_host_vector(all_rows, device)
         return loss
+
+    #: :meth:`_step_body` under ``torch.no_grad()`` (the step torch's wrapper and a compiled step call)
+    _step = torch.no_grad()(_step_body)
 
     # -- the step's stages ----------------------------------------------------------------------------------
 
@@ -354,3 +380,8 @@ class FusedOptimizer(
         """FSDP2 shards or a ZeRO-1 partition: the host-vector path with the norm and flag summed over the shard
         group (``_sharding.py``)."""
         self._step_host_vector(all_rows, device, shards=shards, unchecked_steps=unchecked_steps)
+
+
+#: torch's hook-and-profile wrapper (step pre-hooks, the profiler's ``Optimizer.step#<class>.step`` range, post-hooks)
+#: around the plain step: what torch would have put in place of ``FusedOptimizer.step``.
+_HOOKED_STEP = torch.optim.Optimizer.profile_hook_step(FusedOptimizer._step)

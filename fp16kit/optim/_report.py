@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -43,12 +44,12 @@ class ReportMixin:
         if bad_hp is not None:
             self._count("hparam_skips", bad_hp, device)
             if report:
-                self._report(bad_hp, self._hparam_message())
+                self._report(bad_hp, self._hparam_message)
         if own_flag is not None:
             if not counted:
                 self._count("nonfinite_skips", own_flag, device)
             if report:
-                self._report(own_flag, self._message())
+                self._report(own_flag, self._message)
 
     def _counter(self, name: str, device: torch.device) -> torch.Tensor:
         """The one-element int64 skip counter ``name`` on ``device`` (made on first use)."""
@@ -81,9 +82,10 @@ class ReportMixin:
             f"the learning-rate schedule."
         )
 
-    def _report(self, flag: torch.Tensor, message: str) -> None:
-        """Act on a skip flag per ``on_nonfinite``: nothing, a warning (on CUDA one step later, no sync),
-        or a RuntimeError (reads the flag: one sync per step on a GPU)."""
+    def _report(self, flag: torch.Tensor, message: str | Callable[[], str]) -> None:
+        """Act on a skip flag (a one-element tensor) per ``on_nonfinite``: nothing, a warning (on CUDA one step
+        later, no sync), or a RuntimeError (reads the flag: one sync per step on a GPU). ``message``: the text, or
+        a function making it (called only for a skip reported now, or a flag kept for the next step)."""
         if self.on_nonfinite == "skip":
             return
         if self.on_nonfinite == "warn" and torch.compiler.is_compiling():
@@ -92,25 +94,30 @@ class ReportMixin:
             return
         if self.on_nonfinite == "raise" or flag.device.type != "cuda":
             # A CPU tensor is read without any queue to drain; elsewhere "raise" is a documented sync.
-            if bool(flag.reshape(())):
+            if bool(flag):
+                text = message if isinstance(message, str) else message()
                 if self.on_nonfinite == "raise":
-                    raise RuntimeError(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                    raise RuntimeError(text)
+                warnings.warn(text, RuntimeWarning, stacklevel=3)
             return
         # "warn" on CUDA: copy the flag to pinned host memory without a sync; look at it next step.
         host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
         host.copy_(flag.reshape(1), non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append((event, host, message))
+        self._pending.append((event, host, message if isinstance(message, str) else message()))
 
     def _flush_warnings(self) -> None:
         """Warn for earlier skipped steps whose flag has reached the host (never waits)."""
+        pending = self._pending
+        if not pending:
+            return
         still = []
-        for event, host, message in self._pending:
+        for event, host, message in pending:
             if not event.query():
                 still.append((event, host, message))
             elif bool(host[0] != 0):
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
-        self._pending = still
+        # in place: the optimizer's attributes are not rebound (the steady step's check reads their version tag)
+        pending[:] = still
 

@@ -11,7 +11,7 @@ Each :class:`Launch` replays its kernel as the launcher called it (``kernel[grid
 can also skip Triton's own Python launcher (``JITFunction.run``: argument binding, specialization key, cache
 lookup): the recording's first run returns the ``CompiledKernel``, whose C launcher ``CompiledKernel.run`` is then
 called with the arguments bound once (:attr:`Launch.bound`: every parameter in signature order, as Triton's binder
-orders them) and the current stream read per call (so a side stream of CUDA-graph capture is honoured). That path
+orders them) and the current stream read at each replay (so a side stream of CUDA-graph capture is honoured). That path
 is taken only with ``FP16KIT_BOUND_LAUNCH=1`` (:func:`bound_launches`) and no Triton launch hook installed, until a
 GPU run has checked it bit for bit (``benchmarks/gpu_suite.sh``, step ``bound``).
 """
@@ -22,7 +22,6 @@ import inspect
 import os
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,6 +51,11 @@ def _hooks_installed() -> bool:
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
+def _bound_now() -> bool:
+    """Do replayed launches take the bound C launcher now (switched on, and no launch hook to honour)?"""
+    return bound_launches() and not _hooks_installed()
+
+
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
@@ -66,13 +70,16 @@ class Launch:
         self.compiled = result if _is_compiled(result) else None
         self.bound = _bind(kernel, args, kwargs) if self.compiled is not None else None
 
-    def __call__(self) -> None:
+    def __call__(self, bound: bool | None = None, stream: int | None = None) -> None:
+        """Replay the launch. ``bound``: take the bound C launcher (:func:`replay` decides it once for all its
+        launches; None: decided here); ``stream``: the current stream's handle on the launch's device, if known."""
         stats["replayed"] += 1
         compiled = self.compiled
-        if compiled is not None and bound_launches() and not _hooks_installed():
+        if compiled is not None and (_bound_now() if bound is None else bound):
             stats["bound"] += 1
             g = self.grid
-            compiled.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, _stream(self.device),
+            compiled.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1,
+                         _stream(self.device) if stream is None else stream,
                          compiled.function, compiled.packed_metadata, None, None, None, *self.bound)
             return
         type(self.kernel).run(self.kernel, *self.args, grid=self.grid, warmup=False, **self.kwargs)
@@ -184,7 +191,20 @@ def install() -> None:
                 _installed.add(id(value))
 
 
-def replay(launches: list[Callable[[], None]]) -> None:
-    """Run recorded launches in order."""
+def replay(launches: list[Launch]) -> None:
+    """Run recorded launches in order: whether they take the bound C launcher, and the current stream's handle, are
+    read once for all of them (a replay switches neither; each read costs about a microsecond)."""
+    bound = None
+    streams: dict[torch.device, int] = {}
     for launch in launches:
-        launch()
+        if launch.compiled is None:  # (the interpreter's launches: Triton's own launcher)
+            launch(False)
+            continue
+        if bound is None:
+            bound = _bound_now()
+        stream = None
+        if bound:
+            stream = streams.get(launch.device)
+            if stream is None:
+                stream = streams[launch.device] = _stream(launch.device)
+        launch(bound, stream)
