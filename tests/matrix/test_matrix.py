@@ -121,7 +121,7 @@ def judge(failed: dict[str, list[str]], cells: list[Cell]) -> None:
     """Fail naming every cell whose verdict is wrong: a failure outside ``KNOWN_DEFECTS``, or a known defect's cell
     that passes (fixed: remove its entry) or fails otherwise than its entry says."""
     wrong = []
-    for c in cells:
+    for c in {c.id: c for c in cells}.values():  # a run's cell may also stand as a twin's: judged once
         known = axes.defects(c)
         msgs = failed.pop(c.id, [])
         if known and not any(re.search(d.match, m) for d in known for m in msgs):
