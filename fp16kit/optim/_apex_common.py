@@ -258,7 +258,7 @@ class ApexStateOptimizer(ShardedSteps, FusedOptimizer):
         result = found_inf.reshape(1) - before.reshape(1)  # 1 where this check raised the flag
         self._count("result_skips", result, found_inf.device)
         if getattr(self, "found_inf", None) is not None:
-            self._report(result, self._result_message())
+            self._report(result, self._result_message)
 
     @property
     def result_skips(self) -> torch.Tensor | None:
@@ -367,7 +367,7 @@ class ApexStateOptimizer(ShardedSteps, FusedOptimizer):
             self._write_unscaled_grads(grads, F.inv_scale_from_grad_scale(grad_scale, device), device)
         report = not (device.type == "cuda" and capturing())
         if report and not own_flag:
-            self._report(check.result, self._result_message())
+            self._report(check.result, self._result_message)
         self._count_and_report(bad_hp, found_inf if own_flag else None, device, counted=True, report=report)
 
     def _result_buffer(self, device: torch.device) -> torch.Tensor:

@@ -82,10 +82,10 @@ class ReportMixin:
             f"the learning-rate schedule."
         )
 
-    def _report(self, flag: torch.Tensor, message: str | Callable[[], str]) -> None:
+    def _report(self, flag: torch.Tensor, message: Callable[[], str]) -> None:
         """Act on a skip flag (a one-element tensor) per ``on_nonfinite``: nothing, a warning (on CUDA one step
-        later, no sync), or a RuntimeError (reads the flag: one sync per step on a GPU). ``message``: the text, or
-        a function making it (called only for a skip reported now, or a flag kept for the next step)."""
+        later, no sync), or a RuntimeError (reads the flag: one sync per step on a GPU). ``message`` makes the text:
+        called only for a skip reported now, or a flag kept for the next step."""
         if self.on_nonfinite == "skip":
             return
         if self.on_nonfinite == "warn" and torch.compiler.is_compiling():
@@ -95,7 +95,7 @@ class ReportMixin:
         if self.on_nonfinite == "raise" or flag.device.type != "cuda":
             # A CPU tensor is read without any queue to drain; elsewhere "raise" is a documented sync.
             if bool(flag):
-                text = message if isinstance(message, str) else message()
+                text = message()
                 if self.on_nonfinite == "raise":
                     raise RuntimeError(text)
                 warnings.warn(text, RuntimeWarning, stacklevel=3)
@@ -105,7 +105,7 @@ class ReportMixin:
         host.copy_(flag.reshape(1), non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append((event, host, message if isinstance(message, str) else message()))
+        self._pending.append((event, host, message()))
 
     def _flush_warnings(self) -> None:
         """Warn for earlier skipped steps whose flag has reached the host (never waits)."""
