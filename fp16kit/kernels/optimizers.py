@@ -156,19 +156,26 @@ def replay_launches(launches: Sequence[Any]) -> None:
 _ADAM_NAMES = ("params", "grads", "exp_avgs", "exp_avg_sqs")
 
 
-def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+def check_and_norm(
+    grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor, *, exact: bool = False
+) -> torch.Tensor:
     """Global L2 norm of the unscaled grads ``inv_scale * sqrt(sum g^2)`` (0-dim fp32), raising ``found_inf`` on
     any inf/NaN among the unscaled values: the check pass before an optimizer update.
 
     Triton backends: :func:`fp16kit.kernels.l2norm` (one read of the grads). Torch backend: the native CPU pass
     when enabled (``cpu_native.takes_grads``), else ``fb_l2norm.check_and_norm`` (``torch._foreach_norm``),
-    which unlike ``l2norm``'s fallback materializes no scaled copy. Empty tensors add nothing.
+    which unlike ``l2norm``'s fallback materializes no scaled copy. Both sum fp32 squares on the CPU (within
+    ``gamma(n)`` of the float64 reference); ``exact=True`` makes the torch backend follow the kernels' arithmetic
+    instead (``fb_l2norm.check_and_norm_exact``: float64 sums, the kernels' fp32 norm bit for bit but for the
+    summation order), as the 8-bit moments need. Empty tensors add nothing.
     """
     grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=found_inf.device)
     if select_backend(grads[0].device).backend is not Backend.TORCH:
         return l2norm(grads, pre_scale=inv_scale64.float(), found_inf=found_inf)
+    if exact:
+        return fb_l2norm.check_and_norm_exact(grads, inv_scale64, found_inf)
     if cpu_native.takes_grads(grads):
         return cpu_native.check_and_norm(grads, inv_scale64, found_inf)
     return fb_l2norm.check_and_norm(grads, inv_scale64, found_inf)

@@ -169,7 +169,7 @@ class DeviceStepMixin:
                 if own_flag:
                     found_inf.zero_()
                 if norm:
-                    gnorm.copy_(F.check_and_norm(grads, inv64, found_inf).reshape(1))
+                    gnorm.copy_(F.check_and_norm(grads, inv64, found_inf, exact=self._exact_norm()).reshape(1))
                 else:
                     flag_nonfinite(grads, inv64.float() * factor, found_inf)
         bad_hp = F.bad_lr_flag([g["lr"] for g in self.param_groups], device)

@@ -77,7 +77,9 @@ class HostStepMixin:
                 flag_nonfinite([g for rows in all_rows for g in rows.grads], inv64.float() * factor, found_inf)
         else:
             guard = inv64 if self._needs_grad_norm() else inv64 * factor  # the norm is then unused
-            grad_norm = F.check_and_norm([g for rows in all_rows for g in rows.grads], guard, found_inf)
+            grad_norm = F.check_and_norm(
+                [g for rows in all_rows for g in rows.grads], guard, found_inf, exact=self._exact_norm()
+            )
         self._check_results(all_rows, inv64, found_inf)  # before any write and before the flag is shared
         if shards is not None:
             grad_norm = shards.reduce_norm_and_flag(grad_norm, found_inf)

@@ -85,6 +85,11 @@ class StateMixin:
             raise NotImplementedError(self._compile8_message())
         return {"state_bits": self.state_bits}
 
+    def _exact_norm(self) -> bool:
+        """Whether the global gradient norm must follow the kernels' arithmetic on the torch backend too: with 8-bit
+        moments, whose codes agree with the kernels' bit for bit only from the same clip divisor (LAMB)."""
+        return self.state_bits == 8
+
     def _compile8_message(self) -> str:
         return (
             f"{self._name}: torch.compile of a state_bits=8 step is not supported yet; run the step eagerly, outside "

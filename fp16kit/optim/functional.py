@@ -106,15 +106,19 @@ def inv_scale_from_grad_scale(grad_scale: torch.Tensor | None, device: torch.dev
     return _scalar64("grad_scale", grad_scale, device).reciprocal()
 
 
-def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+def check_and_norm(
+    grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor, *, exact: bool = False
+) -> torch.Tensor:
     """Global L2 norm of the unscaled grads (0-dim fp32), raising ``found_inf`` on any inf/NaN: the pass of
-    ``fp16kit.kernels.check_and_norm`` (fp16kit/kernels/optimizers.py; empty grads add 0). Under
-    ``torch.compile`` it runs as the op ``torch.ops.fp16kit.check_and_norm`` (fp16kit/kernels/library.py), whose
-    implementation is that same function, so Dynamo sees one op instead of the backends' address reads.
+    ``fp16kit.kernels.check_and_norm`` (fp16kit/kernels/optimizers.py; empty grads add 0; ``exact``: the kernels'
+    float64 sums on the torch backend too). Under ``torch.compile`` it runs as the op
+    ``torch.ops.fp16kit.check_and_norm`` (fp16kit/kernels/library.py), whose implementation is that same function,
+    so Dynamo sees one op instead of the backends' address reads (``exact`` is for the 8-bit moments, whose compiled
+    step is refused).
     """
     if torch.compiler.is_compiling():
         return library.check_and_norm(grads, inv_scale64, found_inf)
-    return _check_and_norm(grads, inv_scale64, found_inf)
+    return _check_and_norm(grads, inv_scale64, found_inf, exact=exact)
 
 
 def check_square_guard(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> None:

@@ -296,24 +296,7 @@ class Defect:
     match: str = ""
 
 
-#: the (layout, scaler) families of the defect below seen failing so far (slices 6 and 7 of 8); the other slices
-#: have not run since it was found, so more families may show it
-_CLIPPED_LAMB8_FAMILIES = {("sliced", "torchscaler"), ("transposed", "fp16kitscaler"), ("above8", "fp16kitscaler")}
-
-KNOWN_DEFECTS: list[Defect] = [
-    # Found by slices 6 and 7 of 8 of the full product (2026-11-29); also on the code before that day's changes. After
-    # a huge gradient (LAMB's clip active) the 8-bit absmax of the fp16 param (strided or contiguous) differs between
-    # the torch and interpreter backends by ~30 float32 ulps, so the codes' bit-for-bit promise between the backends
-    # fails from that step on; the run's later "finite" and "none" steps inherit it.
-    Defect(
-        reason="8-bit LAMB, fp16 params with masters: after a clipped step the backends' absmax differ "
-        "(not yet diagnosed)",
-        applies=lambda c: (str(c.opt), str(c.weights), c.moments.bits) == ("FusedLAMB", "fp16master", 8)
-        and (str(c.layout), str(c.scaler)) in _CLIPPED_LAMB8_FAMILIES and str(c.grads) in ("finite", "huge", "none")
-        and c.path.name in ("host", "zero1"),
-        match=r"8-bit exp_avg(_sq)?_absmax of param 0",
-    ),
-]  #: each: its reason, the cells it applies to, what they raise
+KNOWN_DEFECTS: list[Defect] = []  #: each: its reason, the cells it applies to, what they raise (none known today)
 
 
 def defects(c: Cell) -> list[Defect]:

@@ -411,3 +411,78 @@ def test_bytes_per_param():
     nbytes = sum(t.untyped_storage().nbytes() for t in (opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]))
     assert nbytes == 2 * ((1 << 16) + 4 * (1 << 8))
     assert nbytes / p.numel() == 2.03125  # vs 8 bytes of fp32 moments
+
+
+def _clipped_lamb_run(backend, dtype, layout, device_step):
+    """Three FusedLAMB steps with 8-bit moments under a GradScaler, the middle one with gradients LAMB clips (a
+    global norm ~1e3 against ``max_grad_norm=1``): the optimizer's codes, absmax and params."""
+    g = torch.Generator().manual_seed(11)
+    shapes = ((80, 64), (64, 80), (7,))  # an 8-bit param (transposed in that layout), another, a small fp32-state one
+    init = [torch.randn(s, generator=g) * 0.1 for s in shapes]
+    grads = [[torch.randn(t.shape, generator=g) * size for t in init] for size in (0.01, 30.0, 0.02)]
+    params = [t.to(dtype, copy=True).requires_grad_() for t in init]
+    if layout == "transposed":
+        params[0] = init[0].t().contiguous().to(dtype).t().requires_grad_()
+    with use_backend(backend):
+        opt = FusedLAMB(params, lr=1e-2, weight_decay=0.01, state_bits=8, master_weights=dtype != torch.float32)
+        if not device_step:
+            opt._on_device = lambda device: False  # the host-vector step on the Triton backend too
+        scaler = GradScaler("cpu", init_scale=1024.0)
+        for gs in grads:
+            scaler.scale(torch.ones(()))
+            for p, gr in zip(params, gs):
+                p.grad = (gr * 1024.0).to(dtype) if layout != "transposed" or p is not params[0] \
+                    else (gr * 1024.0).t().contiguous().to(dtype).t()
+            scaler.step(opt)
+            scaler.update()
+    eight = [(k, v.clone()) for p in params for k, v in opt.state[p].items() if v.dtype == torch.uint8 or "absmax" in k]
+    return eight, [p.detach().clone() for p in params]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_clipped_lamb_codes_agree_between_backends(dtype, layout, path):
+    """After a step LAMB clips, the 8-bit codes and absmax of the torch backend equal the kernels' bit for bit: the
+    torch backend's global norm follows the kernels' arithmetic under ``state_bits=8`` (float64 sums of the fp32
+    scaled grads; its fast fp32 sums put the clip divisor, hence every moment, some ulps apart)."""
+    runs = {b: _clipped_lamb_run(b, dtype, layout, device_step=path == "device") for b in ("torch", "auto")}
+    (t8, tp), (k8, kp) = runs["torch"], runs["auto"]
+    assert [k for k, _ in t8] == [k for k, _ in k8] and t8
+    for (key, a), (_, b) in zip(t8, k8):
+        assert torch.equal(a, b), key
+    for a, b in zip(tp, kp):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-16, atol=2**-30)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), sizes=st.lists(st.integers(0, 70_000), min_size=1, max_size=4),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       log_scale=st.integers(-40, 40), strided=st.booleans())
+def test_exact_check_and_norm_is_the_float64_norm_of_the_scaled_grads(seed, sizes, dtype, log_scale, strided):
+    """``check_and_norm(exact=True)`` on the torch backend: ``fp32(sqrt(sum float64(fp32(g) * inv)^2))`` within one
+    fp32 ulp of the float64 reference (the summation order is its only freedom), with no flag for finite values;
+    the fast pass is held only to ``gamma(n)``. An inf or NaN raises the flag."""
+    from fp16kit.kernels import check_and_norm
+    gen = torch.Generator().manual_seed(seed)
+    grads = []
+    for n in sizes:
+        t = torch.randn(2 * n if strided else n, generator=gen, dtype=torch.float64).to(dtype)
+        grads.append(t[::2] if strided else t)
+    inv = torch.tensor([2.0**log_scale], dtype=torch.float64)
+    flag = torch.zeros(1)
+    with use_backend("torch"):
+        norm = check_and_norm(grads, inv, flag, exact=True)
+    math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    ys = [(g.to(math_dtype) * inv.to(math_dtype)).double() for g in grads]
+    finite = all(bool(torch.isfinite(y).all()) for y in ys)
+    assert flag.item() == (0 if finite else 1)  # fp32 products of a large scale may overflow: that is the flag
+    if finite:
+        want = torch.stack([(y * y).sum() for y in ys]).sum().sqrt().float() if ys else torch.zeros(())
+        # one fp32 rounding of a float64 value the summation order moves by ~1e-16: at most one ulp apart
+        assert abs(norm.double() - want.double()) <= float(torch.finfo(torch.float32).eps) * float(want), (norm, want)
+    grads.append(torch.tensor([float("nan")], dtype=dtype))
+    with use_backend("torch"):
+        check_and_norm(grads, inv, flag, exact=True)
+    assert flag.item() == 1

@@ -17,7 +17,7 @@ from ..engine.table import group_by
 from .scratch import _NUMEL, _sumsq32
 from .step import F64
 
-__all__ = ["check_and_norm", "sumsq_per_tensor"]
+__all__ = ["check_and_norm", "check_and_norm_exact", "sumsq_per_tensor"]
 
 
 def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
@@ -50,6 +50,41 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
     flag = found_inf.reshape(1)
     torch.maximum(flag, (~torch.isfinite(largest)).float().reshape(1), out=flag)
     return (torch.stack(sumsq).sum().sqrt() * inv).float()
+
+#: Elements per piece of :func:`check_and_norm_exact` (its temporaries stay ~1.5 MB, in L2 on the CPU).
+_EXACT_PIECE = 1 << 16
+
+
+def check_and_norm_exact(
+    grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, found_inf: torch.Tensor
+) -> torch.Tensor:
+    """The optimizers' check-and-norm pass in the kernels' arithmetic (``fp16kit/kernels/triton/l2norm.py``):
+    ``y = math(g) * math(inv_scale)`` rounded once (fp32 math, fp64 for fp64 grads), ``norm = fp32(sqrt(sum
+    float64(y)^2))``, ``found_inf`` raised when some ``y`` is inf/NaN (no host sync).
+
+    The sums differ from the kernels' only in their float64 summation order (a relative ~1e-16), so the fp32 norm
+    is the kernels' bit for bit unless the float64 sum lies within that distance of an fp32 rounding boundary.
+    :func:`check_and_norm` sums fp32 squares instead (faster on the CPU, within ``gamma(n)`` of the reference);
+    the 8-bit moments, whose bit-for-bit agreement with the kernels needs LAMB's clip divisor to agree, take this
+    one. Pieces of ``_EXACT_PIECE`` elements bound the temporaries. Squares of fp32 values cannot overflow float64,
+    so the sum is inf/NaN exactly when some ``y`` is: that is the flag."""
+    grads = [g for g in grads if g.numel()]
+    device = found_inf.device
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=F64, device=device)
+    for g in grads:
+        math_dtype = F64 if g.dtype == F64 else torch.float32
+        scale = inv_scale64.reshape(()).to(math_dtype)
+        flat = g.reshape(-1)  # a copy only for a non-contiguous grad the caller gave
+        for start in range(0, flat.numel(), _EXACT_PIECE):
+            y = flat[start : start + _EXACT_PIECE].to(math_dtype) * scale
+            y64 = y.to(F64)
+            total += torch.dot(y64, y64)
+    flag = found_inf.reshape(1)
+    torch.maximum(flag, (~torch.isfinite(total)).float().reshape(1), out=flag)
+    return total.sqrt().float()
+
 
 # Below this magnitude the squares of an fp32 tensor's elements are subnormal or flush to zero, so its fp32
 # sum of squares loses bits or vanishes; above fp32's range (a norm > ~1.8e19) the sum of squares is inf.
