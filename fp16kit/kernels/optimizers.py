@@ -341,7 +341,8 @@ def lamb_update(
         "decoupled": adam_w_mode and weight_decay != 0,
         "trust": use_nvlamb or weight_decay != 0,
     }
-    _lamb_or_adam("lamb", (params, grads, exp_avgs, exp_avg_sqs, models), hp64, found_inf, modes, step,
+    run = _lamb_or_adam if weights is None else _bf16_weights_update  # (one graph break under compile)
+    run("lamb", (params, grads, exp_avgs, exp_avg_sqs, models), hp64, found_inf, modes, step,
                   _state8_flag(state_bits), weights)
 
 
@@ -366,7 +367,8 @@ def adam_update(
     ``state_bits=8``: as :func:`lamb_update`. ``weights``: bf16 params without fp32 masters, as in
     :func:`lamb_update`."""
     modes = {"l2_mode": not adam_w_mode and weight_decay != 0, "decoupled": adam_w_mode and weight_decay != 0}
-    _lamb_or_adam("adam", (params, grads, exp_avgs, exp_avg_sqs, models), hp64, found_inf, modes, step,
+    run = _lamb_or_adam if weights is None else _bf16_weights_update  # (one graph break under compile)
+    run("adam", (params, grads, exp_avgs, exp_avg_sqs, models), hp64, found_inf, modes, step,
                   _state8_flag(state_bits), weights)
 
 
@@ -619,6 +621,12 @@ def _eager_under_compile(fn: Any) -> Any:
         return eager(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
 
     return call
+
+
+#: The bf16 weight modes' LAMB and Adam updates (``weights``) have no dispatcher op either (``library.py`` holds the
+#: fp32 and fp32-master ones), so a compiled step runs them eagerly as one graph break, with the eager bits: traced,
+#: their planning broke one split-mode step into ~200 frames, past Dynamo's recompile limit.
+_bf16_weights_update = _eager_under_compile(_lamb_or_adam)
 
 
 @_eager_under_compile
