@@ -283,7 +283,13 @@ class ApexStateOptimizer(ShardedSteps, FusedOptimizer):
             return super().step(closure)
         finally:
             if not torch.compiler.is_compiling():
-                self._step_cache.pop("apex_rows", None)
+                self._release_step_rows()
+
+    def _release_step_rows(self) -> None:
+        self._step_cache.pop("apex_rows", None)
+
+    def _steps_eagerly_under_compile(self) -> bool:
+        return True  # apex's passes have no dispatcher op (FusedOptimizer._steps_eagerly_under_compile)
 
     def _update_group(  # type: ignore[override]
         self,

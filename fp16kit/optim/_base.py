@@ -133,8 +133,9 @@ class FusedOptimizer(
         # step's dict writes but (torch 2.13) drops its attribute stores on an Optimizer.
         self._skip_counts: dict[str, torch.Tensor] = {}
         # Host state a step writes ("rows_device", "rows_dtensors" from _collect; "shard_plan" from
-        # _sharding.localize) lives in a dict for the same reason.
-        self._step_cache: dict[str, Any] = {}
+        # _sharding.localize) lives in a dict for the same reason. Its keys exist from the start: a compiled step
+        # guards on the dict, so keys first written by the first compiled step would recompile the second.
+        self._step_cache: dict[str, Any] = {"rows_device": None, "rows_dtensors": True, "shard_plan": None}
         # ZeRO-1: the ranks whose params together form the model (global norm and inf flag summed over them).
         self.process_group = process_group
         super().__init__(params, defaults)
@@ -271,6 +272,8 @@ class FusedOptimizer(
     def _step_body(self, closure: Callable[[], Any] | None = None) -> Any:
         """The step itself (:meth:`step` without torch's hook-and-profile wrapper), run under no_grad."""
         self._refuse_compiled_state8()
+        if torch.compiler.is_compiling() and self._steps_eagerly_under_compile():
+            return _eager_step(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -297,7 +300,19 @@ class FusedOptimizer(
     #: :meth:`_step_body` under ``torch.no_grad()`` (the step torch's wrapper and a compiled step call)
     _step = torch.no_grad()(_step_body)
 
+
     # -- the step's stages ----------------------------------------------------------------------------------
+
+    def _steps_eagerly_under_compile(self) -> bool:
+        """Whether a compiled step runs this optimizer's step eagerly, as one graph break: its passes have no
+        dispatcher op (``fp16kit/kernels/library.py`` holds the fp32 and fp32-master LAMB and Adam updates only),
+        so traced, the step's Python around them (planning, address tables, the host checks) would break into dozens
+        of frames, each compiled, and recompile past Dynamo's limit. Here: the bf16 weight modes ("split",
+        "stochastic"); apex's other optimizers: always (``_apex_common.py``)."""
+        return self.__dict__.get("bf16_weights") in ("split", "stochastic")
+
+    def _release_step_rows(self) -> None:
+        """Let go of the rows a step kept for its own use (a subclass's; nothing here)."""
 
     def _refuse_compiled_state8(self) -> None:
         """``torch.compile`` of an 8-bit step is refused before any state is made: Dynamo falls back to running a
@@ -385,3 +400,15 @@ class FusedOptimizer(
 #: torch's hook-and-profile wrapper (step pre-hooks, the profiler's ``Optimizer.step#<class>.step`` range, post-hooks)
 #: around the plain step: what torch would have put in place of ``FusedOptimizer.step``.
 _HOOKED_STEP = torch.optim.Optimizer.profile_hook_step(FusedOptimizer._step)
+
+
+def _eager_step_body(optimizer: FusedOptimizer, closure: Callable[[], Any] | None) -> Any:
+    try:
+        return optimizer._step(closure)
+    finally:
+        optimizer._release_step_rows()
+
+
+#: A compiled step of an optimizer whose passes have no dispatcher op (``FusedOptimizer._steps_eagerly_under_compile``):
+#: the eager step, bit for bit, as one graph break.
+_eager_step = torch.compiler.disable(_eager_step_body)
