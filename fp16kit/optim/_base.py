@@ -269,8 +269,9 @@ class FusedOptimizer(
     # ``step`` gets torch's wrapper around it as usual, and its ``super().step()`` runs the plain step (no hook twice).
     step.hooked = True  # type: ignore[attr-defined]
 
-    def _step_body(self, closure: Callable[[], Any] | None = None) -> Any:
-        """The step itself (:meth:`step` without torch's hook-and-profile wrapper), run under no_grad."""
+    def _step_body(self, closure: Callable[[], Any] | None = None, *, host_vector: bool = False) -> Any:
+        """The step itself (:meth:`step` without torch's hook-and-profile wrapper), run under no_grad;
+        ``host_vector``: the host-vector step even where the device step could run (what a compiled step is)."""
         self._refuse_compiled_state8()
         if torch.compiler.is_compiling() and self._steps_eagerly_under_compile():
             return _eager_step(self, closure)
@@ -279,7 +280,7 @@ class FusedOptimizer(
             with torch.enable_grad():
                 loss = closure()
         self._settle_eager_steps()
-        if self._replay_steady():  # the recorded device step, while nothing it depends on changed
+        if not host_vector and self._replay_steady():  # the recorded device step, while nothing it depends on changed
             return loss
         unchecked_steps = self._check_groups()
         all_rows = self._collect()
@@ -291,7 +292,7 @@ class FusedOptimizer(
             self._step_sharded(all_rows, device, shards, unchecked_steps)
         elif torch.compiler.is_compiling():
             self._step_compiled(all_rows, device, unchecked_steps)
-        elif self._on_device(device):
+        elif not host_vector and self._on_device(device):
             self._step_on_device(all_rows, device)
         else:
             self._step_host_vector(all_rows, device)
@@ -404,11 +405,12 @@ _HOOKED_STEP = torch.optim.Optimizer.profile_hook_step(FusedOptimizer._step)
 
 def _eager_step_body(optimizer: FusedOptimizer, closure: Callable[[], Any] | None) -> Any:
     try:
-        return optimizer._step(closure)
+        with torch.no_grad():
+            return optimizer._step_body(closure, host_vector=True)
     finally:
         optimizer._release_step_rows()
 
 
 #: A compiled step of an optimizer whose passes have no dispatcher op (``FusedOptimizer._steps_eagerly_under_compile``):
-#: the eager step, bit for bit, as one graph break.
+#: the eager host-vector step (what every compiled step is), bit for bit, as one graph break.
 _eager_step = torch.compiler.disable(_eager_step_body)
