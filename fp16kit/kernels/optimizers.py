@@ -343,7 +343,7 @@ def lamb_update(
     }
     run = _lamb_or_adam if weights is None else _bf16_weights_update  # (one graph break under compile)
     run("lamb", (params, grads, exp_avgs, exp_avg_sqs, models), hp64, found_inf, modes, step,
-                  _state8_flag(state_bits), weights)
+        _state8_flag(state_bits), weights)
 
 
 def adam_update(
@@ -369,7 +369,7 @@ def adam_update(
     modes = {"l2_mode": not adam_w_mode and weight_decay != 0, "decoupled": adam_w_mode and weight_decay != 0}
     run = _lamb_or_adam if weights is None else _bf16_weights_update  # (one graph break under compile)
     run("adam", (params, grads, exp_avgs, exp_avg_sqs, models), hp64, found_inf, modes, step,
-                  _state8_flag(state_bits), weights)
+        _state8_flag(state_bits), weights)
 
 
 def _state8_flag(state_bits: int) -> bool:
@@ -624,8 +624,10 @@ def _eager_under_compile(fn: Any) -> Any:
 
 
 #: The bf16 weight modes' LAMB and Adam updates (``weights``) have no dispatcher op either (``library.py`` holds the
-#: fp32 and fp32-master ones), so a compiled step runs them eagerly as one graph break, with the eager bits: traced,
-#: their planning broke one split-mode step into ~200 frames, past Dynamo's recompile limit.
+#: fp32 and fp32-master ones): a compiled function calling these public ops runs them eagerly as one graph break, with
+#: the eager bits (traced, their planning broke one split-mode step into ~200 frames, past Dynamo's recompile limit).
+#: The optimizers' compiled step does not reach them: it runs a bf16-mode step eagerly as a whole
+#: (``FusedOptimizer._steps_eagerly_under_compile``, fp16kit/optim/_base.py).
 _bf16_weights_update = _eager_under_compile(_lamb_or_adam)
 
 

@@ -301,7 +301,6 @@ class FusedOptimizer(
     #: :meth:`_step_body` under ``torch.no_grad()`` (the step torch's wrapper and a compiled step call)
     _step = torch.no_grad()(_step_body)
 
-
     # -- the step's stages ----------------------------------------------------------------------------------
 
     def _steps_eagerly_under_compile(self) -> bool:

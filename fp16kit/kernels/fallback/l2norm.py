@@ -51,6 +51,7 @@ def check_and_norm(grads: Sequence[torch.Tensor], inv_scale64: torch.Tensor, fou
     torch.maximum(flag, (~torch.isfinite(largest)).float().reshape(1), out=flag)
     return (torch.stack(sumsq).sum().sqrt() * inv).float()
 
+
 #: Elements per piece of :func:`check_and_norm_exact` (its temporaries stay ~1.5 MB, in L2 on the CPU).
 _EXACT_PIECE = 1 << 16
 
@@ -67,23 +68,30 @@ def check_and_norm_exact(
     :func:`check_and_norm` sums fp32 squares instead (faster on the CPU, within ``gamma(n)`` of the reference);
     the 8-bit moments, whose bit-for-bit agreement with the kernels needs LAMB's clip divisor to agree, take this
     one. Pieces of ``_EXACT_PIECE`` elements bound the temporaries. Squares of fp32 values cannot overflow float64,
-    so the sum is inf/NaN exactly when some ``y`` is: that is the flag."""
+    so their sum is inf/NaN exactly when some fp32 ``y`` is: that is the flag for them; float64 ``y`` (whose
+    squares can overflow for a finite ``y``) are checked themselves."""
     grads = [g for g in grads if g.numel()]
     device = found_inf.device
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    total = torch.zeros((), dtype=F64, device=device)
+    narrow_sum = torch.zeros((), dtype=F64, device=device)  # the squares of fp32 y
+    wide_sum = torch.zeros((), dtype=F64, device=device)  # the squares of float64 y
+    wide_bad = torch.zeros((), dtype=torch.bool, device=device)
     for g in grads:
-        math_dtype = F64 if g.dtype == F64 else torch.float32
-        scale = inv_scale64.reshape(()).to(math_dtype)
+        wide = g.dtype == F64
+        scale = inv_scale64.reshape(()).to(F64 if wide else torch.float32)
         flat = g.reshape(-1)  # a copy only for a non-contiguous grad the caller gave
         for start in range(0, flat.numel(), _EXACT_PIECE):
-            y = flat[start : start + _EXACT_PIECE].to(math_dtype) * scale
-            y64 = y.to(F64)
-            total += torch.dot(y64, y64)
+            y = flat[start : start + _EXACT_PIECE].to(scale.dtype) * scale
+            if wide:
+                wide_bad |= ~torch.isfinite(y).all()
+                wide_sum += torch.dot(y, y)
+            else:
+                y64 = y.to(F64)
+                narrow_sum += torch.dot(y64, y64)
     flag = found_inf.reshape(1)
-    torch.maximum(flag, (~torch.isfinite(total)).float().reshape(1), out=flag)
-    return total.sqrt().float()
+    torch.maximum(flag, (~torch.isfinite(narrow_sum) | wide_bad).float().reshape(1), out=flag)
+    return (narrow_sum + wide_sum).sqrt().float()
 
 
 # Below this magnitude the squares of an fp32 tensor's elements are subnormal or flush to zero, so its fp32
